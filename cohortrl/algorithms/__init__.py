@@ -1,0 +1,87 @@
+"""Pure tensor math of RL post-training: advantages, policy / value losses, KL, loss aggregation.
+
+No model, no I/O, no config objects, no ``torch.distributed``: every function takes tensors and plain
+keyword hyper-parameters. docs/algorithms.md maps every name to its paper, equation and test.
+
+Dimension letters used in shapes and name suffixes (``logp_NT``):
+    N (= B)  responses in the batch          G  responses per prompt (group size), N = P·G
+    P        prompts                         T  response tokens (padded length)
+    S        steps of one response           V  vocabulary
+Groups are contiguous: rows k·G … k·G + G − 1 answer prompt k. ``response_mask`` (N, T) is 1 on response
+tokens; padded slots never influence an output.
+
+Registries (one call signature per family, so a trainer looks a name up and never branches on it):
+    ADVANTAGE_ESTIMATORS / get_advantage_estimator   (see ``AdvantageEstimator``)
+    POLICY_LOSSES / get_policy_loss                  (see ``PolicyLoss``)
+"""
+
+from cohortrl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    GROUP_SCALES,
+    AdvantageEstimator,
+    gae_advantages,
+    get_advantage_estimator,
+    group_advantages,
+    process_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from cohortrl.algorithms.aggregate import AGGREGATION_MODES, aggregate
+from cohortrl.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
+from cohortrl.algorithms.losses import (
+    POLICY_LOSS_LEVELS,
+    POLICY_LOSSES,
+    PolicyLoss,
+    get_policy_loss,
+    policy_loss,
+    value_loss,
+)
+from cohortrl.algorithms.masked import (
+    as_bool_mask,
+    broadcast_to_tokens,
+    last_token_index,
+    masked_fill_padding,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+)
+from cohortrl.algorithms.shaping import outcome_token_rewards, soft_overlong_penalty
+
+__all__ = [
+    # advantages
+    "group_advantages",
+    "rloo_advantages",
+    "process_advantages",
+    "reinforce_pp_advantages",
+    "gae_advantages",
+    "GROUP_SCALES",
+    "AdvantageEstimator",
+    "ADVANTAGE_ESTIMATORS",
+    "get_advantage_estimator",
+    # losses
+    "policy_loss",
+    "value_loss",
+    "POLICY_LOSS_LEVELS",
+    "PolicyLoss",
+    "POLICY_LOSSES",
+    "get_policy_loss",
+    # KL
+    "kl_penalty",
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    # aggregation
+    "aggregate",
+    "AGGREGATION_MODES",
+    # reward shaping
+    "outcome_token_rewards",
+    "soft_overlong_penalty",
+    # masked helpers
+    "as_bool_mask",
+    "masked_fill_padding",
+    "masked_sum",
+    "masked_mean",
+    "masked_whiten",
+    "broadcast_to_tokens",
+    "last_token_index",
+]
