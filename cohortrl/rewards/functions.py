@@ -1,0 +1,135 @@
+"""Built-in reward functions, with the signature TRL users already write:
+
+    fn(prompts: list[str], completions: list[str], **dataset_columns) -> list[float | None]
+
+``None`` means "this function does not apply to this sample". Each built-in is made by a factory that takes the
+config's ``kwargs`` (``make_accuracy(mode="answer_line")``), so a YAML file can tune it.
+
+>>> acc = make_accuracy()
+>>> acc(["What is 2+3?"], ["2 + 3 = 5\\nANSWER: 5"], answer=["5"])
+[1.0]
+>>> make_format()(["q"], ["The answer is 5", "ANSWER: 5"])
+[0.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable
+
+RewardFn = Callable[..., list]
+
+_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+_ANSWER_LINE = re.compile(r"^\s*\**ANSWER\**\s*:\s*(.+?)\s*$", re.MULTILINE | re.IGNORECASE)
+_NUMBER_RE = re.compile(_NUMBER)
+
+
+def parse_number(text: str) -> float | None:
+    """The first number in ``text`` (thousands separators allowed), or None."""
+    m = _NUMBER_RE.search(text)
+    return float(m.group(0).replace(",", "")) if m else None
+
+
+def extract_answer(completion: str, mode: str = "answer_line") -> str | None:
+    """The answer a completion commits to.
+
+    ``answer_line``: the text of the single ``ANSWER: ...`` line (None if there is none, or several that
+    disagree: hedging between answers earns nothing). ``last_number``: the ``ANSWER:`` line if present, else
+    the last number in the text (a lenient reading for models that don't follow the format yet).
+    """
+    lines = [m.group(1) for m in _ANSWER_LINE.finditer(completion)]
+    if lines:
+        return lines[0] if len(set(lines)) == 1 else None
+    if mode == "last_number":
+        numbers = _NUMBER_RE.findall(completion)
+        return numbers[-1] if numbers else None
+    if mode != "answer_line":
+        raise ValueError(f"unknown accuracy mode {mode!r}; use 'answer_line' or 'last_number'")
+    return None
+
+
+def answers_match(predicted: str, gold, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
+    """Numeric comparison with tolerance when both sides are numbers, else math-verify's symbolic equivalence."""
+    gold_text = str(gold)
+    p, g = parse_number(predicted), parse_number(gold_text)
+    if p is not None and g is not None and _NUMBER_RE.fullmatch(gold_text.strip().replace(" ", "")):
+        return math.isclose(p, g, rel_tol=rel_tol, abs_tol=abs_tol)
+    from math_verify import parse, verify  # imported lazily: it pulls in sympy
+
+    return bool(verify(parse(gold_text), parse(predicted)))
+
+
+def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_column: str = "answer") -> RewardFn:
+    """1.0 when the committed answer equals the reference (numeric with tolerance, else math-verify), else 0.0."""
+    if mode not in ("answer_line", "last_number"):
+        raise ValueError(f"accuracy mode must be 'answer_line' or 'last_number', got {mode!r}")
+
+    def accuracy(prompts, completions, **columns):
+        if answer_column not in columns:
+            raise KeyError(f"accuracy needs the dataset column '{answer_column}'; columns are {sorted(columns)}")
+        out = []
+        for completion, gold in zip(completions, columns[answer_column]):
+            if gold is None:
+                out.append(None)
+                continue
+            predicted = extract_answer(completion, mode)
+            out.append(float(predicted is not None and answers_match(predicted, gold, rel_tol=rel_tol)))
+        return out
+
+    return accuracy
+
+
+def make_format() -> RewardFn:
+    """1.0 when the response ends its reasoning with exactly one ``ANSWER: <number>`` line, as prompts ask."""
+
+    def format_reward(prompts, completions, **columns):
+        out = []
+        for completion in completions:
+            lines = [m.group(1) for m in _ANSWER_LINE.finditer(completion)]
+            out.append(float(len(lines) == 1 and _NUMBER_RE.fullmatch(lines[0].split()[0].replace(",", "")) is not None))
+        return out
+
+    return format_reward
+
+
+def make_overlong(cache_length: int = 16, max_length: int | None = None) -> RewardFn:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) on the response length in tokens.
+
+    Needs the trainer's ``completion_lengths`` column; ``max_length`` defaults to ``max_new_tokens``.
+    """
+    import torch
+
+    from cohortrl.algorithms import soft_overlong_penalty
+
+    def overlong(prompts, completions, completion_lengths, max_new_tokens, **columns):
+        L = max_length or max_new_tokens[0]
+        lengths = torch.tensor(completion_lengths, dtype=torch.float32)
+        return soft_overlong_penalty(lengths, max_length=L, cache_length=cache_length).tolist()
+
+    return overlong
+
+
+def make_task(field: str = "score") -> RewardFn:
+    """A gym family's grade: ``score`` (outcome and step credit combined, the default) or ``outcome``."""
+    if field not in ("score", "outcome"):
+        raise ValueError(f"task reward field must be 'score' or 'outcome', got {field!r}")
+    from cohortrl import tasks
+
+    def task(prompts, completions, sample, **columns):
+        out = []
+        for completion, s in zip(completions, sample):
+            family = tasks.get(s["family"])
+            grade = family.grade(family.sample_from_dict(s), completion)
+            out.append(float(getattr(grade, field)))
+        return out
+
+    return task
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
+    "accuracy": make_accuracy,
+    "format": make_format,
+    "overlong": make_overlong,
+    "task": make_task,
+}

@@ -1,0 +1,119 @@
+"""Scoring a rollout: call every reward function, check what it returns, and combine with weights.
+
+A reward function that raises, returns the wrong number of values, or returns NaN / inf / a non-number
+stops the run with a :class:`RewardFunctionError` naming the function, the sample index and the prompt —
+never a silent zero.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from cohortrl.rewards.functions import BUILTIN_REWARDS
+
+
+class RewardFunctionError(RuntimeError):
+    pass
+
+
+@dataclass
+class WeightedReward:
+    name: str
+    fn: Callable[..., list]
+    weight: float = 1.0
+
+
+def resolve(name: str, kwargs: dict | None = None) -> Callable[..., list]:
+    """A built-in by name (its factory gets ``kwargs``), or user code as ``module:function`` /
+    ``path/to/file.py:function`` (a plain reward function, or a factory when ``kwargs`` are given)."""
+    kwargs = kwargs or {}
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name](**kwargs)
+    if ":" not in name:
+        raise RewardFunctionError(
+            f"unknown reward function '{name}': use a built-in ({', '.join(BUILTIN_REWARDS)}) "
+            "or 'module:function' / 'path/to/file.py:function'"
+        )
+    target, attr = name.rsplit(":", 1)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise RewardFunctionError(f"reward function file not found: {target} (from '{name}')")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(path.stem, module)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise RewardFunctionError(f"cannot import module '{target}' for reward function '{name}': {e}") from None
+    if not hasattr(module, attr):
+        raise RewardFunctionError(f"module '{target}' has no function '{attr}' (from reward function '{name}')")
+    fn = getattr(module, attr)
+    return fn(**kwargs) if kwargs else fn
+
+
+def _check(values, name: str, prompts: list[str], expected: int) -> list[float | None]:
+    if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
+        raise RewardFunctionError(f"reward function '{name}' returned {type(values).__name__}; it must return a list of floats or None")
+    values = list(values.tolist() if hasattr(values, "tolist") else values)
+    if len(values) != expected:
+        raise RewardFunctionError(
+            f"reward function '{name}' returned {len(values)} values for {expected} completions; it must return one per completion"
+        )
+    for i, v in enumerate(values):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise RewardFunctionError(
+                f"reward function '{name}' returned {v!r} ({type(v).__name__}) for sample {i} (prompt: {prompts[i][:200]!r}); "
+                "rewards must be numbers or None"
+            )
+        if not math.isfinite(v):
+            raise RewardFunctionError(
+                f"reward function '{name}' returned {v} for sample {i} (prompt: {prompts[i][:200]!r}); rewards must be finite"
+            )
+    return [None if v is None else float(v) for v in values]
+
+
+def _call(fn, name: str, prompts, completions, columns) -> list:
+    try:
+        return fn(prompts, completions, **columns)
+    except Exception as batch_error:
+        # Find the first sample that fails on its own, so the error can name it.
+        for i in range(len(prompts)):
+            one = {k: v[i : i + 1] for k, v in columns.items()}
+            try:
+                fn(prompts[i : i + 1], completions[i : i + 1], **one)
+            except Exception as e:
+                raise RewardFunctionError(
+                    f"reward function '{name}' raised {type(e).__name__}: {e} on sample {i} (prompt: {prompts[i][:200]!r})"
+                ) from e
+        raise RewardFunctionError(f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} on the batch") from batch_error
+
+
+def score(
+    rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list]
+) -> tuple[list[float], dict[str, list[float | None]]]:
+    """Total reward per completion (weighted sum of the functions that apply) and each function's values."""
+    per_fn = {}
+    for r in rewards:
+        per_fn[r.name] = _check(_call(r.fn, r.name, prompts, completions, columns), r.name, prompts, len(completions))
+    totals = []
+    for i in range(len(completions)):
+        applied = [(r.weight, per_fn[r.name][i]) for r in rewards if per_fn[r.name][i] is not None]
+        if not applied:
+            raise RewardFunctionError(
+                f"no reward function applies to sample {i} (all returned None; prompt: {prompts[i][:200]!r}); "
+                "add a reward function that scores it or remove the sample from the data"
+            )
+        totals.append(sum(w * v for w, v in applied))
+    return totals, per_fn

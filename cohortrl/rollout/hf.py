@@ -1,0 +1,174 @@
+"""Generation and log-probabilities with Hugging Face transformers (the CPU / single-process backend).
+
+``generate`` turns P dataset rows into a :class:`Rollout` of P·G responses: the chat template is applied, every
+prompt is repeated G times (groups contiguous), and one left-padded batched ``model.generate`` call with the KV
+cache samples them; generation ends when every sequence has produced EOS or a stop string, or at the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cohortrl.rollout.types import Rollout
+
+
+@dataclass
+class Sampling:
+    """Sampling settings for one ``generate`` call (mirrors ``config.SamplingConfig``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+def chat_text(tokenizer, prompt: str, system_prompt: str | None) -> str:
+    """The prompt as the model sees it: chat template applied, ready for the assistant's answer."""
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompts(tokenizer, prompts: list[str], system_prompt: str | None, max_prompt_tokens: int, overlong: str):
+    """Tokenise chat-formatted prompts, left-padded. Returns (ids (P, Tp), mask (P, Tp), n_truncated)."""
+    texts = [chat_text(tokenizer, p, system_prompt) for p in prompts]
+    # The chat template already holds the special tokens; adding BOS again would shift the distribution.
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    n_truncated = 0
+    for i, ids in enumerate(encoded):
+        if len(ids) > max_prompt_tokens:
+            if overlong == "reject":
+                raise PromptTooLongError(
+                    f"prompt {i} has {len(ids)} tokens after the chat template, more than "
+                    f"data.max_prompt_tokens={max_prompt_tokens}: {prompts[i][:200]!r}. "
+                    "Raise data.max_prompt_tokens or set data.overlong_prompts=truncate."
+                )
+            encoded[i] = ids[-max_prompt_tokens:]  # keep the end: the question and the assistant header
+            n_truncated += 1
+    Tp = max(len(ids) for ids in encoded)
+    pad = tokenizer.pad_token_id
+    ids_PT = torch.full((len(encoded), Tp), pad, dtype=torch.long)
+    mask_PT = torch.zeros((len(encoded), Tp), dtype=torch.long)
+    for i, ids in enumerate(encoded):
+        ids_PT[i, Tp - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        mask_PT[i, Tp - len(ids) :] = 1
+    return ids_PT, mask_PT, n_truncated
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    rows: list[dict],
+    group_size: int,
+    sampling: Sampling,
+    *,
+    system_prompt: str | None = None,
+    max_prompt_tokens: int = 512,
+    overlong_prompts: str = "reject",
+) -> tuple[Rollout, int]:
+    """Sample ``group_size`` responses for each row's ``prompt``. Returns (rollout, prompts truncated)."""
+    prompt_ids, prompt_mask, n_truncated = encode_prompts(
+        tokenizer, [r["prompt"] for r in rows], system_prompt, max_prompt_tokens, overlong_prompts
+    )
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Tp), groups contiguous
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    greedy = sampling.temperature == 0
+    kwargs = dict(
+        do_sample=not greedy,
+        max_new_tokens=sampling.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=_eos_ids(model, tokenizer),
+    )
+    if not greedy:
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+    else:  # silence transformers' warnings about sampling knobs that greedy decoding ignores
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    if sampling.stop:
+        kwargs.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
+    was_training = model.training
+    model.eval()
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
+    model.train(was_training)
+    response_ids = out[:, prompt_ids.shape[1] :]
+    response_mask, truncated, completions = _finish(response_ids, tokenizer, _eos_ids(model, tokenizer), sampling)
+    response_ids = response_ids.masked_fill(response_mask == 0, tokenizer.pad_token_id)
+    rollout = Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        truncated=truncated,
+        completions=completions,
+        group_size=group_size,
+        rows=[row for row in rows for _ in range(group_size)],
+    )
+    return rollout, n_truncated
+
+
+def _finish(response_ids: torch.Tensor, tokenizer, eos_ids: list[int], sampling: Sampling):
+    """Response mask (through the first EOS, inclusive; padding after a stop string excluded), truncation flags
+    and decoded texts."""
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids))
+    is_pad = response_ids == tokenizer.pad_token_id
+    # A token belongs to the response if no EOS came strictly before it and it is not post-stop padding.
+    eos_before = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    pad_from = (is_pad & ~is_eos).cumsum(-1) > 0
+    response_mask = (~eos_before & ~pad_from).long()
+    completions = [
+        tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(response_ids, response_mask)
+    ]
+    ended = (is_eos & response_mask.bool()).any(-1)
+    stopped = torch.tensor([any(s in c for s in sampling.stop) for c in completions], dtype=torch.bool)
+    truncated = (response_mask.sum(-1) >= sampling.max_new_tokens) & ~ended & ~stopped
+    return response_mask, truncated, completions
+
+
+def response_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+):
+    """Log-probabilities of the response tokens under ``model``: (B, T), plus per-token entropy (B, T) if asked.
+
+    ``input_ids`` is [left-padded prompt | right-padded response]; only the last T+1 positions go through the
+    LM head (``logits_to_keep``), which matters when V is large. Position ids are rebuilt from the mask so a
+    left-padded row sees the same positions as during generation. Logits are divided by the sampling
+    temperature so the ratio compares the distribution that was actually sampled from.
+    """
+    T = response_ids.shape[1]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False
+    )
+    logits_BTV = out.logits[:, :-1].float()
+    if temperature not in (0, 1):
+        logits_BTV = logits_BTV / temperature
+    logz_BT = logits_BTV.logsumexp(-1)
+    logp_BT = logits_BTV.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - logz_BT
+    if not with_entropy:
+        return logp_BT, None
+    with torch.no_grad():
+        probs = (logits_BTV - logz_BT.unsqueeze(-1)).exp()
+        entropy_BT = logz_BT - (probs * logits_BTV).sum(-1)
+    return logp_BT, entropy_BT

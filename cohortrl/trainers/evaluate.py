@@ -1,0 +1,69 @@
+"""Held-out evaluation: greedy pass@1 and sampled pass@k, scored by the run's correctness function."""
+
+from __future__ import annotations
+
+import torch
+
+from cohortrl.rewards.scoring import WeightedReward, score
+from cohortrl.rollout.hf import Sampling, generate
+from cohortrl.trainers.metrics import wilson_interval
+
+
+def _columns(rollout) -> dict[str, list]:
+    """Dataset columns (everything but the prompt) plus what the trainer knows about each completion."""
+    keys = [k for k in rollout.rows[0] if k != "prompt"]
+    cols = {k: [row.get(k) for row in rollout.rows] for k in keys}
+    cols["completion_lengths"] = rollout.lengths.tolist()
+    return cols
+
+
+def score_rollout(rewards: list[WeightedReward], rollout, max_new_tokens: int):
+    cols = _columns(rollout)
+    cols["max_new_tokens"] = [max_new_tokens] * rollout.batch_size
+    return score(rewards, [r["prompt"] for r in rollout.rows], rollout.completions, cols)
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    rows: list[dict],
+    correctness: WeightedReward,
+    *,
+    system_prompt: str | None,
+    max_new_tokens: int,
+    batch_size: int = 64,
+    pass_k: int = 0,
+    temperature: float = 1.0,
+    max_prompt_tokens: int = 512,
+    overlong_prompts: str = "reject",
+) -> dict[str, float]:
+    """Greedy accuracy with a 95% Wilson interval, and (if ``pass_k``) the fraction of prompts with at least one
+    correct answer among k samples. Sampling runs under a forked RNG so evaluating never changes the training
+    run's random stream (a resumed run evaluates at different moments)."""
+    out: dict[str, float] = {}
+    kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts)
+    correct, lengths = [], []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        rollout, _ = generate(model, tokenizer, chunk, 1, Sampling(temperature=0, max_new_tokens=max_new_tokens), **kw)
+        _, per_fn = score_rollout([correctness], rollout, max_new_tokens)
+        correct += [float(v or 0.0) for v in per_fn[correctness.name]]
+        lengths += rollout.lengths.tolist()
+    n, hits = len(correct), int(sum(v >= 1.0 for v in correct))
+    lo, hi = wilson_interval(hits, n)
+    out.update({"eval/accuracy": sum(correct) / max(n, 1), "eval/accuracy_ci_low": lo, "eval/accuracy_ci_high": hi,
+                "eval/n": n, "eval/response_length_mean": sum(lengths) / max(len(lengths), 1)})
+    if pass_k:
+        with torch.random.fork_rng(devices=[]):
+            any_correct = []
+            per_batch = max(1, batch_size // pass_k)
+            for start in range(0, len(rows), per_batch):
+                chunk = rows[start : start + per_batch]
+                sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens)
+                rollout, _ = generate(model, tokenizer, chunk, pass_k, sampling, **kw)
+                _, per_fn = score_rollout([correctness], rollout, max_new_tokens)
+                values = torch.tensor([float(v or 0.0) for v in per_fn[correctness.name]]).view(-1, pass_k)
+                any_correct += (values >= 1.0).any(-1).float().tolist()
+        out[f"eval/pass@{pass_k}"] = sum(any_correct) / max(len(any_correct), 1)
+    return out

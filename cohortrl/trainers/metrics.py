@@ -1,0 +1,121 @@
+"""Where a run's numbers go: ``RUN_DIR/metrics.jsonl`` (one row per step, each with its ``step``), optional
+TensorBoard, and ``RUN_DIR/curves.png``."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class PhaseTimer:
+    """Wall time per named phase of a step: ``with timer("generate"): ...``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion (better than the normal approximation near 0 and 1)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+class MetricsLog:
+    """Append-only JSONL log. On resume, rows after the checkpoint's step are dropped: they belong to work the
+    crashed run did after its last checkpoint, which the resumed run does again."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("train.tensorboard=true needs the tensorboard package: pip install 'cohortrl[tensorboard]'") from None
+            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, row: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.writer.add_scalar(key, value, row["step"])
+            self.writer.flush()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: is it a cohortrl run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+CURVES = [
+    ("reward_mean", "reward (mean)"),
+    ("accuracy", "accuracy (train samples)"),
+    ("kl", "KL to reference"),
+    ("response_length_mean", "response length (tokens)"),
+    ("zero_variance_frac", "zero-variance groups (fraction)"),
+]
+
+
+def plot_curves(run_dir: Path) -> Path:
+    """Write ``RUN_DIR/curves.png``: training curves over steps, with held-out accuracy where evaluated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "reward_mean" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (key, title) in zip(axes.flat, CURVES):
+        pts = [(r["step"], r[key]) for r in train if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker=".")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    ax = axes.flat[-1]
+    if evals:
+        steps = [r["step"] for r in evals]
+        acc = [r["eval/accuracy"] for r in evals]
+        lo = [r["eval/accuracy"] - r["eval/accuracy_ci_low"] for r in evals]
+        hi = [r["eval/accuracy_ci_high"] - r["eval/accuracy"] for r in evals]
+        ax.errorbar(steps, acc, yerr=[lo, hi], marker="o", capsize=3)
+    ax.set_title("held-out accuracy (greedy, 95% CI)")
+    ax.set_xlabel("step")
+    fig.tight_layout()
+    out = Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

@@ -1,0 +1,78 @@
+"""Building what a trainer holds: the policy (optionally with a LoRA adapter), the frozen reference, the
+optimiser and the learning-rate schedule. Shared by every trainer."""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+
+import torch
+
+from cohortrl.config import ConfigError
+from cohortrl.models import load_model
+
+
+def build_policy(model_cfg, seed: int, model=None, tokenizer=None):
+    """(model, tokenizer): loaded from the spec unless given; wrapped with a LoRA adapter if enabled."""
+    if model is None:
+        model, tokenizer = load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed)
+    if model_cfg.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        missing = [m for m in model_cfg.lora.target_modules if m not in names]
+        if missing:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise ConfigError(
+                f"config key 'model.lora.target_modules': {missing} not found in {model_cfg.name}; "
+                f"its linear modules are {linear}"
+            )
+        lora = LoraConfig(
+            r=model_cfg.lora.r,
+            lora_alpha=model_cfg.lora.alpha,
+            lora_dropout=model_cfg.lora.dropout,
+            target_modules=list(model_cfg.lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    model.train()
+    return model, tokenizer
+
+
+class Reference:
+    """π_ref for the KL term: a frozen copy of the initial policy or, with LoRA, the policy itself with its
+    adapter disabled (the base weights never change, so no second copy is needed)."""
+
+    def __init__(self, policy, lora: bool):
+        self.lora = lora
+        self.model = None if lora else copy.deepcopy(policy).eval().requires_grad_(False)
+        self.policy = policy
+
+    @contextmanager
+    def __call__(self):
+        if self.lora:
+            with self.policy.disable_adapter():
+                yield self.policy
+        else:
+            yield self.model
+
+
+def build_optimizer(model, optim_cfg) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay)
+
+
+def build_scheduler(optimizer, optim_cfg, total_updates: int):
+    """Linear warmup, then constant / linear decay / cosine decay to 0 over ``total_updates`` optimiser steps."""
+    warmup = optim_cfg.warmup_steps
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / warmup
+        if optim_cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
+        return 1.0 - progress if optim_cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
