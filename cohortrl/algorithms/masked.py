@@ -81,14 +81,13 @@ def broadcast_to_tokens(values: torch.Tensor, response_mask: torch.Tensor) -> to
     A per-token tensor (N, T) passes through with its padding zeroed, so callers may hand either.
     """
     mask = as_bool_mask(response_mask)
-    if values.dim() == 1:
-        if values.shape[0] != mask.shape[0]:
-            raise ValueError(f"per-response values have shape {tuple(values.shape)}, expected ({mask.shape[0]},)")
-        values = values.unsqueeze(-1).expand(mask.shape)
-    elif values.shape != mask.shape:
+    if values.shape not in (mask.shape[:1], mask.shape):
         raise ValueError(
-            f"values have shape {tuple(values.shape)}; expected (N,) or response_mask's shape {tuple(mask.shape)}"
+            f"values have shape {tuple(values.shape)}; expected (N,) = {tuple(mask.shape[:1])} "
+            f"or response_mask's (N, T) = {tuple(mask.shape)}"
         )
+    if values.dim() == 1:
+        values = values.unsqueeze(-1).expand(mask.shape)
     return masked_fill_padding(values, mask)
 
 
