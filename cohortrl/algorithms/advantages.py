@@ -86,7 +86,7 @@ def group_advantages(
 
         scale="group":  A_i = (r_i − mean_g r) / (std_g r + eps)     DeepSeekMath, arXiv 2402.03300, §4.1.2
         scale="batch":  A_i = (r_i − mean_g r) / (std_N r + eps)     group baseline, batch-wide scale
-        scale="none":   A_i =  r_i − mean_g r                        Dr. GRPO, arXiv 2503.20783, eq. 3
+        scale="none":   A_i =  r_i − mean_g r                        Dr. GRPO, arXiv 2503.20783
 
     mean_g / std_g run over the G responses of i's prompt, std_N over all N rewards. Dividing by the group
     std over-weights prompts that are nearly all right or all wrong (Dr. GRPO's "question-level difficulty
@@ -106,7 +106,7 @@ def group_advantages(
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """REINFORCE leave-one-out advantage (RLOO, arXiv 2402.14740, eq. 5). (N,) → (N,).
+    """REINFORCE leave-one-out advantage (RLOO, arXiv 2402.14740). (N,) → (N,).
 
         A_i = r_i − (1 / (G − 1)) Σ_{j ≠ i} r_j           (= G/(G−1) · Dr. GRPO's A_i)
 
@@ -207,7 +207,7 @@ def gae_advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al., arXiv 1506.02438, eq. 16). → (advantages, returns), (N, T).
+    """Generalised advantage estimation (Schulman et al., arXiv 1506.02438, §3). → (adv, returns), (N, T).
 
         δ_t = r_t + γ V_{t+1} − V_t,   A_t = Σ_l (γλ)^l δ_{t+l},   R_t = A_t + V_t
 
@@ -259,31 +259,45 @@ class AdvantageEstimator(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _outcome_on_tokens(advantages_N: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    return broadcast_to_tokens(advantages_N, response_mask)
+def _grpo(
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+):
+    """GRPO outcome supervision: (r − mean_g) / (std_g + eps) on every token (arXiv 2402.03300)."""
+    return broadcast_to_tokens(group_advantages(rewards, group_size, "group", eps), response_mask)
 
 
-def _grpo(*, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6):
-    return _outcome_on_tokens(group_advantages(rewards, group_size, "group", eps), response_mask)
+def _grpo_batch(
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+):
+    """Group mean baseline, batch std scale: (r − mean_g) / (std_N + eps) on every token."""
+    return broadcast_to_tokens(group_advantages(rewards, group_size, "batch", eps), response_mask)
 
 
-def _grpo_batch(*, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6):
-    return _outcome_on_tokens(group_advantages(rewards, group_size, "batch", eps), response_mask)
+def _dr_grpo(
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+):
+    """Dr. GRPO: r − mean_g on every token, no std (arXiv 2503.20783)."""
+    return broadcast_to_tokens(group_advantages(rewards, group_size, "none", eps), response_mask)
 
 
-def _dr_grpo(*, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6):
-    return _outcome_on_tokens(group_advantages(rewards, group_size, "none", eps), response_mask)
-
-
-def _rloo(*, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6):
-    return _outcome_on_tokens(rloo_advantages(rewards, group_size), response_mask)
+def _rloo(
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+):
+    """RLOO: r_i − mean of the other G − 1 rewards on every token (arXiv 2402.14740)."""
+    return broadcast_to_tokens(rloo_advantages(rewards, group_size), response_mask)
 
 
 def _token_rewards_or_outcome(token_rewards, rewards, response_mask):
     return outcome_token_rewards(_check_rewards(rewards), response_mask) if token_rewards is None else token_rewards
 
 
-def _reinforce_pp(*, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6):
+def _reinforce_pp(
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+):
+    """REINFORCE++: whitened return-to-go, no group baseline (arXiv 2501.03262). Default token rewards:
+    the outcome reward on the last response token."""
+    # No group baseline, but a batch that is not P·G rows is still a caller's bug worth reporting.
+    _check_group_size(as_bool_mask(response_mask).shape[0], group_size, need_two=False)
     token_rewards = _token_rewards_or_outcome(token_rewards, rewards, response_mask)
     return reinforce_pp_advantages(token_rewards, response_mask, None, eps)
 
@@ -291,11 +305,15 @@ def _reinforce_pp(*, rewards, response_mask, group_size, token_rewards=None, ste
 def _reinforce_pp_baseline(
     *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
 ):
+    """REINFORCE++-baseline: return-to-go minus the group mean return, whitened (arXiv 2501.03262)."""
     token_rewards = _token_rewards_or_outcome(token_rewards, rewards, response_mask)
     return reinforce_pp_advantages(token_rewards, response_mask, group_size, eps)
 
 
-def _grpo_process(*, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6):
+def _grpo_process(
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+):
+    """GRPO process supervision from step rewards and step end indices (arXiv 2402.03300, §4.1.3)."""
     missing = [name for name, value in (("step_rewards", step_rewards), ("step_ends", step_ends)) if value is None]
     if missing:
         raise ValueError(

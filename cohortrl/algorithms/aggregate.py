@@ -23,8 +23,8 @@ def aggregate(
     """Scalar loss from per-token losses L_{i,t}; padded slots are dropped, whatever they hold. → 0-dim.
 
         "seq-mean-token-mean":      (1/N) Σ_i (1/|o_i|) Σ_t L_{i,t}    GRPO (arXiv 2402.03300, eq. 3)
-        "token-mean":               Σ_{i,t} L_{i,t} / Σ_{i,t} M_{i,t}  DAPO (arXiv 2503.14476, eq. 12)
-        "seq-mean-token-sum-norm":  Σ_{i,t} L_{i,t} / (N · norm_length) Dr. GRPO (arXiv 2503.20783, eq. 3)
+        "token-mean":               Σ_{i,t} L_{i,t} / Σ_{i,t} M_{i,t}  DAPO (arXiv 2503.14476)
+        "seq-mean-token-sum-norm":  Σ_{i,t} L_{i,t} / (N · norm_length) Dr. GRPO (arXiv 2503.20783)
 
     The per-sequence mean gives a token of a short response more weight than one of a long response (Dr.
     GRPO's length bias); the token mean weighs every token alike; the constant normaliser (``norm_length``,

@@ -51,8 +51,7 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Proportional controller steering the measured KL towards a target (Ziegler et al., arXiv 1909.08593,
-    §2.2):
+    """Proportional controller steering the measured KL towards a target (Ziegler et al., arXiv 1909.08593):
 
         e = clip(KL / KL_target − 1, −0.2, 0.2),     β ← β · (1 + e · n_steps / horizon)
 

@@ -50,9 +50,10 @@ def policy_loss(
     """Clipped policy surrogate per token, to minimise. → (loss (N, T), metrics).
 
         L_{i,t} = −min(ρ A, clip(ρ, 1 − ε_low, 1 + ε_high) A)
-        level="token":     ρ = ρ_{i,t} = exp(logp_{i,t} − old_logp_{i,t})    PPO (arXiv 1707.06347, eq. 7),
-                                                                           GRPO (arXiv 2402.03300, eq. 3)
-        level="sequence":  ρ = s_i = exp((1/|o_i|) Σ_t log ρ_{i,t}) on every token of o_i   GSPO (arXiv 2507.18071, eq. 5)
+        level="token":     ρ = ρ_{i,t} = exp(logp_{i,t} − old_logp_{i,t})
+                           PPO (arXiv 1707.06347, eq. 7), GRPO (arXiv 2402.03300, eq. 3)
+        level="sequence":  ρ = s_i = exp((1/|o_i|) Σ_t log ρ_{i,t}) on every token of o_i
+                           GSPO (arXiv 2507.18071)
         dual_clip=c:       L ← min(L, −c·A) where A < 0                      Ye et al. (arXiv 1912.09729), c ≈ 3
 
     ``clip_high > clip_low`` is DAPO's clip-higher (arXiv 2503.14476: 0.2 / 0.28); GSPO uses 3e-4 / 4e-4.

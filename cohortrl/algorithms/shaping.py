@@ -25,7 +25,7 @@ def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) ->
     """
     mask = as_bool_mask(response_mask)
     if rewards.shape != mask.shape[:1]:
-        raise ValueError(f"rewards have shape {tuple(rewards.shape)}, expected ({mask.shape[0]},) to match response_mask")
+        raise ValueError(f"rewards have shape {tuple(rewards.shape)}, expected (N,) = ({mask.shape[0]},)")
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
     last_BT = torch.arange(mask.shape[-1], device=mask.device) == last_token_index(mask).unsqueeze(-1)
@@ -35,7 +35,7 @@ def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) ->
 def soft_overlong_penalty(
     lengths: torch.Tensor | Sequence[int], max_length: int, cache_length: int
 ) -> torch.Tensor:
-    """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13), added to the outcome reward. → (N,).
+    """DAPO soft overlong punishment (arXiv 2503.14476), added to the outcome reward. → (N,).
 
         R_len(y) = 0                                   if |y| ≤ L_max − L_cache
                    ((L_max − L_cache) − |y|) / L_cache  if L_max − L_cache < |y| ≤ L_max
@@ -45,7 +45,7 @@ def soft_overlong_penalty(
     (DAPO: 20480 and 4096). The penalty falls linearly from 0 to −1 across the last L_cache tokens.
     """
     if not 0 < cache_length <= max_length:
-        raise ValueError(f"need 0 < cache_length <= max_length, got cache_length={cache_length}, max_length={max_length}")
+        raise ValueError(f"need 0 < cache_length <= max_length; got {cache_length} and {max_length}")
     lengths = torch.as_tensor(lengths)
     lengths = lengths if lengths.is_floating_point() else lengths.to(torch.get_default_dtype())
     threshold = max_length - cache_length

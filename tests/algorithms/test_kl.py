@@ -16,7 +16,8 @@ from .helpers import FAST, t
 
 def test_kl_estimators_hand_worked():
     # π_θ = .5, π_ref = .25 → x = ln .25 − ln .5 = −ln 2 ≈ −.6931
-    #   k1 = −x = ln 2 ≈ .6931;  k2 = x²/2 = (ln 2)²/2 ≈ .2402;  k3 = eˣ − x − 1 = .5 + ln 2 − 1 ≈ .1931
+    #   k1 = −x = ln 2 ≈ .6931;  k2 = x²/2 = (ln 2)²/2 ≈ .2402
+    #   k3 = eˣ − x − 1 = .5 + ln 2 − 1 ≈ .1931
     # second token: π_θ = π_ref → every estimator is 0
     logp, ref_logp = t([[math.log(0.5), math.log(0.3)]]), t([[math.log(0.25), math.log(0.3)]])
     ln2 = math.log(2)
@@ -48,7 +49,8 @@ def test_k3_is_nonnegative_and_zero_only_at_equality(logp, ref_logp, dtype):
 @FAST
 @given(st.lists(st.floats(-8, 0), min_size=1, max_size=8), st.lists(st.floats(-8, 0), min_size=8, max_size=8))
 def test_k3_gradient_is_the_grpo_kl_coefficient(logp, ref_logp):
-    # DeepSeekMath App. A.1: ∂/∂logp (π_ref/π_θ − log(π_ref/π_θ) − 1) = 1 − π_ref/π_θ = 1 − exp(ref − logp)
+    # DeepSeekMath App. A.1: ∂/∂logp (π_ref/π_θ − log(π_ref/π_θ) − 1) = 1 − π_ref/π_θ
+    #                                                                  = 1 − exp(ref − logp)
     logp = t(logp).requires_grad_(True)
     ref_logp = t(ref_logp[: len(logp)])
     (grad,) = torch.autograd.grad(kl_penalty(logp, ref_logp, "k3").sum(), logp)

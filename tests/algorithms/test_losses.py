@@ -47,9 +47,9 @@ def test_token_clip_hand_worked():
 
 
 def test_sequence_level_gspo_hand_worked():
-    # row 0: log ρ = [.1, −.1, .3] → mean .1 → s = e^.1 ≈ 1.1052 ∈ [.8, 1.2], A = 1 → L = −1.1052 on each token
+    # row 0: log ρ = [.1, −.1, .3] → mean .1 → s = e^.1 ≈ 1.1052 ∈ [.8, 1.2], A = 1 → L = −1.1052 per token
     # row 1: log ρ = [.5, .5] → s = e^.5 ≈ 1.6487 > 1.2, A = 1 → L = −1.2 (clipped high)
-    # row 2: log ρ = [−.5] → s = e^−.5 ≈ .6065 < .8, A = −1 → L = −min(−.6065, −.8) = .8 (clipped low)
+    # row 2: log ρ = [−.5] → s = e^−.5 ≈ .6065 < .8, A = −1 → L = −min(−.6065, −.8) = .8 (clip low)
     mask = right_padded_mask([3, 2, 1], 3)
     log_ratio = t([[0.1, -0.1, 0.3], [0.5, 0.5, 99.0], [-0.5, 99.0, 99.0]])
     old_logp = torch.full((3, 3), -1.0, dtype=torch.float64)
@@ -138,7 +138,7 @@ def test_token_loss_gradient_matches_the_grpo_coefficient(data, clips, dual_clip
 @FAST
 @given(st.data(), CLIPS, st.sampled_from(AGGREGATION_MODES))
 def test_sequence_loss_gradient_matches_gspo(data, clips, mode):
-    # GSPO (arXiv 2507.18071, eq. 7): ∇ s_i A_i = s_i A_i (1/|o_i|) Σ_t ∇ log π(o_{i,t}) where unclipped.
+    # GSPO (arXiv 2507.18071): ∇ s_i A_i = s_i A_i (1/|o_i|) Σ_t ∇ log π(o_{i,t}) where unclipped.
     # Every token of o_i carries the same L_i, so ∂/∂logp_{i,t} = −W_i · s_i A_i / |o_i| · active_i,
     # with W_i = Σ_t w_{i,t} the aggregation weight of the whole response.
     mask = data.draw(masks())

@@ -31,9 +31,9 @@ def test_masked_whiten_hand_worked():
     s = math.sqrt(14 / 3)
     torch.testing.assert_close(masked_whiten(x, mask, eps=0.0), t([[-2 / s, -1 / s, 0], [0, 3 / s, 0]]))
     # a constant batch (or a single token) has nothing to normalise: exactly 0
-    assert torch.equal(masked_whiten(t([[0.1, 0.1], [0.1, 5.0]]), right_padded_mask([2, 1], 2)), torch.zeros(2, 2,
-                       dtype=torch.float64))
-    assert torch.equal(masked_whiten(t([[4.0, 5.0]]), right_padded_mask([1], 2)), torch.zeros(1, 2, dtype=torch.float64))
+    zeros = torch.zeros(2, 2, dtype=torch.float64)
+    assert torch.equal(masked_whiten(t([[0.1, 0.1], [0.1, 5.0]]), right_padded_mask([2, 1], 2)), zeros)
+    assert torch.equal(masked_whiten(t([[4.0, 5.0], [6.0, 7.0]]), right_padded_mask([1, 0], 2)), zeros)
 
 
 def test_broadcast_and_last_token():
