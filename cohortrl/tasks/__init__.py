@@ -1,0 +1,15 @@
+"""The engineering gym: procedurally generated problems with deterministic outcome and step graders.
+
+    from cohortrl import tasks
+    family = tasks.get("axial_stress")          # tasks.names() lists every family
+    samples = family.sample(8, seed=0, level=1)
+    grade = family.grade(samples[0], completion)  # grade.outcome, grade.steps, grade.score
+
+Every family shares one answer format (`answer_format`), one tolerance-and-units rule (`units`) and one
+step grader with the anti-hacking rules (`base.grade_keyed`). See docs/tasks.md.
+"""
+
+from cohortrl.tasks import arithmetic, axial_stress, beam_bending  # noqa: F401  (importing registers the families)
+from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, get, names
+
+__all__ = ["Grade", "Sample", "Step", "StepResult", "TaskFamily", "get", "names"]

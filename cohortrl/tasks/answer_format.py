@@ -1,0 +1,315 @@
+"""The one answer format of the gym, and the one parser for it.
+
+Every family's prompt asks for the same shape of response::
+
+    KEY = expression = value unit        one step per line; "KEY = value unit" is fine too
+    ...
+    ANSWER: value unit                   exactly one
+    VERDICT: SAFE                        exactly one, where the family asks for a verdict (SAFE or FAIL)
+
+Only the text after the last ``=`` of a step line is graded; the expression between is for the reader.
+Lines may carry markdown decoration (``**``, backticks, a leading ``-`` / ``*`` bullet or ``1.``), and a step's
+value may be followed by a parenthesised remark (``F_AB = -6.25 kN (compression)``); both are ignored.
+Keys are matched case-insensitively and without underscores (``M_max`` = ``Mmax`` = ``m_MAX``).
+Numbers may use thousands commas, exponents and a leading ``$``.
+
+GSM8K responses are free text, so that family reads arithmetic statements ``a op b = c`` instead
+(`find_statements`), evaluated exactly with `Fraction`s by a small recursive-descent evaluator.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
+
+# A number: optional sign and "$", digits with optional thousands groups, decimals, exponent.
+NUMBER = r"[-+]?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_VALUE_UNIT = re.compile(rf"^(?P<num>{NUMBER})\s*(?P<unit>.*?)$")
+_KEY = re.compile(r"^(?P<key>[^\W\d][\w]*)\s*=(?P<rest>.*)$")
+_ANSWER = re.compile(r"^ANSWER\s*:(?P<rest>.*)$", re.IGNORECASE)
+_VERDICT = re.compile(r"^VERDICT\s*:(?P<rest>.*)$", re.IGNORECASE)
+_BULLET = re.compile(r"^(?:[-*•>]+\s+|\d+[.)]\s+)")
+_REMARK = re.compile(r"\s*\([^()]*\)\s*$")
+_KEY_ALIASES = {"σ": "sigma", "δ": "delta", "Δ": "delta"}
+
+
+def parse_number(text: str) -> Fraction | None:
+    """A written number as an exact `Fraction` (``"$1,250.5"`` → 2501/2), or ``None``."""
+    text = text.strip().replace("−", "-").replace("$", "").replace(",", "")
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def normalize_key(key: str) -> str:
+    """Keys compare case-insensitively and without underscores: ``M_max`` → ``mmax``."""
+    for alias, name in _KEY_ALIASES.items():
+        key = key.replace(alias, name)
+    return key.replace("_", "").lower()
+
+
+@dataclass(frozen=True)
+class ValueLine:
+    """One parsed line of a response. ``value`` is ``None`` when the line's value could not be read."""
+
+    key: str  # the key as written ("M_max"), or "ANSWER" / "VERDICT"
+    value: Fraction | None
+    unit: str
+    text: str  # the graded value text as written, for diagnostics ("314.2 mm^2", "SAFE")
+    span: tuple[int, int]  # character span of the whole line in the response
+
+
+@dataclass(frozen=True)
+class ParsedResponse:
+    steps: list[ValueLine]  # every "KEY = ... = value unit" line, in order
+    answers: list[ValueLine]  # every ANSWER line
+    verdicts: list[ValueLine]  # every VERDICT line; value is None, text is "SAFE"/"FAIL" or what was written
+
+
+def _split_value_unit(text: str) -> tuple[Fraction | None, str]:
+    text = _REMARK.sub("", text.strip()).rstrip(" .,;").strip()
+    match = _VALUE_UNIT.match(text)
+    if match is None:
+        return None, ""
+    return parse_number(match["num"]), match["unit"].strip()
+
+
+def _clean(line: str) -> str:
+    line = line.replace("**", "").replace("`", "").strip()
+    return _BULLET.sub("", line).strip()
+
+
+def parse_response(text: str) -> ParsedResponse:
+    """Split a response into step, ANSWER and VERDICT lines; everything else is ignored."""
+    steps: list[ValueLine] = []
+    answers: list[ValueLine] = []
+    verdicts: list[ValueLine] = []
+    start = 0
+    for raw in text.split("\n"):
+        span = (start, start + len(raw))
+        start += len(raw) + 1
+        line = _clean(raw)
+        if match := _ANSWER.match(line):
+            value, unit = _split_value_unit(match["rest"])
+            answers.append(ValueLine("ANSWER", value, unit, match["rest"].strip(), span))
+        elif match := _VERDICT.match(line):
+            word = match["rest"].strip().rstrip(".").strip().upper()
+            verdicts.append(ValueLine("VERDICT", None, "", word, span))
+        elif match := _KEY.match(line):
+            # The graded value is after the last "="; a line with no readable value (e.g. "A = pi*d^2/4")
+            # states nothing yet and is skipped rather than counted as a wrong value.
+            last = match["rest"].rsplit("=", 1)[-1]
+            value, unit = _split_value_unit(last)
+            if value is not None:
+                steps.append(ValueLine(match["key"], value, unit, last.strip(), span))
+    return ParsedResponse(steps, answers, verdicts)
+
+
+@dataclass(frozen=True)
+class Commitment:
+    """What a response commits to. ``committed`` needs exactly one readable ANSWER line and, where the
+    family asks for one, exactly one VERDICT line reading SAFE or FAIL. Several such lines are a hedge,
+    not a commitment, even if one of them is right."""
+
+    committed: bool
+    answer: ValueLine | None
+    verdict: str | None
+
+
+def commitment(parsed: ParsedResponse, needs_verdict: bool) -> Commitment:
+    answer = parsed.answers[0] if len(parsed.answers) == 1 and parsed.answers[0].value is not None else None
+    verdict = None
+    if len(parsed.verdicts) == 1 and parsed.verdicts[0].text in ("SAFE", "FAIL"):
+        verdict = parsed.verdicts[0].text
+    committed = answer is not None and (verdict is not None or not needs_verdict)
+    return Commitment(committed, answer, verdict)
+
+
+def format_instructions(steps: list[tuple[str, str]], answer_of: str, verdict: bool) -> str:
+    """The prompt's format paragraph. ``steps`` are (key, unit) pairs; unit "" means no unit."""
+    listed = ", ".join(f"{key} ({unit})" if unit else key for key, unit in steps)
+    tail = f"ANSWER: <{answer_of}>" + (" and VERDICT: SAFE or FAIL" if verdict else "")
+    return f"Write one step per line as KEY = expression = value unit, for {listed}. Then write {tail}."
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Numbers as the reference solutions write them.
+
+
+def format_sig(x: float, sig: int = 4) -> str:
+    """``x`` to ``sig`` significant figures without exponent notation: 83333333.3 → "83330000".
+
+    Four figures keep every reference value within 0.05% of the truth, far inside the 1% tolerance.
+    """
+    if x == 0:
+        return "0"
+    text = format(Decimal(f"{x:.{sig}g}"), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def format_exact(value: Fraction) -> str:
+    """A terminating fraction as an exact decimal: 69967/1000 → "69.967". Raises if it does not terminate."""
+    for places in range(21):
+        scaled = value * 10**places
+        if scaled.denominator == 1:
+            return format(Decimal(scaled.numerator).scaleb(-places), "f")
+    raise ValueError(f"{value} has no short finite decimal expansion")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Free-text arithmetic statements "a op b = c" (the GSM8K family's steps).
+
+_LHS_START = re.compile(r"[$(]*\d")
+_STATEMENT = re.compile(
+    r"(?P<lhs>[$(]*\d[\d$.,() \tx×÷*/+\-]*?)[ \t]*=[ \t]*(?P<rhs>-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)"
+)
+_TOKEN = re.compile(r"\s*(?:(?P<num>\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\$?\.\d+)|(?P<op>[-+*/x×÷()]))")
+_OPS = {"x": "*", "×": "*", "÷": "/"}
+
+
+def _tokenize(text: str) -> list[str | Fraction] | None:
+    tokens: list[str | Fraction] = []
+    pos = 0
+    text = text.rstrip()
+    while pos < len(text):
+        match = _TOKEN.match(text, pos)
+        if match is None:
+            return None
+        if match["num"] is not None:
+            tokens.append(parse_number(match["num"]))  # type: ignore[arg-type]  # the regex admits only numbers
+        else:
+            tokens.append(_OPS.get(match["op"], match["op"]))
+        pos = match.end()
+    return tokens
+
+
+def evaluate(text: str) -> tuple[Fraction, list[Fraction]] | None:
+    """Evaluate ``+ - * / ( )`` over decimal numbers exactly; returns (value, operands) or ``None``.
+
+    Hand-written rather than ``eval``: responses are untrusted text, and we need exact rationals.
+    Requires at least one binary operator, so a bare number is not a statement.
+    """
+    tokens = _tokenize(text)
+    if not tokens:
+        return None
+    pos = 0
+    operands: list[Fraction] = []
+    binary_ops = 0
+
+    def peek() -> str | Fraction | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def atom() -> Fraction:
+        nonlocal pos
+        token = peek()
+        pos += 1
+        if isinstance(token, Fraction):
+            operands.append(token)
+            return token
+        if token == "-":
+            return -atom()
+        if token == "(":
+            value = expr()
+            if peek() != ")":
+                raise ValueError("unbalanced")
+            pos += 1
+            return value
+        raise ValueError(f"unexpected {token!r}")
+
+    def term() -> Fraction:
+        nonlocal pos, binary_ops
+        value = atom()
+        while peek() in ("*", "/"):
+            op = tokens[pos]
+            pos += 1
+            binary_ops += 1
+            rhs = atom()
+            value = value * rhs if op == "*" else value / rhs
+        return value
+
+    def expr() -> Fraction:
+        nonlocal pos, binary_ops
+        value = term()
+        while peek() in ("+", "-"):
+            op = tokens[pos]
+            pos += 1
+            binary_ops += 1
+            rhs = term()
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    try:
+        value = expr()
+    except (ValueError, ZeroDivisionError):
+        return None
+    if pos != len(tokens) or binary_ops == 0:
+        return None
+    return value, operands
+
+
+def decimals(text: str) -> int:
+    """Decimal places written in a number: "3.33" → 2, "24" → 0."""
+    return len(text.split(".", 1)[1]) if "." in text else 0
+
+
+def rounds_to(exact: Fraction, written_text: str) -> bool:
+    """Is ``written_text`` the exact value, or the exact value correctly rounded to >= 2 decimal places?
+    (GSM8K writes 10/3 = 3.33; rounding to fewer places would let 10/3 = 3 pass.)"""
+    written = parse_number(written_text)
+    if written is None:
+        return False
+    if written == exact:
+        return True
+    places = decimals(written_text.replace(",", ""))
+    return places >= 2 and round(exact, places) == written
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One arithmetic statement ``lhs = rhs`` found in free text."""
+
+    lhs: str  # normalised: no spaces, "$" or thousands commas; x × ÷ as * /
+    exact: Fraction  # the left-hand side, evaluated exactly
+    written: Fraction  # the right-hand side as written
+    written_text: str
+    correct: bool  # the right-hand side is the exact value (or correctly rounded, see `rounds_to`)
+    trivial: bool  # an identity such as 48 * 1 = 48 or 48 + 0 = 48: restates a number, computes nothing
+    span: tuple[int, int]
+
+
+def _statement_at(lhs_text: str, rhs_text: str, span: tuple[int, int]) -> Statement | None:
+    # The regex starts the left-hand side at the first digit it can; prose such as "3, 4 + 5 = 9" makes
+    # that start too early, so try each later start until one evaluates.
+    for start in _LHS_START.finditer(lhs_text):
+        if start.start() > 0 and lhs_text[start.start() - 1] in "0123456789.$,(":
+            continue
+        evaluated = evaluate(lhs_text[start.start():])
+        if evaluated is None:
+            continue
+        exact, operands = evaluated
+        written = parse_number(rhs_text)
+        if written is None:
+            return None
+        lhs = lhs_text[start.start():]
+        for old, new in ((" ", ""), ("$", ""), ("x", "*"), ("×", "*"), ("÷", "/")):
+            lhs = lhs.replace(old, new)
+        lhs = re.sub(r"(?<=\d),(?=\d{3})", "", lhs)
+        trivial = written in operands and any(o in (0, 1) for o in operands)
+        return Statement(lhs, exact, written, rhs_text, rounds_to(exact, rhs_text), trivial,
+                         (span[0] + start.start(), span[1]))
+    return None
+
+
+def find_statements(text: str) -> list[Statement]:
+    """Every ``a op b = c`` in ``text``, in order. Chains ``2 * 3 = 6 * 4 = 24`` give two statements."""
+    found: list[Statement] = []
+    pos = 0
+    while match := _STATEMENT.search(text, pos):
+        statement = _statement_at(match["lhs"], match["rhs"], (match.start(), match.end()))
+        if statement is not None:
+            found.append(statement)
+        pos = match.start("rhs")  # the right-hand side may start the next statement of a chain
+    return found
