@@ -9,7 +9,7 @@ Every family shares one answer format (`answer_format`), one tolerance-and-units
 step grader with the anti-hacking rules (`base.grade_keyed`). See docs/tasks.md.
 """
 
-from cohortrl.tasks import arithmetic, axial_stress, beam_bending  # noqa: F401  (importing registers the families)
+from cohortrl.tasks import arithmetic, axial_stress, beam_bending, gsm8k, truss  # noqa: F401  (importing registers the families)
 from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, get, names
 
 __all__ = ["Grade", "Sample", "Step", "StepResult", "TaskFamily", "get", "names"]

@@ -26,6 +26,7 @@ from fractions import Fraction
 
 # A number: optional sign and "$", digits with optional thousands groups, decimals, exponent.
 NUMBER = r"[-+]?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_NUMBER_ONLY = re.compile(rf"^{NUMBER}$")
 _VALUE_UNIT = re.compile(rf"^(?P<num>{NUMBER})\s*(?P<unit>.*?)$")
 _KEY = re.compile(r"^(?P<key>[^\W\d][\w]*)\s*=(?P<rest>.*)$")
 _ANSWER = re.compile(r"^ANSWER\s*:(?P<rest>.*)$", re.IGNORECASE)
@@ -37,7 +38,10 @@ _KEY_ALIASES = {"σ": "sigma", "δ": "delta", "Δ": "delta"}
 
 def parse_number(text: str) -> Fraction | None:
     """A written number as an exact `Fraction` (``"$1,250.5"`` → 2501/2), or ``None``."""
-    text = text.strip().replace("−", "-").replace("$", "").replace(",", "")
+    text = text.strip().replace("−", "-")
+    if not _NUMBER_ONLY.match(text):
+        return None  # Fraction() would also read "3/4" and " 1_000"; answers are decimals
+    text = text.replace("$", "").replace(",", "")
     try:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):
@@ -162,9 +166,9 @@ def format_exact(value: Fraction) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Free-text arithmetic statements "a op b = c" (the GSM8K family's steps).
 
-_LHS_START = re.compile(r"[$(]*\d")
+_LHS_START = re.compile(r"[$(\-]*\.?\d")
 _STATEMENT = re.compile(
-    r"(?P<lhs>[$(]*\d[\d$.,() \tx×÷*/+\-]*?)[ \t]*=[ \t]*(?P<rhs>-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)"
+    r"(?P<lhs>[$(\-]*\.?\d[\d$.,() \tx×÷*/+\-]*?)[ \t]*=[ \t]*(?P<rhs>-?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))"
 )
 _TOKEN = re.compile(r"\s*(?:(?P<num>\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\$?\.\d+)|(?P<op>[-+*/x×÷()]))")
 _OPS = {"x": "*", "×": "*", "÷": "/"}
@@ -267,6 +271,11 @@ def rounds_to(exact: Fraction, written_text: str) -> bool:
     return places >= 2 and round(exact, places) == written
 
 
+def is_identity(result: Fraction, operands: list[Fraction]) -> bool:
+    """48 * 1 = 48, 48 + 0 = 48: the result is an operand and the rest is a 0 or a 1 — nothing computed."""
+    return result in operands and any(o in (0, 1) for o in operands)
+
+
 @dataclass(frozen=True)
 class Statement:
     """One arithmetic statement ``lhs = rhs`` found in free text."""
@@ -297,7 +306,7 @@ def _statement_at(lhs_text: str, rhs_text: str, span: tuple[int, int]) -> Statem
         for old, new in ((" ", ""), ("$", ""), ("x", "*"), ("×", "*"), ("÷", "/")):
             lhs = lhs.replace(old, new)
         lhs = re.sub(r"(?<=\d),(?=\d{3})", "", lhs)
-        trivial = written in operands and any(o in (0, 1) for o in operands)
+        trivial = is_identity(written, operands)
         return Statement(lhs, exact, written, rhs_text, rounds_to(exact, rhs_text), trivial,
                          (span[0] + start.start(), span[1]))
     return None
