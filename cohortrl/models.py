@@ -14,6 +14,7 @@ Specs, in the order they are tried:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -203,8 +204,24 @@ _TINY_CORPUS_WORDS = (
 def build_tiny_tokenizer():
     """A byte-level BPE tokenizer trained on a small fixed corpus: deterministic, offline, with multi-character
     tokens (so token/character alignment is exercised as with a real tokenizer) and a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_tokenizer_json() -> str:
+    """Train the tiny BPE once per process (tests build many tiny models)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -221,15 +238,7 @@ def build_tiny_tokenizer():
         show_progress=False,
     )
     tok.train_from_iterator(lines, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
+    return tok.to_str()
 
 
 def build_tiny_model(name: str = "tiny-llama", *, seed: int = 0):

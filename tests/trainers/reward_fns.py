@@ -1,0 +1,31 @@
+"""Reward functions used by the trainer tests, loaded by path the way a user's own file is."""
+
+
+def starts_with_digit(prompts, completions, **columns):
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def raises_unless_letter(prompts, completions, **columns):
+    out = []
+    for c in completions:
+        if not c[:1].isalpha():
+            raise ValueError(f"cannot parse {c[:5]!r}")
+        out.append(1.0)
+    return out
+
+
+def returns_nan(prompts, completions, **columns):
+    return [float("nan") if i == 1 else 0.0 for i in range(len(completions))]
+
+
+def wrong_length(prompts, completions, **columns):
+    return [0.0] * (len(completions) - 1)
+
+
+def not_applicable(prompts, completions, **columns):
+    return [None] * len(completions)
+
+
+def starts_with_letter(prompts, completions, **columns):
+    """About 40% of the tiny random model's responses: groups of 4 are a mix of informative and all-same."""
+    return [1.0 if c[:1].isalpha() else 0.0 for c in completions]
