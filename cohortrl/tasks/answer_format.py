@@ -286,7 +286,15 @@ class Statement:
     written_text: str
     correct: bool  # the right-hand side is the exact value (or correctly rounded, see `rounds_to`)
     trivial: bool  # an identity such as 48 * 1 = 48 or 48 + 0 = 48: restates a number, computes nothing
+    operands: tuple[Fraction, ...]
     span: tuple[int, int]
+
+
+def normalize_lhs(text: str) -> str:
+    """A left-hand side without spaces, "$" or thousands commas, with x × ÷ as * /: "$1,000 x 2" → "1000*2"."""
+    for old, new in ((" ", ""), ("\t", ""), ("$", ""), ("x", "*"), ("×", "*"), ("÷", "/")):
+        text = text.replace(old, new)
+    return re.sub(r"(?<=\d),(?=\d{3})", "", text)
 
 
 def _statement_at(lhs_text: str, rhs_text: str, span: tuple[int, int]) -> Statement | None:
@@ -302,12 +310,9 @@ def _statement_at(lhs_text: str, rhs_text: str, span: tuple[int, int]) -> Statem
         written = parse_number(rhs_text)
         if written is None:
             return None
-        lhs = lhs_text[start.start():]
-        for old, new in ((" ", ""), ("$", ""), ("x", "*"), ("×", "*"), ("÷", "/")):
-            lhs = lhs.replace(old, new)
-        lhs = re.sub(r"(?<=\d),(?=\d{3})", "", lhs)
+        lhs = normalize_lhs(lhs_text[start.start():])
         trivial = is_identity(written, operands)
-        return Statement(lhs, exact, written, rhs_text, rounds_to(exact, rhs_text), trivial,
+        return Statement(lhs, exact, written, rhs_text, rounds_to(exact, rhs_text), trivial, tuple(operands),
                          (span[0] + start.start(), span[1]))
     return None
 

@@ -8,7 +8,8 @@ Levels:
   4  deflection: symmetric simply supported (central point load and/or UDL) or cantilever (tip load
      and/or UDL), E given; steps add delta (mm); SAFE iff sigma <= allowable and delta <= span / limit
   5  inverse design: the smallest depth h of a b-wide rectangle so that sigma <= allowable;
-     steps M_max, Z (mm^3), h (mm); ANSWER h, checked by plugging it back into sigma = 6 M / (b h^2)
+     steps M_max, Z (mm^3), h (mm); ANSWER h, checked by plugging it back into sigma = 6 M / (b h^2):
+     it must meet the allowable stress and be at most the tolerance deeper than needed
 
 Conventions: x from A; loads act downward; reactions positive upward; M_max is the largest bending
 moment magnitude (hogging at a cantilever's fixed end A). Units: kN, m, kN/m (= N/mm), mm, MPa, GPa.
@@ -30,7 +31,7 @@ from fractions import Fraction
 
 from cohortrl.tasks.answer_format import format_instructions, format_sig
 from cohortrl.tasks.base import Sample, Step, TaskFamily, clear_of_threshold, register, rng_for, target_utilisation, wants_safe
-from cohortrl.tasks.units import to_si, within_tolerance
+from cohortrl.tasks.units import to_si
 
 
 @dataclass
@@ -218,11 +219,13 @@ class BeamBending(TaskFamily):
     def answer_ok(self, sample: Sample, value: Fraction | None, unit: str) -> bool:
         if "moment_Nmm" not in sample.extra:
             return super().answer_ok(sample, value, unit)
-        # Inverse design: plug the depth back in; it is right when it just meets the allowable stress.
+        # Inverse design: plug the depth back in. It must meet the allowable stress (within the tolerance)
+        # and be no more than the tolerance deeper than needed: sigma ~ 1 / h^2, so that is
+        # allow / (1 + tol)^2 <= sigma(h) <= allow * (1 + tol).
         depth = to_si(value, unit) if value is not None else None
         if depth is None or depth[1] != (0, 1, 0) or depth[0] <= 0:
             return False
-        depth_mm = float(depth[0]) * 1000
-        stress = 6 * sample.extra["moment_Nmm"] / (sample.extra["width_mm"] * depth_mm**2)
-        allow = sample.extra["sigma_allow_MPa"]
-        return within_tolerance(Fraction(stress), Fraction(allow), self.rel_tol)
+        depth_mm = depth[0] * 1000
+        stress = 6 * Fraction(sample.extra["moment_Nmm"]) / (sample.extra["width_mm"] * depth_mm**2)
+        allow, slack = Fraction(sample.extra["sigma_allow_MPa"]), 1 + Fraction(str(self.rel_tol))
+        return allow / slack**2 <= stress <= allow * slack

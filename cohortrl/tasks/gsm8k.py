@@ -17,8 +17,11 @@ are dropped). A step is credited when the response
 writes a correct statement ``a op b = c`` (`answer_format.find_statements`, evaluated exactly; rounding to
 two or more decimals is accepted) whose value equals the calculation's result. The response may compute it
 any way it likes. So that statements cannot be farmed:
-- only the first 2 R + 2 statements count (R = required steps): enumerating "1 + 1 = 2, 1 + 2 = 3, ..."
-  runs past the cap long before it covers the answers;
+- a statement counts only if it is grounded: each operand is a number from the question, a constant the
+  dataset's own calculations use (2 for "twice", 60, 100, ...) or a result the response derived earlier,
+  so "1 + 1 = 2, 2 + 1 = 3, ..." counts for nothing unless the problem is about those numbers;
+- only the first 2 R + 2 statements count (R = required steps), so even grounded combinations of the
+  question's numbers get few guesses and crowd out the response's own work;
 - a statement credits at most one step, and repeating a statement (same left-hand side) counts once;
 - a left-hand side written with two different results is a contradiction: none of them count;
 - identities that restate a number (``48 * 1 = 48``, ``48 + 0 = 48``) count for nothing;
@@ -46,6 +49,7 @@ from cohortrl.tasks.answer_format import (
     find_statements,
     format_exact,
     is_identity,
+    normalize_lhs,
     parse_number,
     parse_response,
     rounds_to,
@@ -153,17 +157,32 @@ class GSM8K(TaskFamily):
         results_by_lhs: dict[str, set[Fraction]] = {}
         for s in statements:
             results_by_lhs.setdefault(s.lhs, set()).add(s.written)
+        # Numbers a statement may use: the question's, the constants the dataset's own calculations use
+        # (2 for "twice", 60, 100, ...), and results the response has already derived.
+        known = {parse_number(g) for g in sample.givens}
+        known |= {o for step in sample.steps for o in evaluate(step.key.rsplit("=", 1)[0])[1]}
         usable, seen = [], set()
         for s in statements:
-            if s.correct and not s.trivial and len(results_by_lhs[s.lhs]) == 1 and s.lhs not in seen:
+            grounded = all(o in known for o in s.operands)
+            if s.correct and grounded:
+                known.add(s.written)
+            if s.correct and grounded and not s.trivial and len(results_by_lhs[s.lhs]) == 1 and s.lhs not in seen:
                 usable.append(s)
                 seen.add(s.lhs)
 
-        results = []
-        for step in sample.steps:
-            match = next((s for s in usable if rounds_to(s.exact, step.value)), None)
-            if match is not None:
-                usable.remove(match)
-            results.append(StepResult(step.key, match is not None, match.span if match else None,
-                                      match.written_text if match else None))
+        # Match each required step to a distinct statement: first the statements that write the same
+        # calculation, then any other statement with the same value (the response may compute it its own way).
+        matched: dict[int, object] = {}
+        for same_calculation in (True, False):
+            for i, step in enumerate(sample.steps):
+                if i in matched:
+                    continue
+                lhs = normalize_lhs(step.key.rsplit("=", 1)[0])
+                match = next((s for s in usable
+                              if (s.lhs == lhs or not same_calculation) and rounds_to(s.exact, step.value)), None)
+                if match is not None:
+                    matched[i] = match
+                    usable.remove(match)
+        results = [StepResult(step.key, i in matched, matched[i].span if i in matched else None,
+                              matched[i].written_text if i in matched else None) for i, step in enumerate(sample.steps)]
         return make_grade(outcome, results, commit.committed, self.step_weight)
