@@ -2,7 +2,7 @@
 
 Levels pick a split and a difficulty, measured by the number of ``<<a*b=c>>`` calculations in the dataset's
 own solution:
-  1  train, 1-2 calculations      4  test, 1-2 calculations
+  1  train, 0-2 calculations      4  test, 0-2 calculations
   2  train, 3-4 calculations      5  test, 3-4 calculations
   3  train, 5 or more             6  test, 5 or more
 ``sample(n, seed, level)`` walks a seeded permutation of the level's problems (wrapping around if n
@@ -56,8 +56,8 @@ from cohortrl.tasks.answer_format import (
 )
 from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, make_grade, register
 
-LEVELS = {1: ("train", 1, 2), 2: ("train", 3, 4), 3: ("train", 5, 10**9),
-          4: ("test", 1, 2), 5: ("test", 3, 4), 6: ("test", 5, 10**9)}
+LEVELS = {1: ("train", 0, 2), 2: ("train", 3, 4), 3: ("train", 5, 10**9),
+          4: ("test", 0, 2), 5: ("test", 3, 4), 6: ("test", 5, 10**9)}
 _ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
 _QUESTION_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 

@@ -1,0 +1,67 @@
+"""The contract other code relies on: one test iterates every registered family."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from cohortrl import tasks
+from cohortrl.tasks import Grade, Sample, StepResult
+
+from .helpers import FAMILIES
+
+
+def test_names():
+    assert tasks.names() == ["arithmetic", "axial_stress", "beam_bending", "gsm8k", "truss"]
+
+
+def test_unknown_name_suggests_the_nearest():
+    with pytest.raises(KeyError, match="did you mean 'truss'"):
+        tasks.get("trusss")
+
+
+def test_knobs_override_a_copy():
+    loose = tasks.get("axial_stress", rel_tol=0.05, step_weight=0.5)
+    assert (loose.rel_tol, loose.step_weight) == (0.05, 0.5)
+    assert tasks.get("axial_stress").rel_tol == 0.01
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_contract(name):
+    family = tasks.get(name)
+    assert family.levels == tuple(range(1, len(family.levels) + 1))
+    doc = sys.modules[type(family).__module__].__doc__
+    assert f"[{name}]" in doc and "Levels" in doc
+    for level in family.levels:
+        batch = family.sample(4, seed=5, level=level)
+        assert [s.to_dict() for s in batch] == [s.to_dict() for s in family.sample(4, seed=5, level=level)]
+        assert batch[2].to_dict() == family.sample(3, seed=5, level=level)[2].to_dict()  # prefix-stable
+        assert [s.prompt for s in batch] != [s.prompt for s in family.sample(4, seed=6, level=level)]
+        for s in batch:
+            assert (s.family, s.level, s.seed) == (name, level, 5) and s.id
+            assert isinstance(s.prompt, str) and "ANSWER" in s.prompt
+            # A dataset row: through JSON and back, and it still grades the same.
+            row = json.loads(json.dumps(s.to_dict()))
+            back = family.sample_from_dict(row)
+            assert back == s == Sample.from_dict(row)
+            g = family.grade(back, s.reference_solution)
+            assert isinstance(g, Grade) and all(isinstance(r, StepResult) for r in g.steps)
+            assert g.outcome == 1.0 and len(g.steps) == len(s.steps)
+    with pytest.raises(ValueError):
+        family.sample(1, seed=0, level=99)
+
+
+def test_a_sample_of_another_family_is_refused():
+    row = tasks.get("arithmetic").sample(1)[0].to_dict()
+    with pytest.raises(ValueError):
+        tasks.get("truss").sample_from_dict(row)
+
+
+def test_lowest_arithmetic_level_is_short_and_small():
+    # SmolLM2-135M must succeed sometimes here: one operation on single digits, format asked in the prompt.
+    for s in tasks.get("arithmetic").sample(200, seed=0, level=1):
+        assert len(s.prompt) < 80 and s.steps == []
+        assert s.prompt.startswith("What is ") and "ANSWER: <number>" in s.prompt
+        assert s.reference_solution == f"ANSWER: {s.answer}"
