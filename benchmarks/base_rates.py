@@ -1,0 +1,95 @@
+"""Base rates of a model on the gym: how often it succeeds per family and level, greedy and sampled.
+
+The table this prints goes into docs/tasks.md; GRPO needs levels where the sampled success rate is neither
+~0 nor ~1 (otherwise every group of responses gets the same reward and there is no signal).
+
+    .venv/bin/python benchmarks/base_rates.py --model smollm2-135m-instruct --n 200
+    .venv/bin/python benchmarks/base_rates.py --families arithmetic axial_stress --levels 1 2 --n 50
+
+For each family and level: ``n`` prompts from ``family.sample(n, seed, level)``, the chat template applied
+(``tokenizer.apply_chat_template``, with an optional system prompt), batched ``model.generate`` with left
+padding, then ``family.grade``. Columns: outcome (mean), score (mean of the default reward) and committed
+(the fraction that wrote exactly one ANSWER line, and VERDICT where asked: the format rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def generate(model, tokenizer, prompts: list[str], *, system: str | None, max_new_tokens: int,
+             temperature: float, batch_size: int) -> list[str]:
+    """Completions for ``prompts``; greedy when ``temperature`` is 0."""
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chats = []
+        for prompt in prompts[start : start + batch_size]:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            chats.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        batch = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {"do_sample": False}
+        with torch.no_grad():
+            ids = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+        new = ids[:, batch["input_ids"].shape[1] :]  # left padding: every prompt ends at the same column
+        out += tokenizer.batch_decode(new, skip_special_tokens=True)
+    return out
+
+
+def main() -> None:
+    from cohortrl import tasks
+    from cohortrl.models import load_model
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a cohortrl.models.load_model spec")
+    parser.add_argument("--families", nargs="+", default=tasks.names(), help="default: all")
+    parser.add_argument("--levels", nargs="+", type=int, default=None, help="default: every level of each family")
+    parser.add_argument("--n", type=int, default=200, help="prompts per family and level (default 200)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="for the sampled column (default 1.0)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--system", default=None, help="a system prompt (default: the chat template's own)")
+    parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
+    parser.add_argument("--dump", default=None, help="write every prompt, completion and grade to this JSONL file")
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model(args.model)
+    model.eval()
+    dump = open(args.dump, "w", encoding="utf-8") if args.dump else None
+    columns = " | ".join(f"{m} outcome | {m} score | {m} committed" for m in args.modes)
+    print(f"model {args.model}, n {args.n} per row, max_new_tokens {args.max_new_tokens}, "
+          f"sampled at temperature {args.temperature}\n")
+    print(f"| family | level | {columns} | seconds |")
+    print("|---|---|" + "---|" * (3 * len(args.modes) + 1))
+    for name in args.families:
+        family = tasks.get(name)
+        for level in args.levels or family.levels:
+            if level not in family.levels:
+                continue
+            samples = family.sample(args.n, seed=args.seed, level=level)
+            cells, started = [], time.perf_counter()
+            for mode in args.modes:
+                completions = generate(model, tokenizer, [s.prompt for s in samples], system=args.system,
+                                       max_new_tokens=args.max_new_tokens,
+                                       temperature=0.0 if mode == "greedy" else args.temperature,
+                                       batch_size=args.batch_size)
+                grades = [family.grade(s, c) for s, c in zip(samples, completions)]
+                n = len(grades)
+                cells += [f"{sum(g.outcome for g in grades) / n:.3f}", f"{sum(g.score for g in grades) / n:.3f}",
+                          f"{sum(g.committed for g in grades) / n:.2f}"]
+                if dump:
+                    for s, c, g in zip(samples, completions, grades):
+                        dump.write(json.dumps({"id": s.id, "mode": mode, "prompt": s.prompt, "completion": c,
+                                               "outcome": g.outcome, "score": g.score, "committed": g.committed}) + "\n")
+            print(f"| {name} | {level} | {' | '.join(cells)} | {time.perf_counter() - started:.0f} |", flush=True)
+    if dump:
+        dump.close()
+
+
+if __name__ == "__main__":
+    main()
