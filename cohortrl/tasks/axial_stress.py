@@ -117,7 +117,7 @@ def describe(s: dict, rng: random.Random, convert: bool) -> str:
     return f"a rectangular section {size(s['b'])} x {size(s['h'])}"
 
 
-def force_text(kN: float, rng: random.Random, newtons: bool) -> str:
+def force_text(kN: float, newtons: bool) -> str:
     return f"{format_sig(kN * 1000, 6)} N" if newtons else f"{format_sig(kN, 6)} kN"
 
 
@@ -190,7 +190,7 @@ def build(rng: random.Random, level: int, scale: float):
         strength = strength_text(sy, rng, convert)
         text = (
             f"A {material} bar with {describe(section, rng, convert)} carries an axial tensile load of "
-            f"{force_text(load, rng, newtons=level == 1 or (convert and rng.random() < 0.5))}. "
+            f"{force_text(load, newtons=level == 1 or (convert and rng.random() < 0.5))}. "
             f"Yield strength {strength}; required safety factor {sf_req}."
         )
         givens = section_givens(section) + [f"F = {format_sig(load)} kN", f"sigma_y = {sy} MPa", f"SF_req = {sf_req}"]

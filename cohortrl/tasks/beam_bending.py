@@ -142,7 +142,6 @@ def describe(beam: Beam) -> str:
     return f"{text} {' and '.join(loads)}."
 
 
-
 def build(rng: random.Random, level: int, safe: bool):
     """(statement, givens, steps, verdict, extra) for one problem of the level, or None when no depth on
     the grid puts the verdict clear of its threshold (the caller draws again)."""
@@ -166,13 +165,12 @@ def build(rng: random.Random, level: int, safe: bool):
         extra = {"moment_Nmm": m * 1e6, "width_mm": width, "sigma_allow_MPa": allow}
         return text, givens + [f"b = {width} mm", f"sigma_allow = {allow} MPa"], steps, None, extra
     e_gpa, limit = rng.choice([70, 200, 210]), rng.choice([250, 360])
-
-    deflection_times_inertia = max_deflection(beam, e_gpa, 1.0)[0]  # delta is proportional to 1 / I
+    deflection_times_inertia = max_deflection(beam, e_gpa, 1.0)[0] if level == 4 else 0.0  # delta ~ 1 / I
 
     def utilisation(depth: float) -> float:
         inertia = width * depth**3 / 12
-        u = m * 1e6 * (depth / 2) / inertia / allow
-        return max(u, deflection_times_inertia / inertia / (beam.span * 1000 / limit)) if level == 4 else u
+        stress_ratio = m * 1e6 * (depth / 2) / inertia / allow
+        return max(stress_ratio, deflection_times_inertia / inertia / (beam.span * 1000 / limit))
 
     # Loads stay textbook-sized; the depth (whole centimetres, between half and four times the width)
     # is what puts the verdict where we want it.

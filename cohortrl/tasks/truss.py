@@ -153,8 +153,8 @@ def plane_truss(rng: random.Random, level: int, safe: bool):
     biggest = max(abs(f) for f in forces.values())
     area = round_nice(biggest * 1000 / (target_utilisation(rng, safe) * allow), 2)
     sigma_max = biggest * 1000 / area
-    if not clear_of_threshold(sigma_max / allow):
-        return None
+    if not clear_of_threshold(sigma_max / allow) or (sigma_max <= allow) != safe:
+        return None  # rounding the area moved it too far: draw again
     coords = ", ".join(f"{n}({format_sig(x)}, {format_sig(y)})" for n, (x, y) in nodes.items())
     roller = next(n for n, d in supports.items() if d == "y")
     text = (
