@@ -97,8 +97,11 @@ def parse_response(text: str) -> ParsedResponse:
         start += len(raw) + 1
         line = _clean(raw)
         if match := _ANSWER.match(line):
-            value, unit = _split_value_unit(match["rest"])
-            answers.append(ValueLine("ANSWER", value, unit, match["rest"].strip(), span))
+            # Small models echo the prompt's template ("ANSWER: <12>") or name the quantity
+            # ("ANSWER: SF = 1.57"); neither hedges, so both are read.
+            rest = match["rest"].rsplit("=", 1)[-1].strip().removeprefix("<").removesuffix(">")
+            value, unit = _split_value_unit(rest)
+            answers.append(ValueLine("ANSWER", value, unit, rest, span))
         elif match := _VERDICT.match(line):
             word = match["rest"].strip().rstrip(".").strip().upper()
             verdicts.append(ValueLine("VERDICT", None, "", word, span))

@@ -9,7 +9,8 @@ own solution:
 exceeds them), so it is deterministic in (seed, level); train on levels 1-3 and evaluate on 4-6.
 
 Outcome: the single ANSWER line's number equals the dataset's final ``#### N`` exactly (a ``$``,
-thousands commas and a trailing word such as "apples" are allowed: there is no unit rule here).
+thousands commas and a trailing word such as "apples" are allowed: there is no unit rule here; a second
+number after it, as in "72 or 80", is a hedge and earns nothing).
 
 Steps: one per distinct calculation of the dataset's solution that is itself right and computes something
 (a few hundred GSM8K annotations are wrong, rounded to whole numbers, or identities such as 1*6=6; those
@@ -151,7 +152,9 @@ class GSM8K(TaskFamily):
 
     def grade(self, sample: Sample, completion: str) -> Grade:
         commit = commitment(parse_response(completion), needs_verdict=False)
-        outcome = 1.0 if commit.committed and commit.answer.value == Fraction(sample.target.value) else 0.0
+        # No unit rule here, but a trailing word must not carry another number ("72 or 80", "72-80").
+        answer_ok = commit.committed and not any(c.isdigit() for c in commit.answer.unit)
+        outcome = 1.0 if answer_ok and commit.answer.value == Fraction(sample.target.value) else 0.0
 
         statements = find_statements(completion)[: 2 * len(sample.steps) + 2]
         results_by_lhs: dict[str, set[Fraction]] = {}

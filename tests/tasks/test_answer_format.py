@@ -54,6 +54,9 @@ def test_commitment_needs_exactly_one_answer_and_verdict():
     assert not commit("ANSWER: about two\nVERDICT: SAFE").committed
     assert not commit("VERDICT: SAFE").committed
     assert commit("ANSWER: 2", needs_verdict=False).committed
+    # The template echoed, or the quantity named: still one readable answer.
+    assert commit("ANSWER: <12>", needs_verdict=False).answer.value == 12
+    assert commit("ANSWER: SF = 1.57\nVERDICT: SAFE").answer.value == Fraction("1.57")
 
 
 def test_evaluate_is_exact_and_refuses_non_arithmetic():

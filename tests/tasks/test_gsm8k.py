@@ -76,6 +76,9 @@ def test_grading_a_worked_answer(tiny_gsm8k):
     # The answer without the work: outcome only.
     g = family.grade(sample, "ANSWER: 72")
     assert (g.outcome, g.step_credit, g.score) == (1.0, 0.0, 0.75)
+    # A second number in the answer line is a hedge, even with no unit rule.
+    assert family.grade(sample, "ANSWER: 72 or 80").outcome == 0.0
+    assert family.grade(sample, "ANSWER: 72-80").outcome == 0.0
     # Work without an answer: nothing.
     assert family.grade(sample, "48/2 = 24\n48 + 24 = 72\nSo 72.").score == 0.0
 
