@@ -58,8 +58,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "task:arithmetic"
-    """Where prompts come from: ``task:NAME`` (a gym family, see ``cohortrl tasks list``), ``jsonl:PATH``,
-    ``hf:DATASET_ID`` (Hugging Face hub, needs internet), or ``gsm8k`` (local copy, else the hub)."""
+    """Where prompts come from: ``task:NAME`` (a gym family, see ``cohortrl tasks list``; ``task:gsm8k`` reads
+    the local GSM8K copy, else the hub), ``jsonl:PATH``, or ``hf:DATASET_ID`` (Hugging Face hub, needs internet)."""
     level: int = 1
     """Difficulty level for ``task:`` sources."""
     prompt_column: str = "prompt"
@@ -71,9 +71,9 @@ class DataConfig:
     eval_size: int = 200
     """Held-out prompts for evaluation (disjoint from training)."""
     split: str = "train"
-    """Dataset split for training (hf / gsm8k sources); evaluation uses ``eval_split``."""
+    """Dataset split for training (hf sources); evaluation uses ``eval_split``."""
     eval_split: str = "test"
-    """Dataset split for evaluation (hf / gsm8k sources)."""
+    """Dataset split for evaluation (hf sources)."""
     max_prompt_tokens: int = 512
     """Prompts longer than this (after the chat template) are handled per ``overlong_prompts``."""
     overlong_prompts: Literal["reject", "truncate"] = "reject"
@@ -365,13 +365,12 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for key in data:
         if key not in names:
             path = prefix + str(key)
-            candidates = _all_paths(Config)
-            close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.5) or difflib.get_close_matches(
-                str(key), sorted(names), n=1, cutoff=0.5
-            )
-            if close and "." not in close[0] and prefix:
-                close = [prefix + close[0]]
-            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys here: {', '.join(sorted(names))}"
+            close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
+            if close:
+                hint = f"; did you mean '{prefix + close[0]}'?"
+            else:  # maybe a key put in the wrong section
+                elsewhere = difflib.get_close_matches(path, _all_paths(Config), n=1, cutoff=0.6)
+                hint = f"; did you mean '{elsewhere[0]}'?" if elsewhere else f"; valid keys here: {', '.join(sorted(names))}"
             raise ConfigError(f"unknown config key '{path}'{hint}")
     kwargs = {name: _convert(hints[name], value, prefix + name) for name, value in data.items()}
     return cls(**kwargs)
@@ -408,6 +407,15 @@ def validate(cfg: Config) -> None:
         f"must be >= algorithm.clip_low ({a.clip_low}); clip-higher widens the upper bound, never narrows it",
     )
     _require(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 (typically 3) or null")
+    from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
+    for path, name, registry in (
+        ("algorithm.estimator", a.estimator, ADVANTAGE_ESTIMATORS),
+        ("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES),
+    ):
+        close = difflib.get_close_matches(name, list(registry), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        _require(name in registry, path, name, f"unknown name; {hint}registered: {', '.join(registry)}")
     _require(a.epochs >= 1, "algorithm.epochs", a.epochs, "must be at least 1")
     batch = a.group_size * a.prompts_per_step
     _require(
@@ -439,10 +447,10 @@ def validate(cfg: Config) -> None:
     _require(d.eval_size >= 0, "data.eval_size", d.eval_size, "must be >= 0")
     _require(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "must be at least 1")
     _require(
-        d.source.split(":", 1)[0] in ("task", "jsonl", "hf", "gsm8k"),
+        d.source.split(":", 1)[0] in ("task", "jsonl", "hf") and ":" in d.source,
         "data.source",
         d.source,
-        "must be task:NAME, jsonl:PATH, hf:DATASET_ID or gsm8k",
+        "must be task:NAME, jsonl:PATH or hf:DATASET_ID",
     )
     _require(e.every >= 0, "eval.every", e.every, "must be >= 0")
     _require(e.n_prompts >= 0, "eval.n_prompts", e.n_prompts, "must be >= 0")
@@ -455,6 +463,8 @@ def validate(cfg: Config) -> None:
         _require(fn.name != "", f"reward.functions[{i}].name", fn.name, "must name a reward function")
     _require(len(cfg.reward.functions) >= 1, "reward.functions", cfg.reward.functions, "needs at least one reward function")
     names = [fn.name for fn in cfg.reward.functions]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    _require(not dupes, "reward.functions", dupes, "each reward function may appear once (its name keys its metrics)")
     _require(
         cfg.reward.correctness in names,
         "reward.correctness",

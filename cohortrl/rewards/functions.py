@@ -49,15 +49,20 @@ def extract_answer(completion: str, mode: str = "answer_line") -> str | None:
     return None
 
 
+def _plain_number(text: str) -> float | None:
+    text = text.strip().rstrip(".").replace(" ", "")
+    return float(text.replace(",", "")) if _NUMBER_RE.fullmatch(text) else None
+
+
 def answers_match(predicted: str, gold, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
-    """Numeric comparison with tolerance when both sides are numbers, else math-verify's symbolic equivalence."""
-    gold_text = str(gold)
-    p, g = parse_number(predicted), parse_number(gold_text)
-    if p is not None and g is not None and _NUMBER_RE.fullmatch(gold_text.strip().replace(" ", "")):
+    """Numeric comparison with tolerance when both sides are plain numbers, else math-verify's symbolic
+    equivalence (fractions, expressions, LaTeX)."""
+    p, g = _plain_number(predicted), _plain_number(str(gold))
+    if p is not None and g is not None:
         return math.isclose(p, g, rel_tol=rel_tol, abs_tol=abs_tol)
     from math_verify import parse, verify  # imported lazily: it pulls in sympy
 
-    return bool(verify(parse(gold_text), parse(predicted)))
+    return bool(verify(parse(str(gold)), parse(predicted)))
 
 
 def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_column: str = "answer") -> RewardFn:

@@ -74,11 +74,8 @@ class GRPOTrainer:
         a = cfg.algorithm
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        try:  # registry names are checked before anything is loaded
-            self.estimator = get_advantage_estimator(a.estimator)
-            self.policy_loss = get_policy_loss(a.policy_loss)
-        except ValueError as e:
-            raise ConfigError(f"config key 'algorithm': {e}") from None
+        self.estimator = get_advantage_estimator(a.estimator)  # names already checked by config.validate
+        self.policy_loss = get_policy_loss(a.policy_loss)
         if resume:
             self._check_resume_config()
         if cfg.train.threads:

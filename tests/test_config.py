@@ -1,0 +1,122 @@
+"""Every config error path, with the exact message, before any model is loaded."""
+
+import pytest
+
+from cohortrl.config import Config, ConfigError, apply_overrides
+
+ERRORS = [
+    ({"algorithm": {"group_sise": 4}}, "unknown config key 'algorithm.group_sise'; did you mean 'algorithm.group_size'?"),
+    ({"algoritm": {}}, "unknown config key 'algoritm'; did you mean 'algorithm'?"),
+    ({"model": {"lora": {"rank": 4}}}, "unknown config key 'model.lora.rank'; did you mean 'model.lora.r'?"),
+    ({"group_size": 3}, "unknown config key 'group_size'; did you mean 'algorithm.group_size'?"),
+    ({"reward": {"functions": [{"name": "accuracy", "weigth": 2}]}},
+     "unknown config key 'reward.functions[0].weigth'; did you mean 'reward.functions[0].weight'?"),
+    ({"zzz": 1}, "unknown config key 'zzz'; valid keys here: algorithm, data, eval, model, optim, reward, sampling, train"),
+    ({"algorithm": {"group_size": "four"}}, "config key 'algorithm.group_size': expected int, got 'four' (str)"),
+    ({"train": {"steps": 2.5}}, "config key 'train.steps': expected int, got 2.5 (float)"),
+    ({"model": {"lora": {"enabled": "yes"}}}, "config key 'model.lora.enabled': expected bool, got 'yes' (str)"),
+    ({"sampling": {"stop": "abc"}}, "config key 'sampling.stop': expected a list of str, got 'abc' (str)"),
+    ({"model": "x"}, "config key 'model': expected a mapping, got 'x' (str)"),
+    ({"algorithm": {"aggregation": "mean"}},
+     "config key 'algorithm.aggregation': expected one of 'seq-mean-token-mean', 'token-mean', 'seq-mean-token-sum-norm', got 'mean' (str)"),
+    ({"algorithm": {"dual_clip": "3"}}, "config key 'algorithm.dual_clip': expected float or null, got '3' (str)"),
+    ({"algorithm": {"group_size": 1}},
+     "config key 'algorithm.group_size' = 1: estimator 'grpo' normalises within a group and needs at least 2 responses "
+     "per prompt; set algorithm.group_size >= 2 or use algorithm.estimator=reinforce_pp"),
+    ({"algorithm": {"group_size": 0, "estimator": "reinforce_pp"}}, "config key 'algorithm.group_size' = 0: must be at least 1"),
+    ({"algorithm": {"clip_high": 0.1}},
+     "config key 'algorithm.clip_high' = 0.1: must be >= algorithm.clip_low (0.2); clip-higher widens the upper bound, never narrows it"),
+    ({"algorithm": {"clip_low": 1.5, "clip_high": 2.0}}, "config key 'algorithm.clip_low' = 1.5: must be in [0, 1) (the ratio is clipped at 1 - clip_low)"),
+    ({"algorithm": {"beta": -0.1}}, "config key 'algorithm.beta' = -0.1: the KL coefficient must be >= 0 (0 disables the KL term)"),
+    ({"algorithm": {"dual_clip": 0.5}}, "config key 'algorithm.dual_clip' = 0.5: must be > 1 (typically 3) or null"),
+    ({"algorithm": {"estimator": "grp"}},
+     "config key 'algorithm.estimator' = 'grp': unknown name; did you mean 'grpo'? registered: grpo, grpo_batch, dr_grpo, rloo, "
+     "reinforce_pp, reinforce_pp_baseline, grpo_process"),
+    ({"algorithm": {"policy_loss": "ppo"}}, "config key 'algorithm.policy_loss' = 'ppo': unknown name; registered: clip, gspo"),
+    ({"algorithm": {"minibatches": 3}}, "config key 'algorithm.minibatches' = 3: must divide the batch of prompts_per_step x group_size = 32 responses"),
+    ({"algorithm": {"minibatches": 8}},
+     "config key 'algorithm.minibatches' = 8: each minibatch must hold whole groups of 8; use a divisor of prompts_per_step (4)"),
+    ({"algorithm": {"epochs": 0}}, "config key 'algorithm.epochs' = 0: must be at least 1"),
+    ({"algorithm": {"micro_batch_size": -1}}, "config key 'algorithm.micro_batch_size' = -1: must be >= 0"),
+    ({"algorithm": {"max_resample_draws": -1}}, "config key 'algorithm.max_resample_draws' = -1: must be >= 0"),
+    ({"algorithm": {"norm_length": 0}}, "config key 'algorithm.norm_length' = 0: must be > 0 or null"),
+    ({"algorithm": {"eps": 0}}, "config key 'algorithm.eps' = 0.0: must be > 0"),
+    ({"algorithm": {"prompts_per_step": 0}}, "config key 'algorithm.prompts_per_step' = 0: must be at least 1"),
+    ({"sampling": {"temperature": -1}}, "config key 'sampling.temperature' = -1.0: must be >= 0 (0 = greedy)"),
+    ({"sampling": {"top_p": 0}}, "config key 'sampling.top_p' = 0.0: must be in (0, 1]"),
+    ({"sampling": {"top_k": -1}}, "config key 'sampling.top_k' = -1: must be >= 0 (0 disables top-k)"),
+    ({"sampling": {"max_new_tokens": 0}}, "config key 'sampling.max_new_tokens' = 0: must be at least 1"),
+    ({"optim": {"lr": 0}}, "config key 'optim.lr' = 0.0: must be > 0"),
+    ({"optim": {"betas": [0.9]}}, "config key 'optim.betas' = [0.9]: must be two numbers in [0, 1)"),
+    ({"optim": {"warmup_steps": -1}}, "config key 'optim.warmup_steps' = -1: must be >= 0"),
+    ({"optim": {"max_grad_norm": -1}}, "config key 'optim.max_grad_norm' = -1.0: must be >= 0 (0 disables clipping)"),
+    ({"optim": {"schedule": "step"}}, "config key 'optim.schedule': expected one of 'constant', 'linear', 'cosine', got 'step' (str)"),
+    ({"data": {"level": 0}}, "config key 'data.level' = 0: levels start at 1"),
+    ({"data": {"train_size": -1}}, "config key 'data.train_size' = -1: must be >= 0"),
+    ({"data": {"eval_size": -1}}, "config key 'data.eval_size' = -1: must be >= 0"),
+    ({"data": {"max_prompt_tokens": 0}}, "config key 'data.max_prompt_tokens' = 0: must be at least 1"),
+    ({"data": {"source": "csv:x.csv"}}, "config key 'data.source' = 'csv:x.csv': must be task:NAME, jsonl:PATH or hf:DATASET_ID"),
+    ({"eval": {"every": -1}}, "config key 'eval.every' = -1: must be >= 0"),
+    ({"eval": {"n_prompts": -1}}, "config key 'eval.n_prompts' = -1: must be >= 0"),
+    ({"eval": {"pass_k": -1}}, "config key 'eval.pass_k' = -1: must be >= 0"),
+    ({"eval": {"batch_size": 0}}, "config key 'eval.batch_size' = 0: must be at least 1"),
+    ({"train": {"steps": -1}}, "config key 'train.steps' = -1: must be >= 0"),
+    ({"train": {"checkpoint_every": -1}}, "config key 'train.checkpoint_every' = -1: must be >= 0"),
+    ({"model": {"lora": {"r": 0}}}, "config key 'model.lora.r' = 0: must be at least 1"),
+    ({"reward": {"functions": []}}, "config key 'reward.functions' = []: needs at least one reward function"),
+    ({"reward": {"functions": [{"name": ""}]}}, "config key 'reward.functions[0].name' = '': must name a reward function"),
+    ({"reward": {"functions": [{"name": "accuracy"}, {"name": "accuracy"}]}},
+     "config key 'reward.functions' = ['accuracy']: each reward function may appear once (its name keys its metrics)"),
+    ({"reward": {"correctness": "format"}}, "config key 'reward.correctness' = 'format': must be the name of one of reward.functions (accuracy)"),
+]
+
+
+@pytest.mark.parametrize("data, message", ERRORS, ids=[m.split(":")[0][:60] for _, m in ERRORS])
+def test_config_errors_name_the_key_the_value_and_the_fix(data, message):
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(data)
+    assert str(err.value) == message
+
+
+def test_defaults_are_valid_and_yaml_round_trips(tmp_path):
+    cfg = Config()
+    path = tmp_path / "c.yaml"
+    path.write_text(cfg.to_yaml())
+    assert Config.from_yaml(path) == cfg
+
+
+def test_overrides_parse_values_as_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  group_size: 4\n")
+    cfg = Config.from_yaml(path, ["algorithm.group_size=6", "algorithm.beta=0", "sampling.stop=[\"\\n\\n\"]", "model.lora.enabled=true"])
+    assert (cfg.algorithm.group_size, cfg.algorithm.beta, cfg.model.lora.enabled) == (6, 0.0, True)
+    assert cfg.sampling.stop == ["\n\n"]
+
+
+def test_override_errors():
+    with pytest.raises(ConfigError, match=r"override 'algorithm.group_size' must look like key.path=value"):
+        apply_overrides({}, ["algorithm.group_size"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm.gruop_size'; did you mean 'algorithm.group_size'\?"):
+        Config.from_dict(apply_overrides({}, ["algorithm.gruop_size=2"]))
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file not found: .*nope.yaml \(give the path of a YAML file"):
+        Config.from_yaml(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithm: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"config file .*bad.yaml is not valid YAML"):
+        Config.from_yaml(bad)
+    seq = tmp_path / "seq.yaml"
+    seq.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match=r"must hold a mapping of sections, got list"):
+        Config.from_yaml(seq)
+
+
+def test_every_shipped_config_is_valid():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        Config.from_yaml(path)

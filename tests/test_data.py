@@ -1,0 +1,65 @@
+import json
+
+import pytest
+
+from cohortrl.config import DataConfig
+from cohortrl.data import DataError, PromptStream, load_rows
+
+
+def test_jsonl_split_is_disjoint_and_renames_columns(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "solution": str(i), "extra": i}) + "\n" for i in range(20)))
+    cfg = DataConfig(source=f"jsonl:{path}", prompt_column="question", answer_column="solution", eval_size=5)
+    train, held_out = load_rows(cfg, seed=0)
+    assert len(train) == 15 and len(held_out) == 5
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert set(train[0]) == {"prompt", "answer", "extra"}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"prompt": "a"}\n{"prompt": \n', r"d.jsonl:2: malformed JSON"),
+        (b'{"prompt": "a"}\n[1, 2]\n', r"d.jsonl:2: each line must be a JSON object, got list"),
+        (b'{"question": "a"}\n', r"d.jsonl:1: missing column\(s\) \['prompt'\]; columns found: \['question'\]"),
+        (b'{"prompt": "a\xff"}\n', r"d.jsonl:1: not valid UTF-8"),
+        (b"\n\n", r"d.jsonl holds no rows"),
+    ],
+)
+def test_bad_jsonl_names_file_and_line(tmp_path, content, message):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        load_rows(DataConfig(source=f"jsonl:{path}", eval_size=0), seed=0)
+
+
+def test_missing_file_empty_prompt_and_too_small_dataset(tmp_path):
+    with pytest.raises(DataError, match="data file not found"):
+        load_rows(DataConfig(source=f"jsonl:{tmp_path / 'x.jsonl'}"), seed=0)
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "  "}\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    with pytest.raises(DataError, match="has an empty prompt"):
+        load_rows(DataConfig(source=f"jsonl:{path}", eval_size=0), seed=0)
+    with pytest.raises(DataError, match="data.eval_size=3 leaves no training rows out of 3"):
+        load_rows(DataConfig(source=f"jsonl:{path}", eval_size=3), seed=0)
+
+
+def test_prompt_stream_is_seeded_endless_and_resumable():
+    rows = [{"prompt": str(i)} for i in range(5)]
+    a = PromptStream(rows, seed=1)
+    first = [r["prompt"] for r in a.take(7)]  # crosses an epoch boundary
+    assert sorted(first[:5]) == ["0", "1", "2", "3", "4"]
+    state = a.state_dict()
+    rest = [r["prompt"] for r in a.take(6)]
+    b = PromptStream(rows, seed=1)
+    b.load_state_dict(state)
+    assert [r["prompt"] for r in b.take(6)] == rest
+    with pytest.raises(DataError, match="checkpoint was taken on 5 training rows, the data now has 4"):
+        PromptStream(rows[:4], seed=1).load_state_dict(state)
+
+
+def test_task_source_holds_out_distinct_prompts():
+    cfg = DataConfig(source="task:arithmetic", level=2, train_size=100, eval_size=50)
+    train, held_out = load_rows(cfg, seed=0)
+    assert len(held_out) == 50 and {"prompt", "answer", "sample"} <= set(held_out[0])
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
