@@ -21,6 +21,8 @@ def cmd_train(args) -> int:
     from cohortrl.trainers.grpo import GRPOTrainer
 
     run_dir = Path(args.run_dir)
+    if args.config and "=" in args.config and not Path(args.config).exists():  # `--resume a.b=1`: no CONFIG given
+        args.overrides, args.config = [args.config, *args.overrides], None
     if args.resume:
         config_path = args.config or str(run_dir / "config.yaml")
     else:
@@ -32,10 +34,16 @@ def cmd_train(args) -> int:
     rows = trainer.train(steps=args.steps)
     evals = [r for r in rows if "eval/accuracy" in r]
     for r in evals:
-        print(
-            f"step {r['step']:>4}: held-out accuracy {r['eval/accuracy']:.3f} "
+        line = (
+            f"step {r['step']:>4}: held-out greedy accuracy {r['eval/accuracy']:.3f} "
             f"(95% CI {r['eval/accuracy_ci_low']:.3f}-{r['eval/accuracy_ci_high']:.3f}, n={r['eval/n']})"
         )
+        if "eval/sampled_accuracy" in r:
+            line += (
+                f"; sampled accuracy {r['eval/sampled_accuracy']:.3f} "
+                f"(95% CI {r['eval/sampled_accuracy_ci_low']:.3f}-{r['eval/sampled_accuracy_ci_high']:.3f})"
+            )
+        print(line)
     print(f"run directory: {run_dir} (metrics.jsonl, curves.png, final/)")
     return 0
 
@@ -154,7 +162,15 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after options (`train CONFIG --run-dir D a.b=1`), which argparse won't intermix with
+    # a positional list; collect the stray key=value items here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides or []) + extra
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -178,9 +178,9 @@ class EvalConfig:
     n_prompts: int = 200
     """Held-out prompts per evaluation (at most data.eval_size)."""
     pass_k: int = 0
-    """Also estimate sampled pass@k with k samples per prompt (0 disables)."""
+    """Also draw k samples per prompt: sampled accuracy (mean over samples) and pass@k (0 disables)."""
     temperature: float = 1.0
-    """Sampling temperature for pass@k."""
+    """Sampling temperature for the k samples (use the training temperature to measure the policy as trained)."""
     batch_size: int = 64
     """Prompts per generation batch during evaluation."""
     max_new_tokens: Optional[int] = None

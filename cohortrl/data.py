@@ -47,7 +47,16 @@ def _task_rows(name: str, cfg, seed: int):
     def rows(n, s):
         return [{"prompt": x.prompt, "answer": x.answer, "sample": x.to_dict()} for x in family.sample(n, s, cfg.level)]
 
-    held_out = _dedupe(rows(cfg.eval_size, seed + 1_000_003))[: cfg.eval_size]
+    # Easy levels have small pools of distinct problems: draw until eval_size distinct prompts are found.
+    held_out, drawn = [], cfg.eval_size
+    while len(held_out) < cfg.eval_size:
+        held_out = _dedupe(rows(drawn, seed + 1_000_003))[: cfg.eval_size]
+        if len(held_out) < cfg.eval_size and drawn >= 8 * cfg.eval_size:
+            raise DataError(
+                f"task {name!r} level {cfg.level} has only about {len(held_out)} distinct prompts; "
+                f"lower data.eval_size (now {cfg.eval_size}) or raise data.level"
+            )
+        drawn *= 2
     return rows(cfg.train_size, seed), held_out
 
 

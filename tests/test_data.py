@@ -63,3 +63,12 @@ def test_task_source_holds_out_distinct_prompts():
     train, held_out = load_rows(cfg, seed=0)
     assert len(held_out) == 50 and {"prompt", "answer", "sample"} <= set(held_out[0])
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+
+
+def test_small_task_pools_still_give_distinct_held_out_prompts():
+    cfg = DataConfig(source="task:arithmetic", level=1, train_size=500, eval_size=200)
+    train, held_out = load_rows(cfg, seed=0)
+    assert len({r["prompt"] for r in held_out}) == 200
+    assert train and not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    with pytest.raises(DataError, match="has only about .* distinct prompts; lower data.eval_size"):
+        load_rows(DataConfig(source="task:arithmetic", level=1, eval_size=2000), seed=0)

@@ -1,7 +1,7 @@
 """[arithmetic] Multi-step integer and decimal expressions; every intermediate result is a step, graded exactly.
 
 Levels (knobs: operations, operand count, digits, brackets, negatives, decimals):
-  1  one operation, + - or *, on single digits 2-9, result >= 0 ("What is 7 + 5?"); no steps, only ANSWER
+  1  one operation, + - or *, on 2-12 (times tables), result >= 0 ("What is 7 + 5?"); no steps, only ANSWER
   2  two operations (+ - *) on 2-9, precedence but no brackets, results >= 0; steps s1, s2
   3  two or three operations (+ - *) on 2-99, with brackets, results >= 0 and <= 10,000
   4  three or four operations (+ - * /) on -99..99, brackets, negatives, exact division
@@ -35,7 +35,7 @@ class Knobs:
 
 
 LEVELS = {
-    1: Knobs((1, 1), 9, "+-*", brackets=False, negatives=False, decimals=0),
+    1: Knobs((1, 1), 12, "+-*", brackets=False, negatives=False, decimals=0),
     2: Knobs((2, 2), 9, "+-*", brackets=False, negatives=False, decimals=0),
     3: Knobs((2, 3), 99, "+-*", brackets=True, negatives=False, decimals=0),
     4: Knobs((3, 4), 99, "+-*/", brackets=True, negatives=True, decimals=0),

@@ -38,8 +38,8 @@ def evaluate(
     max_prompt_tokens: int = 512,
     overlong_prompts: str = "reject",
 ) -> dict[str, float]:
-    """Greedy accuracy with a 95% Wilson interval, and (if ``pass_k``) the fraction of prompts with at least one
-    correct answer among k samples. Sampling runs under a forked RNG so evaluating never changes the training
+    """Greedy accuracy with a 95% Wilson interval, and (if ``pass_k``) k samples per prompt at ``temperature``:
+    pass@k and the sampled accuracy with a 95% interval over prompts. Sampling runs under a forked RNG so evaluating never changes the training
     run's random stream (a resumed run evaluates at different moments)."""
     out: dict[str, float] = {}
     kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts)
@@ -55,15 +55,22 @@ def evaluate(
     out.update({"eval/accuracy": sum(correct) / max(n, 1), "eval/accuracy_ci_low": lo, "eval/accuracy_ci_high": hi,
                 "eval/n": n, "eval/response_length_mean": sum(lengths) / max(len(lengths), 1)})
     if pass_k:
+        # k samples per prompt give both pass@k (any of the k correct) and the sampled accuracy (mean over
+        # the k), whose interval is taken over prompts: samples of one prompt are not independent.
         with torch.random.fork_rng(devices=[]):
-            any_correct = []
+            per_prompt = []
             per_batch = max(1, batch_size // pass_k)
             for start in range(0, len(rows), per_batch):
                 chunk = rows[start : start + per_batch]
                 sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens)
                 rollout, _ = generate(model, tokenizer, chunk, pass_k, sampling, **kw)
                 _, per_fn = score_rollout([correctness], rollout, max_new_tokens)
-                values = torch.tensor([float(v or 0.0) for v in per_fn[correctness.name]]).view(-1, pass_k)
-                any_correct += (values >= 1.0).any(-1).float().tolist()
-        out[f"eval/pass@{pass_k}"] = sum(any_correct) / max(len(any_correct), 1)
+                per_prompt.append((torch.tensor([float(v or 0.0) for v in per_fn[correctness.name]]) >= 1.0).float().view(-1, pass_k))
+        hits_PK = torch.cat(per_prompt)
+        mean_P = hits_PK.mean(-1)
+        half = 1.96 * mean_P.std().item() / len(mean_P) ** 0.5 if len(mean_P) > 1 else 1.0
+        out[f"eval/pass@{pass_k}"] = hits_PK.max(-1).values.mean().item()
+        out["eval/sampled_accuracy"] = mean_P.mean().item()
+        out["eval/sampled_accuracy_ci_low"] = max(0.0, mean_P.mean().item() - half)
+        out["eval/sampled_accuracy_ci_high"] = min(1.0, mean_P.mean().item() + half)
     return out

@@ -106,13 +106,15 @@ def plot_curves(run_dir: Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
     ax = axes.flat[-1]
+    for key, label in (("eval/accuracy", "greedy"), ("eval/sampled_accuracy", "sampled")):
+        pts = [r for r in evals if key in r]
+        if pts:
+            lo = [r[key] - r[f"{key}_ci_low"] for r in pts]
+            hi = [r[f"{key}_ci_high"] - r[key] for r in pts]
+            ax.errorbar([r["step"] for r in pts], [r[key] for r in pts], yerr=[lo, hi], marker="o", capsize=3, label=label)
     if evals:
-        steps = [r["step"] for r in evals]
-        acc = [r["eval/accuracy"] for r in evals]
-        lo = [r["eval/accuracy"] - r["eval/accuracy_ci_low"] for r in evals]
-        hi = [r["eval/accuracy_ci_high"] - r["eval/accuracy"] for r in evals]
-        ax.errorbar(steps, acc, yerr=[lo, hi], marker="o", capsize=3)
-    ax.set_title("held-out accuracy (greedy, 95% CI)")
+        ax.legend()
+    ax.set_title("held-out accuracy (95% CI)")
     ax.set_xlabel("step")
     fig.tight_layout()
     out = Path(run_dir) / "curves.png"

@@ -202,7 +202,8 @@ def test_process_advantages_first_token_sums_to_zero_per_group(data):
     got = process_advantages(rewards, ends, mask, group_size)
     assert torch.isfinite(got).all()
     sums = got[:, 0].view(prompts, group_size).sum(-1)
-    torch.testing.assert_close(sums, torch.zeros(prompts), atol=1e-4, rtol=0)
+    # float32: a nearly constant group (std ~1e-3) normalises with cancellation error ~1e-4 per value
+    torch.testing.assert_close(sums, torch.zeros(prompts), atol=1e-3, rtol=0)
     # nothing after a response's last step
     for i, e in enumerate(ends):
         after = (max(e) + 1) if e else 0

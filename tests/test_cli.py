@@ -1,0 +1,60 @@
+"""The command line in a subprocess, as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(*args, cwd=REPO):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "cohortrl", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("sub", [[], ["train"], ["eval"], ["models"], ["plot"], ["demo"], ["tasks"], ["tasks", "sample"]])
+def test_every_subcommand_has_help(sub):
+    out = run(*sub, "--help")
+    assert out.returncode == 0, out.stderr
+    assert "usage: cohortrl" in out.stdout
+
+
+def test_config_error_exits_2_before_loading_a_model(tmp_path):
+    out = run("train", str(REPO / "configs" / "tiny_grpo.yaml"), "--run-dir", str(tmp_path), "algorithm.group_sise=4")
+    assert out.returncode == 2
+    assert "config error: unknown config key 'algorithm.group_sise'; did you mean 'algorithm.group_size'?" in out.stderr
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_train_stop_resume_and_plot(tmp_path):
+    config = str(REPO / "configs" / "tiny_grpo.yaml")
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert run("train", config, "--run-dir", str(full), "train.progress=false").returncode == 0
+    first = run("train", config, "--run-dir", str(split), "--steps", "2", "train.progress=false")
+    assert first.returncode == 0, first.stderr
+    resumed = run("train", "--run-dir", str(split), "--resume", "train.progress=false")
+    assert resumed.returncode == 0, resumed.stderr
+
+    def train_rows(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in rows if "loss" in r}
+
+    a, b = train_rows(full), train_rows(split)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("reward_mean", "loss", "kl", "grad_norm", "entropy", "response_length_mean"):
+            assert abs(a[step][key] - b[step][key]) <= 1e-6, (step, key)
+    again = run("train", "--run-dir", str(split), "--resume", "train.progress=false")
+    assert again.returncode == 1 and "already done 4 step(s)" in again.stderr
+    (split / "curves.png").unlink()
+    assert run("plot", str(split)).returncode == 0 and (split / "curves.png").exists()
+
+
+def test_models_lists_aliases():
+    out = run("models")
+    assert out.returncode == 0
+    assert "smollm2-135m-instruct" in out.stdout and "tiny-llama" in out.stdout
