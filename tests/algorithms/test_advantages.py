@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from cohortrl.algorithms import (
@@ -245,6 +245,8 @@ def test_reinforce_pp_baseline_hand_worked():
 def test_reinforce_pp_is_whitened_over_the_batch(data):
     mask = data.draw(masks())
     rewards = tensor_like(data.draw, mask)
+    # eps = 0 makes the std exact but divides by it: keep to spreads that don't underflow when squared
+    assume(mask.sum() < 2 or rewards[mask].std() > 1e-6)
     got = reinforce_pp_advantages(rewards, mask, eps=0.0)
     values = got[mask]
     assert torch.equal(got[~mask], torch.zeros_like(got[~mask]))
