@@ -1,0 +1,239 @@
+"""Running untrusted, model-written Python out of process, with limits.
+
+Model text never runs in the trainer's process. A `Sandbox` starts a small fork server
+(`cohortrl/rewards/sandbox_server.py`) as a fresh interpreter through ``subprocess`` (fork+exec: it never
+inherits the trainer's threads or torch, so it may be started at any time; starting it early only moves
+its ~0.1 s start-up out of the first reward call). The server forks one child per job; the child sets up
+its limits, compiles the model's code, calls one function once per argument list and sends the return
+values back over a pipe as JSON. What each layer does is in the server's docstring; what is active on a
+machine is in `Sandbox.isolation` (and docs/sandbox.md):
+
+    from cohortrl.rewards import sandbox
+
+    box = sandbox.shared()                 # one per process, started on first use, stopped at exit
+    result = box.run("def f(x):\\n    return 2 * x", "f", [[1], [2.5]], timeout_s=1.0)
+    result.ok, result.reason               # True, ""
+    [c.value for c in result.calls]        # [2, 5.0]
+    box.run_many([sandbox.Job(code, "f", [[1]]), ...])   # many jobs at once, results in order
+
+A job fails with one clear ``reason``: a timeout (wall clock or CPU), the memory limit, a forbidden system
+call (killed by seccomp), a crash, too much output, code that does not compile or defines no such
+function, or the first call that raised (``call 2 raised ZeroDivisionError: division by zero (line 3)``).
+Per-call outcomes are in ``calls`` whenever the job ran to its end.
+
+Where seccomp is unavailable the sandbox still runs, with a warning logged once and
+``seccomp_active=False`` on every result; the other layers (rlimits, own uid, network namespace) remain.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import logging
+import math
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+SERVER = Path(__file__).with_name("sandbox_server.py")
+MAX_CODE_CHARS = 100_000  # a longer "function" is refused before it reaches the server
+
+
+@dataclass(frozen=True)
+class Job:
+    """One piece of code and the calls to make: ``func_name(*args)`` for each ``args`` in ``calls``."""
+
+    code: str
+    func_name: str
+    calls: Sequence[Sequence[Any]]  # each a list of JSON-serialisable positional arguments
+    timeout_s: float = 2.0  # wall clock for the whole job; CPU time is limited to ceil(timeout_s) s
+    memory_mb: int = 256  # address space the job may add to the interpreter's own
+
+
+@dataclass(frozen=True)
+class CallResult:
+    ok: bool  # the call returned (rather than raised)
+    value: Any = None  # the return value as JSON data: tuples come back as lists, NaN as nan
+    error: str = ""  # "ZeroDivisionError: division by zero (line 3)" when it raised
+
+
+@dataclass(frozen=True)
+class JobResult:
+    ok: bool  # the job ran to its end and every call returned
+    reason: str  # "" when ok, else one line saying why not
+    calls: list[CallResult] = field(default_factory=list)  # one per call when the job ran to its end
+    output: str = ""  # what the code printed (stdout and stderr), at most the sandbox's output_limit bytes
+    seconds: float = 0.0  # wall time of the job's process
+    seccomp_active: bool = False  # the seccomp filter was loaded for this job
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What the sandbox server reported about this machine when it started."""
+
+    seccomp: bool
+    seccomp_error: str  # why seccomp is off ("" when on)
+    network: str  # how the network is cut off besides seccomp, e.g. "network namespace (no interfaces up)"
+    own_uid_per_job: bool  # each job runs as a uid of its own (the server runs as root)
+    rlimits: list[str]
+
+
+_warned_no_seccomp = False
+
+
+class Sandbox:
+    """A client of one fork server. Thread-safe: several threads may call `run_many` at once.
+
+    ``max_workers`` jobs start in parallel (each keeps its start slot for its first ``fast_s`` seconds);
+    ``max_children`` bounds live children, so a batch takes at most ``max_children * memory_mb``.
+    ``output_limit`` caps stdout+stderr per job (more kills the job).
+    """
+
+    def __init__(self, max_workers: int = 2, max_children: int = 32, output_limit: int = 65536,
+                 fast_s: float = 0.02) -> None:
+        self.config = {"max_workers": max_workers, "max_children": max_children, "output_limit": output_limit,
+                       "fast_s": fast_s}
+        self._lock = threading.Lock()  # guards starting/stopping and writes to the server
+        self._proc: subprocess.Popen | None = None
+        self._pending: dict[int, dict] = {}  # id -> {"event", "result"}
+        self._ids = itertools.count()
+        self.isolation: Isolation | None = None
+
+    # -- life cycle --------------------------------------------------------------------------------------
+    def start(self) -> Sandbox:
+        """Start the server if it is not running; returns self. Called by `run_many` as needed."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                return self
+            # -I -S: no site-packages, no PYTHON* variables, no user directory; a minimal environment, so the
+            # model's code cannot read the trainer's tokens from os.environ.
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(SERVER), json.dumps(self.config)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                start_new_session=True,  # a Ctrl-C for the trainer is not delivered to the server directly
+            )
+            hello = json.loads(self._proc.stdout.readline() or "null")
+            if not isinstance(hello, dict) or "hello" not in hello:
+                raise RuntimeError(f"the sandbox server did not start (exit code {self._proc.poll()})")
+            info = hello["hello"]
+            self.isolation = Isolation(info["seccomp"], info["seccomp_error"], info["network"],
+                                       info["own_uid_per_job"], info["rlimits"])
+            global _warned_no_seccomp
+            if not info["seccomp"] and not _warned_no_seccomp:
+                _warned_no_seccomp = True
+                log.warning("sandbox: seccomp is NOT active (%s); model code still runs with rlimits, %s, "
+                            "and %s", info["seccomp_error"],
+                            "its own uid" if info["own_uid_per_job"] else "the trainer's uid", info["network"])
+            threading.Thread(target=self._read_results, args=(self._proc,), daemon=True,
+                             name="sandbox-reader").start()
+            return self
+
+    def close(self) -> None:
+        """Stop the server; its children are killed with it. Pending jobs fail."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.stdin.close()  # the server's loop ends on EOF and kills its children
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _read_results(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            message = json.loads(line)
+            slot = self._pending.pop(message.get("id"), None)
+            if slot is not None:
+                slot["result"] = message.get("result") or {"ok": False, "reason": message.get("error", "?")}
+                slot["event"].set()
+        # EOF: the server died (or was closed). Whatever it still owed fails rather than hangs.
+        code = proc.wait()
+        for job_id in list(self._pending):
+            if self._pending.get(job_id, {}).get("proc") is proc:
+                slot = self._pending.pop(job_id)
+                slot["result"] = {"ok": False, "reason": f"the sandbox server exited (code {code})"}
+                slot["event"].set()
+
+    # -- running -----------------------------------------------------------------------------------------
+    def run(self, code: str, func_name: str, calls: Sequence[Sequence[Any]], timeout_s: float = 2.0,
+            memory_mb: int = 256) -> JobResult:
+        """Call ``func_name(*args)`` for every ``args`` in ``calls``, in one sandboxed process."""
+        return self.run_many([Job(code, func_name, calls, timeout_s, memory_mb)])[0]
+
+    def run_many(self, jobs: Sequence[Job]) -> list[JobResult]:
+        """Run every job (at most ``max_workers`` starting at once); results in the order of ``jobs``."""
+        self.start()
+        slots: list[dict | JobResult] = []
+        with self._lock:
+            proc = self._proc
+            for job in jobs:
+                refused = self._refuse(job)
+                if refused:
+                    slots.append(JobResult(False, refused))
+                    continue
+                job_id = next(self._ids)
+                slot = {"event": threading.Event(), "result": None, "proc": proc}
+                self._pending[job_id] = slot
+                slots.append(slot)
+                request = {"id": job_id, "code": job.code, "func": job.func_name, "calls": [list(a) for a in job.calls],
+                           "timeout_s": float(job.timeout_s), "memory_mb": int(job.memory_mb)}
+                try:
+                    proc.stdin.write((json.dumps(request) + "\n").encode())
+                except (BrokenPipeError, ValueError):
+                    self._pending.pop(job_id, None)
+                    slot["result"] = {"ok": False, "reason": "the sandbox server is not running"}
+                    slot["event"].set()
+            try:
+                proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+        # A guard against a wedged server, never reached in normal operation: every job, one start slot
+        # at a time, at its full limit, twice over.
+        guard = 10 + 2 * sum(job.timeout_s for job in jobs) / self.config["max_workers"]
+        deadline = time.monotonic() + guard
+        results = []
+        for slot in slots:
+            if isinstance(slot, JobResult):
+                results.append(slot)
+                continue
+            if not slot["event"].wait(max(0.0, deadline - time.monotonic())):
+                self.close()  # the server is not answering: start afresh next time
+                slot["result"] = {"ok": False, "reason": f"the sandbox server did not answer within {guard:.0f} s"}
+            results.append(_job_result(slot["result"]))
+        return results
+
+    @staticmethod
+    def _refuse(job: Job) -> str:
+        if len(job.code) > MAX_CODE_CHARS:
+            return f"the code is longer than {MAX_CODE_CHARS} characters"
+        if not (0 < job.timeout_s <= 600 and math.isfinite(job.timeout_s)):
+            return f"timeout_s must be in (0, 600], not {job.timeout_s}"
+        return ""
+
+
+def _job_result(data: dict) -> JobResult:
+    calls = [CallResult(bool(c.get("ok")), c.get("value"), str(c.get("error", ""))) for c in data.get("calls", [])]
+    return JobResult(bool(data.get("ok")), str(data.get("reason", "")), calls, str(data.get("output", "")),
+                     float(data.get("seconds", 0.0)), bool(data.get("seccomp")))
+
+
+_shared: Sandbox | None = None
+_shared_lock = threading.Lock()
+
+
+def shared() -> Sandbox:
+    """The process's sandbox, started on first use and stopped at interpreter exit."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = Sandbox()
+            atexit.register(_shared.close)
+        return _shared.start()
