@@ -97,7 +97,8 @@ class SamplingConfig:
 @dataclass
 class RewardFunctionConfig:
     name: str = "accuracy"
-    """A built-in reward function (``accuracy``, ``format``, ``overlong``, ``task``) or ``module:function``."""
+    """A built-in reward function (``accuracy``, ``format``, ``overlong``, ``task``, ``reward_model`` — a learned
+    ORM, ``kwargs: {model: DIR_OR_HUB_ID}``) or ``module:function``."""
     weight: float = 1.0
     """Weight of this function in the total reward."""
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -114,7 +115,54 @@ class RewardConfig:
 
 
 @dataclass
+class PPOConfig:
+    """PPO for RLHF (Ziegler et al., arXiv 1909.08593; InstructGPT, arXiv 2203.02155): a critic, GAE, and the
+    KL to the reference as a per-token penalty in the reward. Used only when ``algorithm.name`` is ``ppo``;
+    ``algorithm.beta`` is the (initial) KL coefficient β, and the update settings (clip, epochs,
+    minibatches, micro-batches, aggregation) are shared with GRPO."""
+
+    gamma: float = 1.0
+    """γ, the discount in GAE (1: the sequence-level reward reaches every token undiminished)."""
+    lam: float = 0.95
+    """λ, GAE's bias-variance trade-off (1: Monte-Carlo returns minus the value; 0: one-step TD)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss. The critic has its own AdamW, which is blind to a constant loss scale, so
+    this mainly decides how hard grad-norm clipping (optim.max_grad_norm) bites on the critic."""
+    value_clip: Optional[float] = 0.2
+    """c in the clipped value loss: V is kept within c of its value at rollout time (null: no clipping)."""
+    critic_lr: Optional[float] = None
+    """The critic's AdamW learning rate (null: optim.lr). Same warmup and schedule as the policy."""
+    critic_warmup_steps: int = 0
+    """Training steps at the start that update only the critic, so the policy's first advantages come from
+    a value function that has seen some returns."""
+    critic_init: str = "policy"
+    """``policy``: the critic is a separate copy of the policy's initial transformer (even with LoRA on the
+    policy it is a full, fully trained copy: weights, gradients and two AdamW moments, 16 bytes per parameter
+    in float32, about 2 GB for SmolLM2-135M) with a zero-initialised value head. Or a directory holding a
+    sequence-classification checkpoint with one label (a reward model, as in InstructGPT) whose backbone and
+    score head become the critic; it must share the policy's vocabulary."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """Per-token KL estimate subtracted from the reward, β·KL_t: k1 = log π − log π_ref (Ziegler et al.,
+    InstructGPT) or k3 (non-negative). algorithm.kl_estimator is GRPO's KL in the loss and unused by PPO."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed`` keeps β = algorithm.beta; ``adaptive`` steers the measured KL towards ``target_kl``
+    (Ziegler et al.: β ← β(1 + clip(KL/target − 1, ±0.2)·n/horizon))."""
+    target_kl: float = 6.0
+    """Adaptive controller: target KL per response, in nats summed over its tokens."""
+    horizon: int = 10000
+    """Adaptive controller: responses over which β may change by a factor of about e^0.2."""
+    whiten_advantages: bool = True
+    """Normalise the GAE advantages to mean 0, std 1 over the batch's trained tokens."""
+    missing_eos_penalty: Optional[float] = None
+    """Subtracted from the reward of a response that ends without EOS or a stop string (hit
+    sampling.max_new_tokens); null disables. Discourages rambling past the budget."""
+
+
+@dataclass
 class AlgorithmConfig:
+    name: Literal["grpo", "ppo"] = "grpo"
+    """Which trainer: ``grpo`` (group-baseline advantages, KL to the reference in the loss) or ``ppo`` (a
+    critic and GAE, KL to the reference in the per-token reward; settings under ``algorithm.ppo``)."""
     estimator: str = "grpo"
     """Advantage estimator (registry name in ``cohortrl.algorithms``: grpo, grpo_batch, dr_grpo, rloo,
     reinforce_pp, reinforce_pp_baseline, grpo_process)."""
@@ -123,7 +171,8 @@ class AlgorithmConfig:
     prompts_per_step: int = 4
     """P: prompts per training step (batch = P·G responses)."""
     beta: float = 0.04
-    """KL coefficient to the reference model, in the loss (β = 0 loads no reference model)."""
+    """KL coefficient to the reference model (β = 0 loads no reference model). GRPO: β·KL in the loss;
+    PPO: the initial β of −β·KL in the per-token reward (InstructGPT used 0.02)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (Schulman): k3 is unbiased and non-negative."""
     policy_loss: str = "clip"
@@ -153,6 +202,8 @@ class AlgorithmConfig:
     """Sequences per forward/backward (gradient accumulation); 0 = the whole minibatch at once."""
     eps: float = 1e-6
     """ε added to the std in group normalisation."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO settings (used when ``name`` is ``ppo``)."""
 
 
 @dataclass
@@ -390,7 +441,7 @@ def validate(cfg: Config) -> None:
     a, s, o, d, e, t = cfg.algorithm, cfg.sampling, cfg.optim, cfg.data, cfg.eval, cfg.train
     _require(a.group_size >= 1, "algorithm.group_size", a.group_size, "must be at least 1")
     _require(
-        a.group_size >= 2 or a.estimator not in _GROUP_ESTIMATORS,
+        a.group_size >= 2 or a.estimator not in _GROUP_ESTIMATORS or a.name == "ppo",
         "algorithm.group_size",
         a.group_size,
         f"estimator '{a.estimator}' normalises within a group and needs at least 2 responses per prompt; "
@@ -434,6 +485,14 @@ def validate(cfg: Config) -> None:
     _require(a.max_resample_draws >= 0, "algorithm.max_resample_draws", a.max_resample_draws, "must be >= 0")
     _require(a.norm_length is None or a.norm_length > 0, "algorithm.norm_length", a.norm_length, "must be > 0 or null")
     _require(a.eps > 0, "algorithm.eps", a.eps, "must be > 0")
+    _require(
+        a.group_size >= 2 or a.zero_variance == "keep",
+        "algorithm.zero_variance",
+        a.zero_variance,
+        "a group of one response always has zero variance, so every group would be dropped; "
+        "set algorithm.group_size >= 2 or algorithm.zero_variance=keep",
+    )
+    _validate_ppo(a.ppo)  # also under GRPO: a wrong value is wrong before anyone switches algorithm.name
     _require(s.temperature >= 0, "sampling.temperature", s.temperature, "must be >= 0 (0 = greedy)")
     _require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
     _require(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 disables top-k)")
@@ -470,4 +529,27 @@ def validate(cfg: Config) -> None:
         "reward.correctness",
         cfg.reward.correctness,
         f"must be the name of one of reward.functions ({', '.join(names)})",
+    )
+
+
+def _validate_ppo(p: PPOConfig) -> None:
+    _require(0 <= p.gamma <= 1, "algorithm.ppo.gamma", p.gamma, "must be in [0, 1]")
+    _require(0 <= p.lam <= 1, "algorithm.ppo.lam", p.lam, "must be in [0, 1]")
+    _require(p.vf_coef > 0, "algorithm.ppo.vf_coef", p.vf_coef, "must be > 0 (the critic learns only from the value loss)")
+    _require(p.value_clip is None or p.value_clip > 0, "algorithm.ppo.value_clip", p.value_clip, "must be > 0 or null (no clipping)")
+    _require(p.critic_lr is None or p.critic_lr > 0, "algorithm.ppo.critic_lr", p.critic_lr, "must be > 0 or null (use optim.lr)")
+    _require(p.critic_warmup_steps >= 0, "algorithm.ppo.critic_warmup_steps", p.critic_warmup_steps, "must be >= 0")
+    _require(p.target_kl > 0, "algorithm.ppo.target_kl", p.target_kl, "must be > 0 (nats per response)")
+    _require(p.horizon >= 1, "algorithm.ppo.horizon", p.horizon, "must be at least 1")
+    _require(
+        p.missing_eos_penalty is None or p.missing_eos_penalty >= 0,
+        "algorithm.ppo.missing_eos_penalty",
+        p.missing_eos_penalty,
+        "is subtracted from the reward, so give it as a number >= 0 (or null to disable)",
+    )
+    _require(
+        p.critic_init == "policy" or (Path(p.critic_init) / "config.json").is_file(),
+        "algorithm.ppo.critic_init",
+        p.critic_init,
+        "must be 'policy' or a directory with a sequence-classification checkpoint (config.json not found there)",
     )

@@ -120,3 +120,56 @@ def test_every_shipped_config_is_valid():
     assert configs
     for path in configs:
         Config.from_yaml(path)
+
+
+# PPO (algorithm.name=ppo): its own section, validated only when PPO is chosen; G = 1 is allowed.
+PPO_ERRORS = [
+    ({"gamma": 1.5}, "config key 'algorithm.ppo.gamma' = 1.5: must be in [0, 1]"),
+    ({"lam": -0.1}, "config key 'algorithm.ppo.lam' = -0.1: must be in [0, 1]"),
+    ({"vf_coef": 0}, "config key 'algorithm.ppo.vf_coef' = 0.0: must be > 0 (the critic learns only from the value loss)"),
+    ({"value_clip": 0}, "config key 'algorithm.ppo.value_clip' = 0.0: must be > 0 or null (no clipping)"),
+    ({"critic_lr": 0}, "config key 'algorithm.ppo.critic_lr' = 0.0: must be > 0 or null (use optim.lr)"),
+    ({"critic_warmup_steps": -1}, "config key 'algorithm.ppo.critic_warmup_steps' = -1: must be >= 0"),
+    ({"target_kl": 0}, "config key 'algorithm.ppo.target_kl' = 0.0: must be > 0 (nats per response)"),
+    ({"horizon": 0}, "config key 'algorithm.ppo.horizon' = 0: must be at least 1"),
+    ({"missing_eos_penalty": -1},
+     "config key 'algorithm.ppo.missing_eos_penalty' = -1.0: is subtracted from the reward, so give it as a number >= 0 (or null to disable)"),
+    ({"critic_init": "/no/such/rm"},
+     "config key 'algorithm.ppo.critic_init' = '/no/such/rm': must be 'policy' or a directory with a sequence-classification "
+     "checkpoint (config.json not found there)"),
+    ({"kl_estimator": "k2"}, "config key 'algorithm.ppo.kl_estimator': expected one of 'k1', 'k3', got 'k2' (str)"),
+    ({"kl_controller": "pid"}, "config key 'algorithm.ppo.kl_controller': expected one of 'fixed', 'adaptive', got 'pid' (str)"),
+    ({"gama": 1.0}, "unknown config key 'algorithm.ppo.gama'; did you mean 'algorithm.ppo.gamma'?"),
+]
+
+
+@pytest.mark.parametrize("ppo, message", PPO_ERRORS, ids=[m.split(":")[0][:60] for _, m in PPO_ERRORS])
+def test_ppo_config_errors_name_the_key_the_value_and_the_fix(ppo, message):
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict({"algorithm": {"name": "ppo", "ppo": ppo}})
+    assert str(err.value) == message
+
+
+def test_ppo_allows_one_response_per_prompt_and_grpo_does_not():
+    cfg = Config.from_dict({"algorithm": {"name": "ppo", "group_size": 1, "prompts_per_step": 8}})
+    assert cfg.algorithm.group_size == 1
+    with pytest.raises(ConfigError, match="estimator 'grpo' normalises within a group"):
+        Config.from_dict({"algorithm": {"name": "grpo", "group_size": 1}})
+
+
+def test_unknown_algorithm_name_and_zero_variance_with_groups_of_one():
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict({"algorithm": {"name": "dpo"}})
+    assert str(err.value) == "config key 'algorithm.name': expected one of 'grpo', 'ppo', got 'dpo' (str)"
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict({"algorithm": {"name": "ppo", "group_size": 1, "zero_variance": "filter"}})
+    assert str(err.value) == (
+        "config key 'algorithm.zero_variance' = 'filter': a group of one response always has zero variance, so every "
+        "group would be dropped; set algorithm.group_size >= 2 or algorithm.zero_variance=keep"
+    )
+
+
+
+def test_ppo_settings_are_checked_even_when_grpo_runs():
+    with pytest.raises(ConfigError, match=r"'algorithm.ppo.gamma' = 2.0: must be in \[0, 1\]"):
+        Config.from_dict({"algorithm": {"ppo": {"gamma": 2.0}}})

@@ -132,9 +132,51 @@ def make_task(field: str = "score") -> RewardFn:
     return task
 
 
+def make_reward_model(model: str, batch_size: int = 16, max_length: int = 1024) -> RewardFn:
+    """A learned outcome reward model (ORM): any ``AutoModelForSequenceClassification`` with one label (a
+    local directory or a hub id) scores each exchange at its last token; the score is the reward.
+
+    The exchange is the prompt as the user's turn and the completion as the assistant's, in the reward
+    model's chat template (ChatML when it has none), as a model trained on chat data reads it. Sequences
+    longer than ``max_length`` tokens keep their end, where the completion is. The model stays loaded,
+    in eval mode, for the whole run: its memory adds to the policy's.
+    """
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from cohortrl.models import prepare_tokenizer
+
+    with torch.random.fork_rng(devices=[]):  # a head missing from the checkpoint would be drawn at random
+        scorer = AutoModelForSequenceClassification.from_pretrained(model).eval()
+    if scorer.config.num_labels != 1:
+        raise ValueError(f"reward_model {model!r} has {scorer.config.num_labels} labels; it needs one (a scalar score)")
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model), scorer)
+    # Right padding: every row starts at position 0 (the model's forward does not rebuild positions from
+    # the mask), and the classifier pools the rightmost non-pad token, the exchange's last.
+    tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
+
+    @torch.no_grad()
+    def reward_model(prompts, completions, **columns):
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
+            for p, c in zip(prompts, completions)
+        ]
+        scores = []
+        for start in range(0, len(texts), batch_size):
+            enc = tokenizer(
+                texts[start : start + batch_size], add_special_tokens=False, padding=True, truncation=True,
+                max_length=max_length, return_tensors="pt",
+            )
+            scores += scorer(**enc).logits[:, 0].float().tolist()
+        return scores
+
+    return reward_model
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
     "accuracy": make_accuracy,
     "format": make_format,
     "overlong": make_overlong,
     "task": make_task,
+    "reward_model": make_reward_model,
 }

@@ -1,0 +1,484 @@
+"""The training step GRPO and PPO share, and everything around it (train loop, evaluation, checkpoints).
+
+One step, top to bottom (``RLTrainer.step``):
+
+1. sample P prompts and generate G responses each;
+2. score every response with the weighted reward functions; count zero-variance groups (all G equally
+   correct) and keep / filter / resample them;
+3. log-probs of the reference model (β > 0) and of the policy that sampled (when the algorithm needs them);
+4. advantages — the algorithm's part (``_targets``): GRPO's group baseline, or PPO's critic values, KL in
+   the reward and GAE;
+5. μ epochs over minibatches of whole groups: the clipped surrogate plus the algorithm's extra per-token
+   loss (``_extra_loss``: GRPO's β·KL, PPO's value loss), aggregated by the configured mode through
+   ``token_weights`` so gradient accumulation over micro-batches is exact; grad-norm clipping, AdamW and
+   LR schedule for every trained model (the policy, and PPO's critic);
+6. log the step.
+
+An algorithm is a subclass that fills in ``_targets`` and ``_extra_loss`` (and, if it trains more than the
+policy, registers it in ``self.optimised`` and saves it via ``_algorithm_state``). Nothing else differs.
+
+Departures from the papers, on purpose: log-probs are computed from logits divided by the sampling
+temperature (the distribution actually sampled from, as TRL does); a zero-variance group is detected on the
+correctness signal, not on the shaped total reward (a shaped total hides all-wrong groups).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from cohortrl.algorithms import aggregate, get_policy_loss, masked_mean
+from cohortrl.config import Config, ConfigError
+from cohortrl.data import PromptStream, load_rows
+from cohortrl.models import load_model
+from cohortrl.rewards.scoring import WeightedReward, resolve
+from cohortrl.rollout.hf import Sampling, generate, response_logprobs
+from cohortrl.rollout.types import Rollout
+from cohortrl.trainers import checkpoint
+from cohortrl.trainers.evaluate import evaluate, score_rollout
+from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, peak_rss_mb, plot_curves
+from cohortrl.trainers.setup import Reference, build_optimizer, build_policy, build_scheduler
+
+log = logging.getLogger("cohortrl")
+
+# Settings that may change between a run and its resume without changing what the run computes.
+RESUMABLE_CHANGES = {"train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard"}
+
+
+class RunStateError(RuntimeError):
+    """The run directory's state does not allow what was asked (e.g. resuming a finished run)."""
+
+
+@dataclass
+class ScoredBatch:
+    rollout: Rollout
+    rewards: list[float]  # (B,) weighted total reward
+    per_fn: dict[str, list[float | None]]  # each reward function's values, (B,) each
+    zero_variance: torch.Tensor  # (P,) bool: all G responses of the group equally correct
+    zero_variance_first_draw: float  # fraction of zero-variance groups in the step's first draw
+    draws: int  # prompt batches generated this step (1 unless resampling)
+
+
+@dataclass
+class Targets:
+    """What the update regresses onto, fixed for the whole step: the algorithm's output of step 4."""
+
+    advantages: torch.Tensor  # (B, T) advantage per response token, 0 on padding
+    old_logp: torch.Tensor | None  # (B, T) log π_old (the sampling policy); None: on-policy, ratio 1
+    ref_logp: torch.Tensor | None  # (B, T) log π_ref; None when β = 0
+    old_values: torch.Tensor | None = None  # (B, T) PPO: the critic's values at rollout time
+    returns: torch.Tensor | None = None  # (B, T) PPO: GAE returns, the critic's regression target
+    metrics: dict = field(default_factory=dict)  # the algorithm's numbers for the step's log row
+
+
+@dataclass
+class Optimised:
+    """A model the update trains: its parameters, optimiser and LR schedule; ``metric`` names its grad norm."""
+
+    metric: str
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def token_weights(response_mask: torch.Tensor, mode: str, norm_length: int | None) -> torch.Tensor:
+    """w_{i,t} = ∂ aggregate(L) / ∂ L_{i,t}. Aggregation is linear in L, so Σ w·L over any split of the rows
+    into micro-batches equals ``aggregate`` over the whole minibatch: gradient accumulation stays exact for
+    every mode without the trainer knowing which mode it is."""
+    probe = torch.zeros(response_mask.shape, requires_grad=True)
+    (w,) = torch.autograd.grad(aggregate(probe, response_mask, mode, norm_length), probe)
+    return w
+
+
+class RLTrainer:
+    """The shared step; subclasses (``GRPOTrainer``, ``PPOTrainer``) supply the algorithm."""
+
+    name = "rl"
+
+    def __init__(self, config: Config, run_dir: str | Path, *, model=None, tokenizer=None, resume: bool = False):
+        cfg = self.cfg = config
+        a = cfg.algorithm
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.policy_loss = get_policy_loss(a.policy_loss)  # names already checked by config.validate
+        if resume:
+            self._check_resume_config()
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+
+        self.rewards = [WeightedReward(f.name, resolve(f.name, f.kwargs), f.weight) for f in cfg.reward.functions]
+        self.correctness = next(r for r in self.rewards if r.name == cfg.reward.correctness)
+        train_rows, eval_rows = load_rows(cfg.data, cfg.train.seed)
+        self.stream = PromptStream(train_rows, cfg.train.seed)
+        self.eval_rows = eval_rows[: cfg.eval.n_prompts]
+
+        if model is None:
+            model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed)
+        self.optimised: dict[str, Optimised] = {}
+        self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
+        self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
+        self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer)
+        self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.updates_per_step = a.epochs * a.minibatches
+        policy_updates = max(0, cfg.train.steps - self.policy_frozen_steps) * self.updates_per_step
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, policy_updates)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler), **self.optimised}
+        self.sampling = Sampling(
+            cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k, cfg.sampling.max_new_tokens, tuple(cfg.sampling.stop)
+        )
+        self.norm_length = a.norm_length or cfg.sampling.max_new_tokens
+        self.step_count = 0
+        self.log = MetricsLog(self.run_dir, cfg.train.tensorboard)
+        if resume:
+            self._load_latest_checkpoint()
+        else:
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+            self.log.truncate_after(-1)
+
+    # ------------------------------------------------------------------------------------------ the algorithm
+    def _init_algorithm(self, model) -> None:
+        """Build what the algorithm holds besides the policy (``model`` is the policy before LoRA)."""
+
+    def _needs_old_logp(self) -> bool:
+        """Whether step 3 computes log π_old; without it the update is on-policy (ratio 1)."""
+        return self.cfg.algorithm.epochs > 1 or self.cfg.algorithm.minibatches > 1
+
+    def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer: PhaseTimer) -> Targets:
+        """Step 4: advantages (and whatever else the update regresses onto) for the scored batch."""
+        raise NotImplementedError
+
+    def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
+        """The per-token loss added to the clipped surrogate on ``rows`` (``loss_mask`` is theirs, (b, T)):
+        (loss (b, T) or None, metrics), where metrics maps a name to a (b, T) tensor averaged over response
+        tokens for the log. ``logp`` (b, T) carries the policy's gradient; it is None while the policy is
+        frozen."""
+        raise NotImplementedError
+
+    def _algorithm_state(self) -> dict:
+        """Extra checkpoint entries (e.g. PPO's critic and KL coefficient)."""
+        return {}
+
+    def _load_algorithm_state(self, state: dict) -> None:
+        pass
+
+    # ------------------------------------------------------------------------------------------ the step
+    def step(self) -> dict:
+        a, G = self.cfg.algorithm, self.cfg.algorithm.group_size
+        timer = PhaseTimer()
+        t0 = time.perf_counter()
+
+        # 1-2. sample and score
+        batch = self._sample_and_score(timer)
+        rollout = batch.rollout
+        response_mask = rollout.response_mask
+        rewards_B = torch.tensor(batch.rewards)
+
+        # Rows dropped from the loss by the zero-variance and truncation settings.
+        keep_B = torch.ones(rollout.batch_size, dtype=torch.bool)
+        if a.zero_variance == "filter":
+            keep_B &= ~batch.zero_variance.repeat_interleave(G)
+        if a.mask_truncated:
+            keep_B &= ~rollout.truncated
+        loss_mask = response_mask * keep_B.unsqueeze(-1)
+
+        # 3. reference and old-policy log-probs, with the same micro-batches as the update
+        input_ids, attention_mask = rollout.input_ids(), rollout.attention_mask()
+        with timer("reference"), torch.no_grad():
+            ref_logp = old_logp = None
+            if self.reference is not None:
+                with self.reference() as ref_model:
+                    ref_logp = self._logprobs(ref_model, input_ids, attention_mask, rollout.response_ids)
+            if self._needs_old_logp():
+                old_logp = self._logprobs(self.model, input_ids, attention_mask, rollout.response_ids)
+
+        # 4. advantages: where the algorithms differ
+        targets = self._targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
+
+        # 5. μ epochs over minibatches of whole groups
+        with timer("train"):
+            stats = self._update(rollout, input_ids, attention_mask, loss_mask, targets)
+
+        # 6. metrics
+        lengths = rollout.lengths.float()
+        n_tokens = int(response_mask.sum())
+        elapsed = time.perf_counter() - t0
+        return {
+            "reward_mean": rewards_B.mean().item(),
+            "reward_std": rewards_B.std().item() if len(rewards_B) > 1 else 0.0,
+            **{f"reward/{k}_mean": _mean(v) for k, v in batch.per_fn.items()},
+            "accuracy": _mean(batch.per_fn[self.correctness.name]),
+            # A group of one response has no variance to speak of (PPO with G = 1): None, not a misleading 1.
+            "zero_variance_frac": batch.zero_variance_first_draw if G > 1 else None,
+            "zero_variance_groups": int(batch.zero_variance.sum()) if G > 1 else None,
+            "resample_draws": batch.draws - 1,
+            "trained_responses": int(keep_B.sum()),
+            "advantage_abs_mean": masked_mean(targets.advantages.abs(), response_mask).item(),
+            **targets.metrics,
+            "response_length_mean": lengths.mean().item(),
+            "response_length_max": lengths.max().item(),
+            "truncation_rate": rollout.truncated.float().mean().item(),
+            **stats,
+            "lr": self.scheduler.get_last_lr()[0],
+            **{f"time/{k}": v for k, v in timer.seconds.items()},
+            "time/step": elapsed,
+            "tokens_per_s": n_tokens / elapsed,
+            "peak_rss_mb": peak_rss_mb(),
+        }
+
+    def _sample_and_score(self, timer: PhaseTimer) -> ScoredBatch:
+        """Generate and score P groups; with ``resample``, draw more prompt batches (at most
+        ``max_resample_draws`` extra) until P informative groups are found (DAPO dynamic sampling)."""
+        a, cfg = self.cfg.algorithm, self.cfg
+        P, G = a.prompts_per_step, a.group_size
+        parts, first_frac = [], None
+        while True:
+            rows = self.stream.take(P)
+            with timer("generate"):
+                rollout, n_trunc = generate(
+                    self.model, self.tokenizer, rows, G, self.sampling, system_prompt=cfg.model.system_prompt,
+                    max_prompt_tokens=cfg.data.max_prompt_tokens, overlong_prompts=cfg.data.overlong_prompts,
+                )
+            if n_trunc:
+                log.warning("%d prompt(s) truncated to data.max_prompt_tokens=%d", n_trunc, cfg.data.max_prompt_tokens)
+            with timer("score"):
+                rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens)
+            correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(P, G)
+            zero_var_P = (correct_PG == correct_PG[:, :1]).all(-1)
+            first_frac = zero_var_P.float().mean().item() if first_frac is None else first_frac
+            parts.append(ScoredBatch(rollout, rewards, per_fn, zero_var_P, first_frac, len(parts) + 1))
+            if a.zero_variance != "resample":
+                return parts[0]
+            informative = sum(int((~p.zero_variance).sum()) for p in parts)
+            if informative >= P:
+                break
+            if len(parts) > a.max_resample_draws:
+                log.warning(
+                    "resample: only %d informative group(s) of %d after %d extra draws (algorithm.max_resample_draws); "
+                    "training on what there is", informative, P, a.max_resample_draws,
+                )
+                if informative == 0:
+                    return parts[0]
+                break
+        # Keep the first P informative groups, in draw order.
+        groups = [(p, g) for p in parts for g in range(P) if not p.zero_variance[g]][:P]
+        keep = [(p, list(range(g * G, (g + 1) * G))) for p, g in groups]
+        rollout = Rollout.concat([p.rollout.select(idx) for p, idx in keep], self.tokenizer.pad_token_id)
+        rewards = [p.rewards[i] for p, idx in keep for i in idx]
+        per_fn = {k: [p.per_fn[k][i] for p, idx in keep for i in idx] for k in parts[0].per_fn}
+        return ScoredBatch(rollout, rewards, per_fn, torch.zeros(len(groups), dtype=torch.bool), first_frac, len(parts))
+
+    def _micro_batches(self, n: int) -> list[torch.Tensor]:
+        """Positions 0..n-1 split into micro-batches of ``algorithm.micro_batch_size`` (0: one batch)."""
+        return list(torch.arange(n).split(self.cfg.algorithm.micro_batch_size or n))
+
+    def _logprobs(self, model, input_ids, attention_mask, response_ids) -> torch.Tensor:
+        parts = []
+        for idx in self._micro_batches(len(input_ids)):
+            logp, _ = response_logprobs(
+                model, input_ids[idx], attention_mask[idx], response_ids[idx], temperature=self.sampling.temperature
+            )
+            parts.append(logp)
+        return torch.cat(parts)
+
+    def _update(self, rollout, input_ids, attention_mask, loss_mask, targets: Targets) -> dict:
+        a = self.cfg.algorithm
+        G, n_groups = a.group_size, rollout.batch_size // a.group_size
+        train_policy = self.step_count >= self.policy_frozen_steps
+        trained = [o for name, o in self.optimised.items() if name != "policy" or train_policy]
+        sums = {"policy_loss": 0.0, "loss": 0.0, "entropy": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0}
+        token_sums: dict[str, float] = defaultdict(float)  # the algorithm's per-token metrics
+        grad_norms: dict[str, list[float]] = defaultdict(list)
+        n_updates, token_count = 0, 0
+        groups_per_mb = n_groups // a.minibatches
+        for _ in range(a.epochs):
+            order = torch.randperm(n_groups) if a.minibatches > 1 else torch.arange(n_groups)
+            for mb_groups in order.split(groups_per_mb):
+                rows = (mb_groups.unsqueeze(-1) * G + torch.arange(G)).flatten()
+                weights_BT = token_weights(loss_mask[rows], a.aggregation, self.norm_length)
+                for o in trained:
+                    o.optimizer.zero_grad(set_to_none=True)
+                for pos in self._micro_batches(len(rows)):
+                    micro, w = rows[pos], weights_BT[pos]
+                    mask, response_mask = loss_mask[micro], rollout.response_mask[micro]
+                    logp, loss_BT = None, torch.zeros(mask.shape)
+                    if train_policy:
+                        logp, entropy = response_logprobs(
+                            self.model, input_ids[micro], attention_mask[micro], rollout.response_ids[micro],
+                            temperature=self.sampling.temperature, with_entropy=True,
+                        )
+                        old = targets.old_logp[micro] if targets.old_logp is not None else logp.detach()
+                        loss_BT, pg_metrics = self.policy_loss(
+                            logp=logp, old_logp=old, advantages=targets.advantages[micro], response_mask=mask,
+                            clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+                        )
+                        sums["policy_loss"] += torch.where(w != 0, w * loss_BT.detach(), 0.0).sum().item()
+                        sums["entropy"] += _masked_total(entropy, response_mask)
+                        sums["clip_frac_low"] += pg_metrics["clip_frac_low"] * int(mask.sum())
+                        sums["clip_frac_high"] += pg_metrics["clip_frac_high"] * int(mask.sum())
+                    extra_BT, extra_metrics = self._extra_loss(micro, mask, logp, input_ids, attention_mask, targets)
+                    if extra_BT is not None:
+                        loss_BT = loss_BT + extra_BT
+                    for name, value_BT in extra_metrics.items():
+                        token_sums[name] += _masked_total(value_BT.detach(), response_mask)
+                    loss = torch.where(w != 0, w * loss_BT, 0.0).sum()
+                    loss.backward()
+                    sums["loss"] += loss.item()
+                    token_count += int(response_mask.sum())
+                max_norm = self.cfg.optim.max_grad_norm or float("inf")
+                for o in trained:
+                    grad_norms[o.metric].append(float(torch.nn.utils.clip_grad_norm_(o.params, max_norm)))
+                    o.optimizer.step()
+                    o.scheduler.step()
+                n_updates += 1
+        n_loss_tokens = max(1, int(loss_mask.sum()) * a.epochs)
+        policy = {
+            "policy_loss": sums["policy_loss"] / n_updates,
+            **{k: v / max(1, token_count) for k, v in token_sums.items()},
+            "entropy": sums["entropy"] / max(1, token_count),
+            "clip_frac_low": sums["clip_frac_low"] / n_loss_tokens,
+            "clip_frac_high": sums["clip_frac_high"] / n_loss_tokens,
+        }
+        if not train_policy:  # nothing was measured: None, not a misleading 0
+            policy.update(policy_loss=None, entropy=None, clip_frac_low=None, clip_frac_high=None, grad_norm=None)
+        return {
+            "loss": sums["loss"] / n_updates,
+            **policy,
+            **{metric: sum(norms) / len(norms) for metric, norms in grad_norms.items()},
+        }
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def train(self, steps: int | None = None) -> list[dict]:
+        """Train until ``steps`` steps in total (default ``train.steps``); steps done before a resume count."""
+        total = steps if steps is not None else self.cfg.train.steps
+        if self.step_count >= total:
+            raise RunStateError(
+                f"run in {self.run_dir} has already done {self.step_count} step(s), nothing left up to {total}; "
+                "pass --steps with a larger number to continue it"
+            )
+        rows = []
+        if self.step_count == 0 and self.cfg.eval.before and self.eval_rows:
+            rows.append(self._log({"step": 0, **self.evaluate()}))
+        bar = _progress(self.step_count, total, self.cfg.train.progress, self.name)
+        every_eval, every_ckpt = self.cfg.eval.every, self.cfg.train.checkpoint_every
+        while self.step_count < total:
+            metrics = self.step()
+            self.step_count += 1
+            rows.append(self._log({"step": self.step_count, **metrics}))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{metrics['kl']:.4f}")
+            last = self.step_count == total
+            if self.eval_rows and ((every_eval and self.step_count % every_eval == 0) or last):
+                rows.append(self._log({"step": self.step_count, **self.evaluate()}))
+            if last or (every_ckpt and self.step_count % every_ckpt == 0):
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+        self.save(self.run_dir / "final")
+        plot_curves(self.run_dir)
+        return rows
+
+    def evaluate(self) -> dict:
+        e, cfg = self.cfg.eval, self.cfg
+        return evaluate(
+            self.model, self.tokenizer, self.eval_rows, self.correctness, system_prompt=cfg.model.system_prompt,
+            max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens, batch_size=e.batch_size,
+            pass_k=e.pass_k, temperature=e.temperature, max_prompt_tokens=cfg.data.max_prompt_tokens,
+            overlong_prompts=cfg.data.overlong_prompts,
+        )
+
+    def _log(self, row: dict) -> dict:
+        self.log.write(row)
+        return row
+
+    # ------------------------------------------------------------------------------------------ persistence
+    def save(self, directory: Path) -> None:
+        """The trained model (or adapter) and tokenizer, loadable by ``cohortrl eval``."""
+        self.model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "model": checkpoint.trainable_state(self.model),
+            **{f"{name}_optimizer": o.optimizer.state_dict() for name, o in self.optimised.items()},
+            **{f"{name}_scheduler": o.scheduler.state_dict() for name, o in self.optimised.items()},
+            "rng": checkpoint.rng_state(),
+            "data": self.stream.state_dict(),
+            **self._algorithm_state(),
+        }
+        return checkpoint.save(self.run_dir, self.step_count, state)
+
+    def _load_latest_checkpoint(self) -> None:
+        path = checkpoint.latest(self.run_dir)
+        if path is None:
+            raise RunStateError(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}")
+        state = checkpoint.load(path)
+        load_trainable_state(self.model, state["model"], f"checkpoint {path}")
+        for name, o in self.optimised.items():
+            o.optimizer.load_state_dict(state[f"{name}_optimizer"])
+            o.scheduler.load_state_dict(state[f"{name}_scheduler"])
+        self.stream.load_state_dict(state["data"])
+        self._load_algorithm_state(state)
+        checkpoint.set_rng_state(state["rng"])
+        self.step_count = state["step"]
+        self.log.truncate_after(self.step_count)
+        log.info("resumed from %s at step %d", path, self.step_count)
+
+    def _check_resume_config(self) -> None:
+        saved_path = self.run_dir / "config.yaml"
+        if not saved_path.exists():
+            raise FileNotFoundError(f"--resume: {saved_path} not found; is {self.run_dir} a cohortrl run directory?")
+        saved, now = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(self.cfg.to_dict())
+        differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
+        if differ:
+            detail = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
+            raise ConfigError(f"--resume with a different config than the run was started with ({detail})")
+
+
+def load_trainable_state(model, saved: dict[str, torch.Tensor], what: str) -> None:
+    """Copy a checkpoint's ``trainable_state`` back into ``model``, refusing one taken of another model."""
+    missing = set(checkpoint.trainable_state(model)) ^ set(saved)
+    if missing:
+        raise RunStateError(f"{what} does not match the model: differing parameters {sorted(missing)[:5]}")
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, value in saved.items():
+            params[name].copy_(value)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k != "kwargs":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _mean(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _masked_total(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    return torch.where(mask_BT.bool(), x_BT, 0.0).sum().item()
+
+
+def _progress(done: int, total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc=desc, unit="step")

@@ -1,0 +1,140 @@
+"""PPO for RLHF (Ziegler et al., arXiv 1909.08593; InstructGPT, arXiv 2203.02155) on the shared step (``loop.py``).
+
+What is PPO's own, against GRPO (``grpo.py``):
+
+* a critic V (``critic.py``): its own copy of a transformer with a scalar head, its own AdamW and LR,
+  optionally trained alone for the first ``critic_warmup_steps`` steps;
+* the KL to the reference is a penalty in the reward, not a loss term. Per response token t:
+      r_t = −β · KL_t  (+ the response's score on its last token)            Ziegler et al. §2.2
+  with KL_t the k1 (log π_old − log π_ref) or k3 estimate, β fixed or steered towards a target KL by the
+  adaptive controller (Ziegler et al. §2.2, ``AdaptiveKLController``);
+* advantages by GAE(γ, λ) on those rewards and the critic's values (arXiv 1506.02438, §3), whitened over
+  the batch; returns R_t = A_t + V_t are the critic's target;
+* the update adds vf_coef · the clipped value loss ½·max((V − R)², (V_c − R)²) (PPO2 / Ziegler et al.).
+
+G may be 1: nothing here uses group statistics. A response without EOS (it hit the budget) can be
+penalised (``missing_eos_penalty``). Departure: the score of a reward function is placed on the last
+response token, which is the EOS token when there is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cohortrl.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    gae_advantages,
+    kl_penalty,
+    masked_fill_padding,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+    outcome_token_rewards,
+    value_loss,
+)
+from cohortrl.trainers import checkpoint
+from cohortrl.trainers.critic import build_critic, response_values
+from cohortrl.trainers.loop import Optimised, RLTrainer, ScoredBatch, Targets, load_trainable_state
+from cohortrl.trainers.setup import build_optimizer, build_scheduler
+
+__all__ = ["PPOTrainer"]
+
+
+class PPOTrainer(RLTrainer):
+    name = "ppo"
+
+    def _init_algorithm(self, model) -> None:
+        cfg, a, p = self.cfg, self.cfg.algorithm, self.cfg.algorithm.ppo
+        self.critic = build_critic(p.critic_init, model, getattr(torch, cfg.model.dtype))
+        critic_optim = dataclasses.replace(cfg.optim, lr=p.critic_lr or cfg.optim.lr)
+        optimizer = build_optimizer(self.critic, critic_optim)
+        scheduler = build_scheduler(optimizer, critic_optim, cfg.train.steps * a.epochs * a.minibatches)
+        params = [p for p in self.critic.parameters() if p.requires_grad]
+        self.optimised["critic"] = Optimised("critic_grad_norm", params, optimizer, scheduler)
+        if p.kl_controller == "adaptive":
+            self.kl_controller = AdaptiveKLController(a.beta, p.target_kl, p.horizon)
+        else:
+            self.kl_controller = FixedKLController(a.beta)
+        self.policy_frozen_steps = p.critic_warmup_steps
+
+    def _needs_old_logp(self) -> bool:
+        # The KL in the reward is measured on the policy that sampled, so β > 0 needs log π_old.
+        return super()._needs_old_logp() or self.reference is not None
+
+    def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer) -> Targets:
+        p, rollout = self.cfg.algorithm.ppo, batch.rollout
+        response_mask = rollout.response_mask
+        with timer("values"), torch.no_grad():
+            old_values_BT = self._values(rollout.input_ids(), rollout.attention_mask(), response_mask.shape[1])
+
+        # r_t = score on the last token − β·KL_t (Ziegler et al. §2.2; ALGORITHMS.md "PPO for RLHF").
+        score_B = rewards_B
+        if p.missing_eos_penalty:
+            score_B = score_B - p.missing_eos_penalty * rollout.truncated.float()
+        beta = self.kl_controller.value
+        kl_BT = torch.zeros(response_mask.shape)
+        if ref_logp is not None:
+            kl_BT = masked_fill_padding(kl_penalty(old_logp, ref_logp, p.kl_estimator), response_mask)
+        token_rewards_BT = self._token_rewards(batch, score_B) - beta * kl_BT
+
+        # GAE: δ_t = r_t + γV_{t+1} − V_t, A_t = Σ_l (γλ)^l δ_{t+l}, R_t = A_t + V_t (arXiv 1506.02438, eq. 16).
+        advantages_BT, returns_BT = gae_advantages(token_rewards_BT, old_values_BT, response_mask, p.gamma, p.lam)
+        if p.whiten_advantages:
+            advantages_BT = masked_whiten(advantages_BT, loss_mask)
+
+        # The controller sees the KL per response of this batch and sets β for the next one (Ziegler et al.).
+        kl_per_response = masked_sum(kl_BT, response_mask, dim=-1).mean().item()
+        self.kl_controller.update(kl_per_response, n_steps=rollout.batch_size)
+        metrics = {
+            "kl": masked_mean(kl_BT, response_mask).item(),
+            "kl_per_response": kl_per_response,
+            "kl_coef": beta,
+            "value_mean": masked_mean(old_values_BT, response_mask).item(),
+            "return_mean": masked_mean(returns_BT, response_mask).item(),
+            "explained_variance": _explained_variance(old_values_BT, returns_BT, response_mask),
+            "critic_lr": self.optimised["critic"].scheduler.get_last_lr()[0],
+        }
+        return Targets(advantages_BT, old_logp, ref_logp, old_values_BT, returns_BT, metrics)
+
+    def _token_rewards(self, batch: ScoredBatch, score_B: torch.Tensor) -> torch.Tensor:
+        """(B, T) rewards before the KL penalty: each response's score on its last token.
+
+        The hook for process rewards: step rewards placed at their steps' last tokens belong here, once scoring
+        returns them (the process-reward issue); GAE needs no other change.
+        """
+        return outcome_token_rewards(score_B, batch.rollout.response_mask)
+
+    def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
+        """vf_coef · clipped value loss per token (Ziegler et al.; ``value_loss``): the critic's share."""
+        p = self.cfg.algorithm.ppo
+        values_BT = self._values(input_ids[rows], attention_mask[rows], targets.returns.shape[1])
+        loss_BT = value_loss(values_BT, targets.old_values[rows], targets.returns[rows], loss_mask, clip=p.value_clip)
+        return p.vf_coef * loss_BT, {"value_loss": loss_BT}
+
+    def _values(self, input_ids, attention_mask, response_len: int) -> torch.Tensor:
+        """The critic's V on response tokens, (B, T), in the update's micro-batches."""
+        parts = [
+            response_values(self.critic, input_ids[idx], attention_mask[idx], response_len)
+            for idx in self._micro_batches(len(input_ids))
+        ]
+        return torch.cat(parts)
+
+    def _algorithm_state(self) -> dict:
+        return {"critic": checkpoint.trainable_state(self.critic), "kl_coef": self.kl_controller.value}
+
+    def _load_algorithm_state(self, state: dict) -> None:
+        load_trainable_state(self.critic, state["critic"], "the critic's checkpoint")
+        self.kl_controller.value = state["kl_coef"]
+
+
+def _explained_variance(values_BT, returns_BT, response_mask) -> float | None:
+    """1 − Var[R − V] / Var[R] over response tokens: 1 for a perfect critic, ≤ 0 for one no better than a
+    constant; None when the returns do not vary."""
+    mask = response_mask.bool()
+    returns, values = returns_BT[mask], values_BT[mask]
+    if returns.numel() < 2 or returns.var() == 0:
+        return None
+    return (1 - (returns - values).var() / returns.var()).item()
