@@ -23,20 +23,27 @@ import torch
 
 def generate(model, tokenizer, prompts: list[str], *, system: str | None, max_new_tokens: int,
              temperature: float, batch_size: int) -> list[str]:
-    """Completions for ``prompts``; greedy when ``temperature`` is 0."""
+    """Completions for ``prompts`` through the trainer's own rollout code; greedy when ``temperature`` is 0."""
+    from cohortrl.rollout.hf import Sampling, generate as rollout
+
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        chats = []
-        for prompt in prompts[start : start + batch_size]:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            chats.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        batch = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {"do_sample": False}
-        with torch.no_grad():
-            ids = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
-        new = ids[:, batch["input_ids"].shape[1] :]  # left padding: every prompt ends at the same column
-        out += tokenizer.batch_decode(new, skip_special_tokens=True)
+        rows = [{"prompt": p} for p in prompts[start : start + batch_size]]
+        batch, _ = rollout(model, tokenizer, rows, 1, Sampling(temperature=temperature, max_new_tokens=max_new_tokens),
+                           system_prompt=system, max_prompt_tokens=4096)
+        out += batch.completions
     return out
+
+
+def last_number_correct(sample, completion: str, rel_tol: float = 0.01) -> float:
+    """Lenient reading: the ANSWER line if present, else the last number, against the answer's number (1%).
+    This is the correctness the GRPO demo trains on; the gym's own outcome also requires the format."""
+    from cohortrl.rewards.functions import extract_answer, parse_number
+
+    predicted = extract_answer(completion, mode="last_number")
+    gold = parse_number(str(sample.answer))
+    value = parse_number(predicted) if predicted is not None else None
+    return float(value is not None and gold is not None and abs(value - gold) <= rel_tol * max(abs(gold), 1e-9))
 
 
 def main() -> None:
@@ -52,7 +59,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="for the sampled column (default 1.0)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--system", default=None, help="a system prompt (default: the chat template's own)")
+    parser.add_argument("--system", default="Be brief.", help="system prompt (default 'Be brief.', as the demo)")
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
     parser.add_argument("--dump", default=None, help="write every prompt, completion and grade to this JSONL file")
     args = parser.parse_args()
@@ -61,11 +68,11 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     model.eval()
     dump = open(args.dump, "w", encoding="utf-8") if args.dump else None
-    columns = " | ".join(f"{m} outcome | {m} score | {m} committed" for m in args.modes)
+    columns = " | ".join(f"{m} outcome | {m} score | {m} committed | {m} last-number" for m in args.modes)
     print(f"model {args.model}, n {args.n} per row, max_new_tokens {args.max_new_tokens}, "
           f"sampled at temperature {args.temperature}\n")
     print(f"| family | level | {columns} | seconds |")
-    print("|---|---|" + "---|" * (3 * len(args.modes) + 1))
+    print("|---|---|" + "---|" * (4 * len(args.modes) + 1))
     for name in args.families:
         family = tasks.get(name)
         for level in args.levels or family.levels:
@@ -81,7 +88,8 @@ def main() -> None:
                 grades = [family.grade(s, c) for s, c in zip(samples, completions)]
                 n = len(grades)
                 cells += [f"{sum(g.outcome for g in grades) / n:.3f}", f"{sum(g.score for g in grades) / n:.3f}",
-                          f"{sum(g.committed for g in grades) / n:.2f}"]
+                          f"{sum(g.committed for g in grades) / n:.2f}",
+                          f"{sum(last_number_correct(s, c) for s, c in zip(samples, completions)) / n:.3f}"]
                 if dump:
                     for s, c, g in zip(samples, completions, grades):
                         dump.write(json.dumps({"id": s.id, "mode": mode, "prompt": s.prompt, "completion": c,
