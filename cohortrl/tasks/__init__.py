@@ -6,10 +6,20 @@
     grade = family.grade(samples[0], completion)  # grade.outcome, grade.steps, grade.score
 
 Every family shares one answer format (`answer_format`), one tolerance-and-units rule (`units`) and one
-step grader with the anti-hacking rules (`base.grade_keyed`). See docs/tasks.md.
+step grader with the anti-hacking rules (`base.grade_keyed`). Two code families answer with programs instead:
+``controller`` (Structured Text, graded by simulating plants) and ``python_function`` (Python, graded by
+hidden tests run in `cohortrl.rewards.sandbox`). See docs/tasks.md and docs/sandbox.md.
 """
 
-from cohortrl.tasks import arithmetic, axial_stress, beam_bending, gsm8k, truss  # noqa: F401  (importing registers the families)
+from cohortrl.tasks import (  # noqa: F401  (importing registers the families)
+    arithmetic,
+    axial_stress,
+    beam_bending,
+    controller,
+    gsm8k,
+    python_function,
+    truss,
+)
 from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, get, names
 
 __all__ = ["Grade", "Sample", "Step", "StepResult", "TaskFamily", "get", "names"]

@@ -1,0 +1,318 @@
+"""Simulated plants for the [controller] family: what a controller reads, what its outputs do, what is unsafe.
+
+Every plant is simulated with explicit Euler steps of one scan period ``dt`` (the controller's outputs are
+held over the scan, as a PLC's are). Noise is seeded per scenario, so grading is deterministic.
+
+- ``tank``: dh/dt = (q·min(u, u_max) − k·√h − d(t)) / A. One REAL output ``pump`` in [0, 1]; h the level
+  (m), q the pump's rated flow (m³/s), u_max the actuator saturation, d an extra outflow (disturbance).
+  Unsafe: h above h_max (the tank overflows).
+- ``thermal``: first order plus dead time, τ dT/dt = K·min(u(t − θ), u_max) − (T − T_amb) − d(t). One REAL
+  output ``heater`` in [0, 1]. Unsafe: T above T_max (over-temperature).
+- ``pump_valve``: a tank filled by an on/off pump through an on/off inlet valve, drained by a consumer's
+  demand d(t): dh/dt = (q·[pump ∧ valve fully open] − d(t)) / A. The valve reports ``valve_open`` once it
+  has been commanded open for its travel time; it closes at once. Interlock rules (a level chooses which):
+    valve      the pump runs only while the valve is commanded open and reports fully open;
+    high_high  the pump is off whenever the independent high-high switch is tripped (a scenario may
+               freeze the level transmitter, so only the switch tells the truth);
+    min_off    once stopped, the pump stays off for at least t_off seconds (motor protection);
+    estop      while the emergency stop is pressed, and afterwards until a reset press (rising edge) with
+               the stop released, the pump and the valve are off (a latch).
+  Unsafe: breaking any active rule, or h above h_max.
+
+`ContinuousPlant` (tank, thermal) and `PumpValve` record their traces; `performance` checks them against
+the spec and `acted` is the do-nothing block. Scenarios are plain dicts (they live in ``Sample.extra``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+
+from cohortrl.tasks.st import Var
+
+
+def _schedule(changes: list[list[float]], times: list[float]) -> list[float]:
+    """The value of a piecewise-constant schedule [[t, value], ...] (first at t = 0) at each time."""
+    out, i = [], 0
+    for t in times:
+        while i + 1 < len(changes) and t >= changes[i + 1][0] - 1e-9:
+            i += 1
+        out.append(changes[i][1])
+    return out
+
+
+class ContinuousPlant:
+    """One REAL actuator in [0, 1] driving a measured process variable towards a setpoint."""
+
+    output = ""
+    pv_name = ""
+    unit = ""
+
+    def __init__(self, params: dict, scenario: dict, dt: float) -> None:
+        self.params, self.scenario, self.dt = params, scenario, dt
+        self.n = round(scenario["duration"] / dt)
+        times = [k * dt for k in range(self.n)]
+        self.times = times
+        self.setpoints = _schedule(scenario["setpoints"], times)
+        self.disturbance = _schedule([[0.0, 0.0]] + scenario["disturbances"], times)
+        rng = random.Random(scenario["seed"])
+        sigma = params["noise"]
+        self.noise = [rng.gauss(0.0, sigma) if sigma else 0.0 for _ in times]
+        self.pv: list[float] = []  # the true process variable at the start of each scan
+        self.u: list[float] = []
+        self.violation = ""
+
+    @staticmethod
+    def interface(params: dict) -> list[Var]:
+        raise NotImplementedError
+
+    def check_outputs(self, outputs: list) -> str:
+        """The hack blocks on outputs: NaN / inf, and values beyond the actuator's range."""
+        u = outputs[0]
+        if not math.isfinite(u):
+            return f"{self.output} = {u}: outputs must be finite numbers"
+        if not -1e-9 <= u <= 1.0 + 1e-9:
+            return f"{self.output} = {u:g} is beyond the actuator's range [0, 1]"
+        return ""
+
+    # -- performance -------------------------------------------------------------------------------------
+    def windows(self) -> list[tuple[int, int, float]]:
+        """(first scan, end scan, setpoint step) for each stretch between events (setpoint changes and
+        disturbance steps). The first step is from the initial value to the first setpoint."""
+        starts = {round(t / self.dt): None for t, _ in self.scenario["setpoints"]}
+        starts.update({round(t / self.dt): None for t, _ in self.scenario["disturbances"] if round(t / self.dt) not in starts})
+        ordered = sorted(k for k in starts if k < self.n)
+        out = []
+        for i, k in enumerate(ordered):
+            end = ordered[i + 1] if i + 1 < len(ordered) else self.n
+            before = self.pv[0] if k == 0 else self.setpoints[k - 1]
+            out.append((k, end, self.setpoints[k] - before))
+        return out
+
+    def acted(self) -> str:
+        """Did the controller close the loop? In each setpoint step the PV must come within half the step
+        of the setpoint at least once (a do-nothing or constant-output controller does not)."""
+        for start, end, step in self.windows():
+            if abs(step) < 1e-9:
+                continue
+            closest = min(abs(self.pv[k] - self.setpoints[k]) for k in range(start, end))
+            if closest > 0.5 * abs(step):
+                return (f"the {self.pv_name} never came within half the step of the setpoint "
+                        f"{self.setpoints[start]:g} {self.unit} after t = {start * self.dt:g} s")
+        return ""
+
+    def performance(self, spec: dict) -> list[str]:
+        """Every way the trace misses the spec (empty: it meets it)."""
+        failures = []
+        dt = self.dt
+        for start, end, step in self.windows():
+            t0 = start * dt
+            band = max(spec["band_frac"] * abs(step), spec["band_abs"])
+            errors = [self.pv[k] - self.setpoints[k] for k in range(start, end)]
+            if abs(step) > 1e-9:
+                overshoot = max(0.0, max(e * math.copysign(1.0, step) for e in errors)) / abs(step)
+                if overshoot > spec["overshoot"]:
+                    failures.append(f"overshoot {100 * overshoot:.0f}% after t = {t0:g} s (spec: at most "
+                                    f"{100 * spec['overshoot']:.0f}% of the step)")
+            outside = [i for i, e in enumerate(errors) if abs(e) > band]
+            settle = (outside[-1] + 1) * dt if outside else 0.0
+            if settle > spec["settle"]:
+                failures.append(f"not settled within ±{band:.3g} {self.unit} {spec['settle']:g} s after t = {t0:g} s")
+            tail = errors[-max(1, round(spec["ss_window"] / dt)):]
+            ss_error = sum(abs(e) for e in tail) / len(tail)
+            if ss_error > spec["ss_error"]:
+                failures.append(f"steady-state error {ss_error:.3g} {self.unit} before t = {end * dt:g} s "
+                                f"(spec: at most {spec['ss_error']:g})")
+        jumps = sum(abs(b - a) > 0.5 for a, b in zip(self.u, self.u[1:]))
+        if jumps > spec["jumps"]:
+            failures.append(f"{self.output} jumped by more than half its range {jumps} times "
+                            f"(spec: at most {spec['jumps']}; chattering wears the actuator)")
+        return failures
+
+
+class Tank(ContinuousPlant):
+    output, pv_name, unit = "pump", "level", "m"
+
+    @staticmethod
+    def interface(params: dict) -> list[Var]:
+        return [Var("level", "REAL", True, "m", "measured liquid level"),
+                Var("setpoint", "REAL", True, "m", "wanted level"),
+                Var("DT", "REAL", True, "s", "the scan period"),
+                Var("pump", "REAL", False, "", "pump command, 0 (off) to 1 (rated flow)")]
+
+    def run(self, program) -> str:
+        """Simulate the scenario; returns a run-stage failure ("" if it ran to the end)."""
+        p, dt = self.params, self.dt
+        area, q, k, u_max = p["area"] * self.scenario["area_factor"], p["q"], p["k"] * self.scenario["k_factor"], p["u_max"]
+        h_max = p["h_max"]
+        h = self.scenario["initial"]
+        scan = program.scan
+        for i in range(self.n):
+            t = self.times[i]
+            (u,) = scan([h + self.noise[i], self.setpoints[i], dt], t)
+            if bad := self.check_outputs([u]):
+                return f"t = {t:g} s: {bad}"
+            self.pv.append(h)
+            self.u.append(u)
+            h = max(0.0, h + dt * (q * min(u, u_max) - k * math.sqrt(h) - self.disturbance[i]) / area)
+            if h > h_max and not self.violation:
+                self.violation = f"the level reached {h:.3f} m at t = {t + dt:g} s, above the overflow limit {h_max:g} m"
+        return ""
+
+
+class Thermal(ContinuousPlant):
+    output, pv_name, unit = "heater", "temperature", "°C"
+
+    @staticmethod
+    def interface(params: dict) -> list[Var]:
+        return [Var("temperature", "REAL", True, "°C", "measured temperature"),
+                Var("setpoint", "REAL", True, "°C", "wanted temperature"),
+                Var("DT", "REAL", True, "s", "the scan period"),
+                Var("heater", "REAL", False, "", "heater power, 0 (off) to 1 (full)")]
+
+    def run(self, program) -> str:
+        p, dt = self.params, self.dt
+        gain, tau = p["gain"] * self.scenario["gain_factor"], p["tau"] * self.scenario["tau_factor"]
+        ambient, u_max, t_max = p["ambient"], p["u_max"], p["t_max"]
+        delay = deque([0.0] * round(p["dead_time"] / dt))  # the heater's effect arrives dead_time later
+        temp = self.scenario["initial"]
+        scan = program.scan
+        for i in range(self.n):
+            t = self.times[i]
+            (u,) = scan([temp + self.noise[i], self.setpoints[i], dt], t)
+            if bad := self.check_outputs([u]):
+                return f"t = {t:g} s: {bad}"
+            self.pv.append(temp)
+            self.u.append(u)
+            delay.append(min(u, u_max))
+            acting = delay.popleft()
+            temp += dt * (gain * acting - (temp - ambient) - self.disturbance[i]) / tau
+            if temp > t_max and not self.violation:
+                self.violation = f"the temperature reached {temp:.1f} °C at t = {t + dt:g} s, above the limit {t_max:g} °C"
+        return ""
+
+
+class PumpValve:
+    """On/off pump and inlet valve on a tank drained by demand; interlocks as in the module docstring."""
+
+    def __init__(self, params: dict, scenario: dict, dt: float) -> None:
+        self.params, self.scenario, self.dt = params, scenario, dt
+        self.n = round(scenario["duration"] / dt)
+        self.times = [k * dt for k in range(self.n)]
+        self.demand = _schedule(scenario["demand"], self.times)
+        rng = random.Random(scenario["seed"])
+        self.noise = [rng.gauss(0.0, params["noise"]) if params["noise"] else 0.0 for _ in self.times]
+        self.level: list[float] = []
+        self.starts: list[float] = []
+        self.excluded: list[tuple[float, float]] = []  # spans where the band is not required (faults, e-stop)
+        self.violation = ""
+
+    @staticmethod
+    def interface(params: dict) -> list[Var]:
+        rules = params["rules"]
+        out = [Var("level", "REAL", True, "m", "measured level (the transmitter can fail)"),
+               Var("valve_open", "BOOL", True, "", "the inlet valve reports fully open")]
+        if "high_high" in rules:
+            out.append(Var("high_high", "BOOL", True, "", "independent high-high level switch tripped"))
+        if "estop" in rules:
+            out += [Var("estop", "BOOL", True, "", "emergency stop pressed"),
+                    Var("reset", "BOOL", True, "", "reset button pressed")]
+        out += [Var("DT", "REAL", True, "s", "the scan period"),
+                Var("pump", "BOOL", False, "", "run the pump"),
+                Var("valve", "BOOL", False, "", "open the inlet valve")]
+        return out
+
+    def check_outputs(self, outputs: list) -> str:
+        return ""  # BOOL outputs: the interpreter's types already keep them TRUE or FALSE
+
+    def run(self, program) -> str:
+        p, s, dt = self.params, self.scenario, self.dt
+        rules = p["rules"]
+        area, q, h_max = p["area"], p["q"], p["h_max"]
+        hh_on, hh_off = p["high_high"], p["high_high"] - 0.05  # the switch resets 5 cm below its trip point
+        travel, t_off = p["travel"], p["min_off"]
+        freeze = s.get("freeze")  # [t, duration]: the level transmitter holds its last value
+        estop = _schedule([[0.0, 0]] + s.get("estop", []), self.times)
+        reset = _schedule([[0.0, 0]] + s.get("reset", []), self.times)
+        if freeze:
+            self.excluded.append((freeze[0], freeze[0] + freeze[1] + p["recover"]))
+        for t0, on in s.get("estop", []):
+            if on:
+                self.excluded.append((t0, next((t for t, v in s["reset"] if t > t0 and v), t0) + p["recover"]))
+        h, opened_for, tripped, latched = s["initial"], 0.0, False, False
+        pump_prev, stopped_at, reset_prev, frozen_value = False, -math.inf, False, None
+        scan = program.scan
+        has_hh, has_estop = "high_high" in rules, "estop" in rules
+        for i in range(self.n):
+            t = self.times[i]
+            tripped = h >= hh_on or (tripped and h > hh_off)
+            measured = h + self.noise[i]
+            if freeze and freeze[0] <= t < freeze[0] + freeze[1]:
+                frozen_value = measured if frozen_value is None else frozen_value
+                measured = frozen_value
+            valve_open = opened_for >= travel - 1e-9
+            inputs = [measured, valve_open]
+            if has_hh:
+                inputs.append(tripped)
+            if has_estop:
+                inputs += [bool(estop[i]), bool(reset[i])]
+                latched = bool(estop[i]) or (latched and not (reset[i] and not reset_prev))
+                reset_prev = bool(reset[i])
+            inputs.append(dt)
+            pump, valve = scan(inputs, t)
+            self.level.append(h)
+            # Interlocks, in the order they are checked; the first broken one is the reason.
+            if not self.violation:
+                if pump and not (valve and valve_open) and "valve" in rules:
+                    self.violation = f"t = {t:g} s: the pump ran while the inlet valve was not fully open"
+                elif pump and tripped and has_hh:
+                    self.violation = f"t = {t:g} s: the pump ran while the high-high switch was tripped"
+                elif pump and not pump_prev and t - stopped_at < t_off - 1e-9 and "min_off" in rules:
+                    self.violation = (f"t = {t:g} s: the pump restarted {t - stopped_at:g} s after stopping "
+                                      f"(minimum off time {t_off:g} s)")
+                elif latched and (pump or valve):
+                    self.violation = f"t = {t:g} s: the pump or valve was on while the emergency stop was latched"
+            if pump and not pump_prev:
+                self.starts.append(t)
+            if pump_prev and not pump:
+                stopped_at = t
+            pump_prev = pump
+            opened_for = opened_for + dt if valve else 0.0
+            inflow = q if pump and valve and opened_for >= travel + dt - 1e-9 else 0.0
+            h = max(0.0, h + dt * (inflow - self.demand[i]) / area)
+            if h > h_max and not self.violation:
+                self.violation = f"the level reached {h:.3f} m at t = {t + dt:g} s, above the overflow limit {h_max:g} m"
+        return ""
+
+    def acted(self) -> str:
+        if not self.starts:
+            return "the pump never ran"
+        lo, hi = self.params["band"]
+        if not any(lo <= h <= hi for h in self.level):
+            return f"the level never entered the band {lo:g}-{hi:g} m"
+        return ""
+
+    def performance(self, spec: dict) -> list[str]:
+        lo, hi = self.params["band"]
+        tol = spec["band_tol"]
+        failures = []
+        outside = 0
+        for t, h in zip(self.times, self.level):
+            if t < spec["fill_time"] or any(a <= t < b for a, b in self.excluded):
+                continue
+            if not lo - tol <= h <= hi + tol:
+                outside += 1
+        if outside * self.dt > spec["outside_s"]:
+            failures.append(f"the level was outside {lo - tol:g}-{hi + tol:g} m for {outside * self.dt:g} s "
+                            f"(spec: at most {spec['outside_s']:g} s, after the first {spec['fill_time']:g} s)")
+        # Starts while the transmitter is frozen are the high-high switch cycling the pump: excused too.
+        starts = [t for t in self.starts if not any(a <= t < b for a, b in self.excluded)]
+        per_100s = len(starts) * 100.0 / (self.n * self.dt)
+        if per_100s > spec["starts_per_100s"]:
+            failures.append(f"{len(starts)} pump starts ({per_100s:.1f} per 100 s; spec: at most "
+                            f"{spec['starts_per_100s']:g}): chattering wears the motor")
+        return failures
+
+
+PLANTS = {"tank": Tank, "thermal": Thermal, "pump_valve": PumpValve}
