@@ -29,3 +29,7 @@ def not_applicable(prompts, completions, **columns):
 def starts_with_letter(prompts, completions, **columns):
     """About 40% of the tiny random model's responses: groups of 4 are a mix of informative and all-same."""
     return [1.0 if c[:1].isalpha() else 0.0 for c in completions]
+
+
+def constant(prompts, completions, **columns):
+    return [1.0] * len(completions)
