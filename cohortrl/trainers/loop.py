@@ -24,6 +24,8 @@ correctness signal, not on the shaped total reward (a shaped total hides all-wro
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import random
 import time
@@ -267,8 +269,8 @@ class RLTrainer:
                     "resample: only %d informative group(s) of %d after %d extra draws (algorithm.max_resample_draws); "
                     "training on what there is", informative, P, a.max_resample_draws,
                 )
-                if informative == 0:
-                    return parts[0]
+                if informative == 0:  # nothing informative anywhere: train on the first draw (only KL acts)
+                    return dataclasses.replace(parts[0], draws=len(parts))
                 break
         # Keep the first P informative groups, in draw order.
         groups = [(p, g) for p in parts for g in range(P) if not p.zero_variance[g]][:P]
