@@ -18,7 +18,7 @@ def _load_config(path: str, overrides: list[str]) -> Config:
 
 
 def cmd_train(args) -> int:
-    from cohortrl.trainers.grpo import GRPOTrainer
+    from cohortrl.trainers import make_trainer
 
     run_dir = Path(args.run_dir)
     if args.config and "=" in args.config and not Path(args.config).exists():  # `--resume a.b=1`: no CONFIG given
@@ -30,7 +30,7 @@ def cmd_train(args) -> int:
             raise ConfigError("train needs a CONFIG file (or --resume with --run-dir of an earlier run)")
         config_path = args.config
     cfg = _load_config(config_path, args.overrides)
-    trainer = GRPOTrainer(cfg, run_dir, resume=args.resume)
+    trainer = make_trainer(cfg, run_dir, resume=args.resume)  # GRPO or PPO, by algorithm.name
     rows = trainer.train(steps=args.steps)
     evals = [r for r in rows if "eval/accuracy" in r]
     for r in evals:
@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train with a YAML config", description="Train a policy with GRPO from a YAML config.")
-    p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/tiny_grpo.yaml)")
+    p = sub.add_parser("train", help="train with a YAML config", description="Train a policy with GRPO or PPO (algorithm.name) from a YAML config.")
+    p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/tiny_grpo.yaml, configs/tiny_ppo.yaml)")
     p.add_argument("overrides", nargs="*", help="overrides as key.path=value (e.g. algorithm.group_size=4)")
     p.add_argument("--run-dir", required=True, help="directory for metrics.jsonl, checkpoints, curves.png, final/")
     p.add_argument("--steps", type=int, default=None, help="stop after N training steps in total (default: train.steps)")
@@ -156,7 +156,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from cohortrl.models import ModelLoadError
     from cohortrl.rewards.scoring import RewardFunctionError
     from cohortrl.rollout.hf import PromptTooLongError
-    from cohortrl.trainers.grpo import RunStateError
+    from cohortrl.trainers.loop import RunStateError
 
     return (DataError, ModelLoadError, RewardFunctionError, PromptTooLongError, RunStateError, FileNotFoundError)
 

@@ -58,3 +58,24 @@ def test_models_lists_aliases():
     out = run("models")
     assert out.returncode == 0
     assert "smollm2-135m-instruct" in out.stdout and "tiny-llama" in out.stdout
+
+
+def test_train_ppo_stop_and_resume_continue_exactly(tmp_path):
+    config = str(REPO / "configs" / "tiny_ppo.yaml")
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert run("train", config, "--run-dir", str(full), "train.progress=false").returncode == 0
+    first = run("train", config, "--run-dir", str(split), "--steps", "2", "train.progress=false")
+    assert first.returncode == 0, first.stderr
+    resumed = run("train", "--run-dir", str(split), "--resume", "train.progress=false")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "held-out greedy accuracy" in resumed.stdout
+
+    def train_rows(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in rows if "loss" in r}
+
+    a, b = train_rows(full), train_rows(split)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("reward_mean", "loss", "value_loss", "kl", "kl_coef", "grad_norm", "critic_grad_norm", "response_length_mean"):
+            assert abs(a[step][key] - b[step][key]) <= 1e-6, (step, key)

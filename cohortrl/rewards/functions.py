@@ -150,7 +150,8 @@ def make_reward_model(model: str, batch_size: int = 16, max_length: int = 1024) 
         scorer = AutoModelForSequenceClassification.from_pretrained(model).eval()
     if scorer.config.num_labels != 1:
         raise ValueError(f"reward_model {model!r} has {scorer.config.num_labels} labels; it needs one (a scalar score)")
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model), scorer)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model))
+    scorer.config.pad_token_id = tokenizer.pad_token_id  # the classifier finds the last token by this id
     # Right padding: every row starts at position 0 (the model's forward does not rebuild positions from
     # the mask), and the classifier pools the rightmost non-pad token, the exchange's last.
     tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
