@@ -72,6 +72,7 @@ class JobResult:
     output: str = ""  # what the code printed (stdout and stderr), at most the sandbox's output_limit bytes
     seconds: float = 0.0  # wall time of the job's process
     seccomp_active: bool = False  # the seccomp filter was loaded for this job
+    queued_s: float = 0.0  # time the job waited in the server for a start slot
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,12 @@ class Sandbox:
             threading.Thread(target=self._read_results, args=(self._proc,), daemon=True,
                              name="sandbox-reader").start()
             return self
+
+    @property
+    def server_pid(self) -> int | None:
+        """The fork server's process id while it runs."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
 
     def close(self) -> None:
         """Stop the server; its children are killed with it. Pending jobs fail."""
@@ -222,7 +229,7 @@ class Sandbox:
 def _job_result(data: dict) -> JobResult:
     calls = [CallResult(bool(c.get("ok")), c.get("value"), str(c.get("error", ""))) for c in data.get("calls", [])]
     return JobResult(bool(data.get("ok")), str(data.get("reason", "")), calls, str(data.get("output", "")),
-                     float(data.get("seconds", 0.0)), bool(data.get("seccomp")))
+                     float(data.get("seconds", 0.0)), bool(data.get("seccomp")), float(data.get("queued_s", 0.0)))
 
 
 _shared: Sandbox | None = None
