@@ -89,6 +89,7 @@ class PPOTrainer(RLTrainer):
         kl_per_response = masked_sum(kl_BT, response_mask, dim=-1).mean().item()
         self.kl_controller.update(kl_per_response, n_steps=rollout.batch_size)
         metrics = {
+            # The KL the reward penalised: sampling policy vs reference, per token (GRPO logs its loss term's KL).
             "kl": masked_mean(kl_BT, response_mask).item(),
             "kl_per_response": kl_per_response,
             "kl_coef": beta,
