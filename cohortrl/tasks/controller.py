@@ -48,7 +48,7 @@ STAGES = ("parse", "run", "safety", "performance")
 LEVELS = {
     1: {"plant": "tank", "noise": 0.0, "u_max": (1.0, 1.0), "dts": (0.1, 0.2), "disturbance": False,
         "spec": {"overshoot": 0.3, "band_frac": 0.05, "band_abs": 0.02, "ss_error": 0.04}},
-    2: {"plant": "tank", "noise": 0.004, "u_max": (0.8, 0.95), "dts": (0.1, 0.2, 0.5), "disturbance": True,
+    2: {"plant": "tank", "noise": 0.004, "u_max": (0.85, 0.95), "dts": (0.1, 0.2, 0.5), "disturbance": True,
         "spec": {"overshoot": 0.3, "band_frac": 0.05, "band_abs": 0.015, "ss_error": 0.012}},
     3: {"plant": "thermal", "noise": 0.1, "u_max": (0.85, 1.0), "dts": (0.5, 1.0), "disturbance": True,
         "spec": {"overshoot": 0.2, "band_frac": 0.05, "band_abs": 0.5, "ss_error": 1.5}},
@@ -178,10 +178,15 @@ def draw_tank(rng: random.Random, config: dict, dt: float, n_scenarios: int, noi
     u_max = round(rng.uniform(*config["u_max"]), 2)
     params = {"area": area, "q": q, "k": k, "u_max": u_max, "h_max": 2.0, "noise": config["noise"] * noise}
 
+    disturbance = 0.15 if config["disturbance"] else 0.0  # the largest extra outflow, as a fraction of q
+
     def setpoint(near: float | None = None) -> float:
-        while True:  # leave the controller headroom: steady state below 85% of the saturation, k 10% higher
-            sp = round(rng.uniform(0.5, 1.4) * 20) / 20
-            if 1.1 * k * math.sqrt(sp) / q <= 0.85 * u_max and (near is None or 0.15 <= abs(sp - near) <= 0.45):
+        # Leave the controller headroom: the steady-state command with k 10% higher and the largest
+        # disturbance must stay below 90% of the saturation (0.3 m always qualifies, so this ends).
+        while True:
+            sp = round(rng.uniform(0.3, 1.4) * 20) / 20
+            if (1.1 * k * math.sqrt(sp) / q + disturbance <= 0.9 * u_max
+                    and (near is None or 0.15 <= abs(sp - near) <= 0.45)):
                 return sp
 
     def ramp(h0: float, sp: float, k_factor: float, area_factor: float) -> float:
@@ -208,7 +213,7 @@ def draw_tank(rng: random.Random, config: dict, dt: float, n_scenarios: int, noi
         disturbances, end = [], change + settle + 10
         if config["disturbance"]:
             at = on_grid(end + rng.uniform(0, 10), dt)
-            disturbances = [[at, round_nice(rng.uniform(0.1, 0.2) * q, 2)]]
+            disturbances = [[at, round_nice(rng.uniform(0.1, disturbance) * q, 2)]]
             end = at + settle + 10
         scenarios.append({"initial": initial, "setpoints": [[0.0, sp1], [change, sp2]], "disturbances": disturbances,
                           "duration": on_grid(end, dt), "k_factor": k_factor, "area_factor": area_factor})
@@ -287,16 +292,16 @@ END_IF;
 
 def draw_pump_valve(rng: random.Random, config: dict, dt: float, n_scenarios: int, noise: float):
     rules = list(config["rules"])
-    q = round_nice(rng.uniform(0.02, 0.04), 2)
-    d_max = 0.6 * q
+    q = round_nice(rng.uniform(0.03, 0.06), 2)
+    d_max = 0.5 * q
     lo = round(rng.uniform(0.8, 1.0), 2)
     hi = round(lo + rng.uniform(0.3, 0.5), 2)
     high_high = round(hi + 0.3, 2)
     travel = on_grid(rng.uniform(1, 3), dt)
     min_off = float(rng.randint(5, 15)) if "min_off" in rules else 0.0
-    # The tank must take longer to drain through the band at the largest demand than the pump must rest,
-    # or no controller could keep the level in the band.
-    area = round_nice(max(rng.uniform(0.5, 1.0), 1.5 * (min_off + travel + 5) * d_max / (hi - lo - 0.1)), 2)
+    # Draining through the band (less 5 cm at each edge) at the largest demand must take longer than the
+    # pump's rest and the valve's travel, with a margin, or no controller could keep the level in the band.
+    area = round_nice(max(rng.uniform(1.0, 2.0), 1.2 * (min_off + travel + 2) * d_max / (hi - lo - 0.1)), 2)
     refill = area * hi / (q - d_max)  # from empty at the largest demand
     params = {"area": area, "q": q, "band": [lo, hi], "high_high": high_high, "h_max": round(high_high + 0.25, 2),
               "travel": travel, "min_off": min_off, "rules": rules, "noise": config["noise"] * noise,
@@ -306,7 +311,7 @@ def draw_pump_valve(rng: random.Random, config: dict, dt: float, n_scenarios: in
         duration = on_grid(rng.uniform(220, 260), dt)
         t, demand = 0.0, []
         while t < duration:
-            demand.append([on_grid(t, dt), round_nice(rng.uniform(0.2, 0.6) * q, 2)])
+            demand.append([on_grid(t, dt), round_nice(rng.uniform(0.2, 0.5) * q, 2)])
             t += rng.uniform(30, 60)
         scenario = {"initial": round(rng.uniform(0.3, 0.6), 2), "demand": demand, "duration": duration}
         # The level transmitter freezes in one scenario of every two (the first hidden one always), so
@@ -321,8 +326,8 @@ def draw_pump_valve(rng: random.Random, config: dict, dt: float, n_scenarios: in
             scenario["reset"] = [[reset, 1], [on_grid(reset + 1, dt), 0]]
         scenarios.append(scenario)
     initial_low = min(s["initial"] for s in scenarios)
-    # A hysteresis controller using the band h cycles fastest at demand q/2, every 4 A h / q seconds; the
-    # spec allows twice the rate of one using the whole band.
+    # A hysteresis controller using the band h cycles fastest at demand q/2 (the largest here), every
+    # 4 A h / q seconds; the spec allows twice the rate of one using the whole band.
     starts = math.ceil(2 * 100 * q / (4 * area * (hi - lo)))
     # Time to reach the band from the lowest start: the pump waits (valve travel, rest) while the demand
     # drains the tank, then fills at the net rate.

@@ -10,11 +10,12 @@ import pytest
 from cohortrl import tasks
 from cohortrl.tasks import Grade, Sample, StepResult
 
-from .helpers import FAMILIES
+from .helpers import CODE_FAMILIES, FAMILIES
 
 
 def test_names():
-    assert tasks.names() == ["arithmetic", "axial_stress", "beam_bending", "gsm8k", "truss"]
+    assert tasks.names() == ["arithmetic", "axial_stress", "beam_bending", "controller", "gsm8k",
+                             "python_function", "truss"]
 
 
 def test_unknown_name_suggests_the_nearest():
@@ -41,7 +42,8 @@ def test_family_contract(name):
         assert [s.prompt for s in batch] != [s.prompt for s in family.sample(4, seed=6, level=level)]
         for s in batch:
             assert (s.family, s.level, s.seed) == (name, level, 5) and s.id
-            assert isinstance(s.prompt, str) and "ANSWER" in s.prompt
+            # The answer-format families ask for an ANSWER line, the code families for a code block.
+            assert isinstance(s.prompt, str) and ("ANSWER" in s.prompt if name not in CODE_FAMILIES else "```" in s.prompt)
             # A dataset row: through JSON and back, and it still grades the same.
             row = json.loads(json.dumps(s.to_dict()))
             back = family.sample_from_dict(row)

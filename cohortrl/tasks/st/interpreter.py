@@ -32,7 +32,7 @@ from lark import Token, Tree
 from cohortrl.tasks.st.syntax import KEYWORDS, STError, parse, position
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
-MAX_DEPTH = 64
+MAX_DEPTH = 200  # well inside Python's recursion limit, for compiling and for running the closures
 TYPE_NAMES = {"BOOL": "BOOL", "REAL": "REAL", "LREAL": "REAL", "TIME": "REAL", "INT": "INT", "DINT": "INT",
               "SINT": "INT", "LINT": "INT", "UINT": "INT", "UDINT": "INT"}
 # Function blocks: member -> (type, is an input). Internal state lives in extra slots.
@@ -376,10 +376,12 @@ class _Compiler:
         text = str(token)
         if any(c in text for c in ".eE"):
             value = float(text)
+            if not math.isfinite(value):
+                raise STError(f"{position(token)}: {text[:20]} does not fit in a REAL")
             return (lambda: value), "REAL"
+        if len(text.lstrip("0")) > 10 or int(text) > INT_MAX:  # length first: int() of 5000 digits refuses
+            raise STError(f"{position(token)}: {text[:20]} does not fit in an INT; write {text[:20]}.0 for a REAL")
         value = int(text)
-        if value > INT_MAX:
-            raise STError(f"{position(token)}: {text} does not fit in an INT; write {text}.0 for a REAL")
         return (lambda: value), "INT"
 
     def read(self, name: Token) -> tuple[Thunk, str]:
