@@ -8,8 +8,8 @@ Levels:
   3  first-order-plus-dead-time heater (dead time 2-6 s), noise, saturation, a heat-loss disturbance and an
      over-temperature limit: a tuned PI controller
   4  on/off pump and inlet valve keeping a tank level within a band, 2 interlock rules: the pump runs only
-     through a fully open valve; the independent high-high switch stops it (a hidden scenario freezes
-     the level transmitter); a limit on pump starts
+     through a fully open valve; the independent high-high switch stops it (a hidden scenario sticks
+     the level transmitter at a low reading); a limit on pump starts
   5  as 4 with 4 rules: + a minimum pump off time (TON) and an emergency-stop latch with reset (SR, R_TRIG)
 Plants, equations and interlock rules: `cohortrl.tasks.plants`. The language: `cohortrl.tasks.st`.
 
@@ -314,10 +314,11 @@ def draw_pump_valve(rng: random.Random, config: dict, dt: float, n_scenarios: in
             demand.append([on_grid(t, dt), round_nice(rng.uniform(0.2, 0.5) * q, 2)])
             t += rng.uniform(30, 60)
         scenario = {"initial": round(rng.uniform(0.3, 0.6), 2), "demand": demand, "duration": duration}
-        # The level transmitter freezes in one scenario of every two (the first hidden one always), so
-        # only the high-high switch can stop an overflow.
+        # The level transmitter sticks at a low reading in one scenario of every two (the first hidden one
+        # always): a controller that trusts it keeps pumping, and only the high-high switch stops it.
         if "high_high" in rules and (i == 1 or (i > 1 and rng.random() < 0.5)):
-            scenario["freeze"] = [on_grid(rng.uniform(60, 120), dt), on_grid(rng.uniform(60, 90), dt)]
+            scenario["stuck"] = [on_grid(rng.uniform(60, 120), dt), on_grid(rng.uniform(60, 90), dt),
+                                 round(lo - rng.uniform(0.15, 0.3), 2)]
         if "estop" in rules:
             press = on_grid(rng.uniform(40, duration - 100), dt)
             release = on_grid(press + rng.uniform(3, 8), dt)
@@ -424,7 +425,7 @@ def describe_safety(plant: str, p: dict) -> str:
              "the pump may run only while valve is TRUE and valve_open is TRUE"]
     if "high_high" in p["rules"]:
         rules.append(f"the pump must be off whenever high_high is TRUE (it trips at {p['high_high']:g} m; "
-                     "the level transmitter can freeze, the switch cannot)")
+                     "the level transmitter can fail, the switch cannot)")
     if "min_off" in p["rules"]:
         rules.append(f"after stopping, the pump must stay off for at least {p['min_off']:g} s")
     if "estop" in p["rules"]:
@@ -452,8 +453,9 @@ def describe_scenario(plant: str, s: dict) -> str:
     if plant == "pump_valve":
         demand = ", ".join(f"{d:g} m^3/s from t = {t:g} s" for t, d in s["demand"])
         text = f"level starts at {s['initial']:g} m; demand {demand}"
-        if "freeze" in s:
-            text += f"; the level transmitter freezes at t = {s['freeze'][0]:g} s for {s['freeze'][1]:g} s"
+        if "stuck" in s:
+            text += (f"; the level transmitter sticks at {s['stuck'][2]:g} m from t = {s['stuck'][0]:g} s "
+                     f"for {s['stuck'][1]:g} s")
         if "estop" in s:
             text += (f"; emergency stop pressed at t = {s['estop'][0][0]:g} s, released at {s['estop'][1][0]:g} s, "
                      f"reset pressed at {s['reset'][0][0]:g} s")

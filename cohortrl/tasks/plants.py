@@ -13,7 +13,7 @@ held over the scan, as a PLC's are). Noise is seeded per scenario, so grading is
   has been commanded open for its travel time; it closes at once. Interlock rules (a level chooses which):
     valve      the pump runs only while the valve is commanded open and reports fully open;
     high_high  the pump is off whenever the independent high-high switch is tripped (a scenario may
-               freeze the level transmitter, so only the switch tells the truth);
+               stick the level transmitter at a low reading, so only the switch tells the truth);
     min_off    once stopped, the pump stays off for at least t_off seconds (motor protection);
     estop      while the emergency stop is pressed, and afterwards until a reset press (rising edge) with
                the stop released, the pump and the valve are off (a latch).
@@ -232,25 +232,24 @@ class PumpValve:
         area, q, h_max = p["area"], p["q"], p["h_max"]
         hh_on, hh_off = p["high_high"], p["high_high"] - 0.05  # the switch resets 5 cm below its trip point
         travel, t_off = p["travel"], p["min_off"]
-        freeze = s.get("freeze")  # [t, duration]: the level transmitter holds its last value
+        stuck = s.get("stuck")  # [t, duration, reading]: the level transmitter fails, reading low
         estop = _schedule([[0.0, 0]] + s.get("estop", []), self.times)
         reset = _schedule([[0.0, 0]] + s.get("reset", []), self.times)
-        if freeze:
-            self.excluded.append((freeze[0], freeze[0] + freeze[1] + p["recover"]))
+        if stuck:
+            self.excluded.append((stuck[0], stuck[0] + stuck[1] + p["recover"]))
         for t0, on in s.get("estop", []):
             if on:
                 self.excluded.append((t0, next((t for t, v in s["reset"] if t > t0 and v), t0) + p["recover"]))
         h, opened_for, tripped, latched = s["initial"], 0.0, False, False
-        pump_prev, stopped_at, reset_prev, frozen_value = False, -math.inf, False, None
+        pump_prev, stopped_at, reset_prev = False, -math.inf, False
         scan = program.scan
         has_hh, has_estop = "high_high" in rules, "estop" in rules
         for i in range(self.n):
             t = self.times[i]
             tripped = h >= hh_on or (tripped and h > hh_off)
             measured = h + self.noise[i]
-            if freeze and freeze[0] <= t < freeze[0] + freeze[1]:
-                frozen_value = measured if frozen_value is None else frozen_value
-                measured = frozen_value
+            if stuck and stuck[0] <= t < stuck[0] + stuck[1]:
+                measured = stuck[2]
             valve_open = opened_for >= travel - 1e-9
             inputs = [measured, valve_open]
             if has_hh:
@@ -306,7 +305,7 @@ class PumpValve:
         if outside * self.dt > spec["outside_s"]:
             failures.append(f"the level was outside {lo - tol:g}-{hi + tol:g} m for {outside * self.dt:g} s "
                             f"(spec: at most {spec['outside_s']:g} s, after the first {spec['fill_time']:g} s)")
-        # Starts while the transmitter is frozen are the high-high switch cycling the pump: excused too.
+        # Starts while the transmitter is stuck are the high-high switch cycling the pump: excused too.
         starts = [t for t in self.starts if not any(a <= t < b for a, b in self.excluded)]
         per_100s = len(starts) * 100.0 / (self.n * self.dt)
         if per_100s > spec["starts_per_100s"]:

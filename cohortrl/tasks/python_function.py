@@ -2,8 +2,8 @@
 
 Levels:
   1  one formula: axial stress, circle area, hydrostatic pressure, kinetic energy
-  2  two steps or a decision: safety factor of a round bar, SAFE/FAIL verdict, flow velocity in a pipe,
-     hollow-section area (ValueError for an impossible wall)
+  2  two steps or a decision: safety factor of a round bar, SAFE/FAIL verdict (hidden cases alternate
+     SAFE and FAIL), flow velocity in a pipe, hollow-section area (ValueError for an impossible wall)
   3  unit conversion chains between named units (pressure, length, flow), ValueError for unknown units
   4  beam reactions and moments: simply supported with a point load (ValueError off the span),
      simply supported with a distributed load, cantilever with both; tuples of results
@@ -160,6 +160,9 @@ class Problem:
     returns: str  # what the function returns, in words with units
     draw: Callable[[random.Random], tuple]  # one argument tuple
     errors: tuple[tuple, ...] = ()  # argument tuples that must raise; one goes into the hidden tests
+    # For SAFE/FAIL problems, demand / capacity of a case (above 1 fails): hidden cases alternate SAFE and
+    # FAIL and keep 5% from the threshold, so always answering SAFE passes half and rounding flips none.
+    utilisation: Callable[..., float] | None = None
 
     @property
     def name(self) -> str:
@@ -189,7 +192,8 @@ PROBLEMS = {
                 "round bar of diameter diameter_mm mm carrying force_kN kN", lambda r: (u(r, 5, 300), u(r, 10, 60), float(r.choice([235, 250, 275, 355])))),
         Problem(bar_verdict, "'SAFE' if the safety factor against yield of a solid round bar (diameter_mm mm, "
                 "force_kN kN) is at least required_sf, else 'FAIL'",
-                lambda r: (u(r, 5, 300), u(r, 10, 60), float(r.choice([235, 250, 275, 355])), r.choice([1.5, 2.0, 2.5]))),
+                lambda r: (u(r, 5, 300), u(r, 10, 60), float(r.choice([235, 250, 275, 355])), r.choice([1.5, 2.0, 2.5])),
+                utilisation=lambda f, d, y, sf: sf / bar_safety_factor(f, d, y)),
         Problem(pipe_velocity, "the mean velocity in m/s of a flow of flow_L_min litres per minute in a pipe of "
                 "inner diameter diameter_mm mm", lambda r: (u(r, 5, 3000), u(r, 10, 200))),
         Problem(hollow_area, "the area in mm^2 of a hollow circular section (outer diameter outer_mm, wall "
@@ -224,7 +228,8 @@ PROBLEMS = {
         Problem(beam_bending_check, "(verdict, stress): the maximum bending stress in MPa of a simply supported "
                 "rectangular beam (span span_m m, central point load load_kN kN, width width_mm mm, depth "
                 "depth_mm mm; M = P L / 4, stress = 6 M / (b h^2)) and 'SAFE' if it is at most allowable_MPa, "
-                "else 'FAIL'", lambda r: (u(r, 1, 8), u(r, 1, 80), float(r.randint(5, 30) * 10), float(r.randint(10, 60) * 10), float(r.choice([10, 12, 165, 235])))),
+                "else 'FAIL'", lambda r: (u(r, 1, 8), u(r, 1, 80), float(r.randint(5, 30) * 10), float(r.randint(10, 60) * 10), float(r.choice([10, 12, 165, 235]))),
+                utilisation=lambda *a: beam_bending_check(*a)[1] / a[4]),
         Problem(euler_buckling_load, "the Euler buckling load in kN of a solid round strut (Young's modulus "
                 "modulus_GPa GPa, diameter diameter_mm mm, length length_m m, effective-length factor "
                 "k_factor): P = pi^2 E I / (K L)^2 with I = pi d^4 / 64",
@@ -293,7 +298,7 @@ class PythonFunction(TaskFamily):
         rng = rng_for(self.name, seed, level, index)
         problem = PROBLEMS[level][rng.randrange(len(PROBLEMS[level]))]
         examples = [problem.draw(rng) for _ in range(2)]
-        hidden = [problem.draw(rng) for _ in range(self.tests - (1 if problem.errors else 0))]
+        hidden = [self.draw_case(problem, rng, i) for i in range(self.tests - (1 if problem.errors else 0))]
         if problem.errors:  # one hidden case checks the required ValueError
             hidden.insert(rng.randrange(len(hidden) + 1), rng.choice(problem.errors))
         cases = [{"args": list(args), "expected": expected_of(problem, args)} for args in hidden]
@@ -309,6 +314,16 @@ class PythonFunction(TaskFamily):
         return Sample(self.name, level, seed, index, prompt, answer=problem.signature(),
                       reference_solution=reference, target=steps[-1], steps=steps,
                       extra={"function": problem.name, "tests": cases})
+
+    @staticmethod
+    def draw_case(problem: Problem, rng: random.Random, i: int) -> tuple:
+        if problem.utilisation is None:
+            return problem.draw(rng)
+        while True:
+            args = problem.draw(rng)
+            used = problem.utilisation(*args)
+            if abs(used - 1) >= 0.05 and (used <= 1) == (i % 2 == 0):
+                return args
 
     def grade(self, sample: Sample, completion: str) -> Grade:
         found = extract_code(completion)
