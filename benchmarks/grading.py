@@ -10,15 +10,19 @@ start or a numpy import. For each family, 1,000 samples spread over its levels a
 
 then all of them again through ``imap`` on every worker, for throughput. Completions mix three kinds a
 policy produces: the reference solution, the reference buried in ~1,500 characters of prose and padding
-lines, and ~1,000 characters of unformatted text.
+lines, and ~1,000 characters of unformatted text. The code families (issue 6) replace the third kind with a
+wrong program, so that every completion is really run: for ``controller`` the reference's gains and
+limits perturbed (every scenario simulated, most failing at performance), for ``python_function`` a
+function returning a constant (a full round trip through the worker's sandbox, one forked child).
 
-    .venv/bin/python benchmarks/grading.py [--n 1000] [--workers 2]
+    .venv/bin/python benchmarks/grading.py [--n 1000] [--workers 2] [--families controller python_function]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import re
 import statistics
 import time
 
@@ -32,6 +36,11 @@ def completions_for(sample: dict, i: int) -> str:
         return sample["reference_solution"]
     if kind == 1:
         return f"{PROSE}\n{PADDING}\n{sample['reference_solution']}\n{PROSE}"
+    if sample["family"] == "controller":
+        # Every number in the reference nudged: the same program shape, simulated in full.
+        return re.sub(r"\d+\.\d+", lambda m: f"{float(m[0]) * 0.7:.4g}", sample["reference_solution"])
+    if sample["family"] == "python_function":
+        return f"```python\ndef {sample['extra']['function']}(*args):\n    return 0.0\n```"
     return (PROSE + " ") * 2 + "so the result is probably around 42 or so."
 
 
@@ -69,12 +78,13 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000, help="samples per family (default 1000)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--families", nargs="+", default=None, help="default: every family")
     args = parser.parse_args()
 
     from cohortrl import tasks
 
     jobs: dict[str, list[tuple[dict, str]]] = {}
-    for name in tasks.names():
+    for name in args.families or tasks.names():
         family = tasks.get(name)
         per_level = -(-args.n // len(family.levels))
         try:
