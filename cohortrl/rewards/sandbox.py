@@ -83,6 +83,7 @@ class Isolation:
     seccomp_error: str  # why seccomp is off ("" when on)
     network: str  # how the network is cut off besides seccomp, e.g. "network namespace (no interfaces up)"
     own_uid_per_job: bool  # each job runs as a uid of its own (the server runs as root)
+    chroot: bool  # each job's root directory is its own empty directory (the server runs as root)
     rlimits: list[str]
 
 
@@ -94,13 +95,14 @@ class Sandbox:
 
     ``max_workers`` jobs start in parallel (each keeps its start slot for its first ``fast_s`` seconds);
     ``max_children`` bounds live children, so a batch takes at most ``max_children * memory_mb``.
-    ``output_limit`` caps stdout+stderr per job (more kills the job).
+    ``output_limit`` caps stdout+stderr per job (more kills the job). ``seccomp=False`` is for testing the
+    fallback a machine without seccomp gets.
     """
 
     def __init__(self, max_workers: int = 2, max_children: int = 32, output_limit: int = 65536,
-                 fast_s: float = 0.02) -> None:
+                 fast_s: float = 0.02, seccomp: bool = True) -> None:
         self.config = {"max_workers": max_workers, "max_children": max_children, "output_limit": output_limit,
-                       "fast_s": fast_s}
+                       "fast_s": fast_s, "seccomp": seccomp}
         self._lock = threading.Lock()  # guards starting/stopping and writes to the server
         self._proc: subprocess.Popen | None = None
         self._pending: dict[int, dict] = {}  # id -> {"event", "result"}
@@ -125,13 +127,14 @@ class Sandbox:
                 raise RuntimeError(f"the sandbox server did not start (exit code {self._proc.poll()})")
             info = hello["hello"]
             self.isolation = Isolation(info["seccomp"], info["seccomp_error"], info["network"],
-                                       info["own_uid_per_job"], info["rlimits"])
+                                       info["own_uid_per_job"], info["chroot"], info["rlimits"])
             global _warned_no_seccomp
             if not info["seccomp"] and not _warned_no_seccomp:
                 _warned_no_seccomp = True
                 log.warning("sandbox: seccomp is NOT active (%s); model code still runs with rlimits, %s, "
-                            "and %s", info["seccomp_error"],
-                            "its own uid" if info["own_uid_per_job"] else "the trainer's uid", info["network"])
+                            "network: %s", info["seccomp_error"],
+                            "its own uid in an empty chroot" if info["chroot"] else "the trainer's uid, seeing its files",
+                            info["network"])
             threading.Thread(target=self._read_results, args=(self._proc,), daemon=True,
                              name="sandbox-reader").start()
             return self

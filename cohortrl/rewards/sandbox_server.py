@@ -11,7 +11,8 @@ Each job's child, before any model text is even compiled:
      with the server (PR_SET_PDEATHSIG);
   2. has stdin on /dev/null, stdout and stderr on one capped pipe to the server, its result pipe on fd 3,
      and every other descriptor closed;
-  3. works in an empty directory of its own (one per child slot, emptied after every job);
+  3. works in an empty directory of its own (one per child slot, emptied after every job); when the
+     server is root, that directory is also the child's root (chroot), so it sees no other file at all;
   4. as root, becomes a uid of its own with no groups (so it can signal or read nothing of anyone else's,
      and RLIMIT_NPROC applies);
   5. gets rlimits: CPU seconds, address space, 8 open files, 0 new processes, file size 0, no core;
@@ -273,6 +274,8 @@ def child_main(job: dict, fds: dict, slot: int, seccomp: Seccomp, server_pid: in
         os.closerange(RESULT_FD + 1, 1 << 16)
         os.chdir(job["dir"])
         if os.geteuid() == 0:
+            os.chroot(".")  # what was opened before (/dev/null, the pipes, libseccomp) stays usable
+            os.chdir("/")
             uid = UID_BASE + slot
             os.setgroups([])
             os.setgid(uid)
@@ -336,6 +339,8 @@ class Server:
         self.network = isolate_network()
         self.seccomp = Seccomp()
         self.seccomp.probe()
+        if not config.get("seccomp", True) and self.seccomp.ctx is not None:
+            self.seccomp.ctx, self.seccomp.error = None, "turned off by the caller (Sandbox(seccomp=False))"
         self.root = os.geteuid() == 0
         self.base_dir = tempfile.mkdtemp(prefix="cohortrl-sandbox-")
         os.chmod(self.base_dir, 0o711)
@@ -360,7 +365,7 @@ class Server:
     def hello(self) -> dict:
         limits = ["RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NOFILE=8", "RLIMIT_NPROC=0", "RLIMIT_FSIZE=0", "RLIMIT_CORE=0"]
         return {"pid": os.getpid(), "seccomp": self.seccomp.ctx is not None, "seccomp_error": self.seccomp.error,
-                "network": self.network, "own_uid_per_job": self.root, "rlimits": limits,
+                "network": self.network, "own_uid_per_job": self.root, "chroot": self.root, "rlimits": limits,
                 "python": sys.version.split()[0]}
 
     def send(self, message: dict) -> None:
