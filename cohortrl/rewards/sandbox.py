@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -236,14 +237,17 @@ def _job_result(data: dict) -> JobResult:
 
 
 _shared: Sandbox | None = None
+_shared_pid = 0
 _shared_lock = threading.Lock()
 
 
 def shared() -> Sandbox:
-    """The process's sandbox, started on first use and stopped at interpreter exit."""
-    global _shared
+    """The process's sandbox, started on first use and stopped at interpreter exit. A process forked from
+    one that had it (a ``fork`` multiprocessing worker) gets its own: the inherited one's reader thread
+    did not survive the fork, and its server belongs to the parent."""
+    global _shared, _shared_pid
     with _shared_lock:
-        if _shared is None:
-            _shared = Sandbox()
+        if _shared is None or _shared_pid != os.getpid():
+            _shared, _shared_pid = Sandbox(), os.getpid()
             atexit.register(_shared.close)
         return _shared.start()

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import math
 import random
-import re
 from dataclasses import dataclass, field
 
 from cohortrl.tasks.answer_format import format_sig
 from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, make_grade, register, rng_for, round_nice
+from cohortrl.tasks.code_blocks import extract_code
 from cohortrl.tasks.plants import PLANTS
 from cohortrl.tasks.st import STError, compile_program
 
@@ -58,7 +58,6 @@ LEVELS = {
         "spec": {"band_tol": 0.03}},
 }
 SS_WINDOW = 5.0  # seconds before each event over which the steady-state error is averaged
-CODE_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -73,16 +72,6 @@ class Evaluation:
     @property
     def outcome(self) -> float:
         return 1.0 if len(self.passed) == len(STAGES) else 0.0
-
-
-def extract_code(completion: str) -> tuple[str, tuple[int, int]] | None:
-    """The last fenced code block (any language tag), else the whole response if it looks like ST."""
-    blocks = list(CODE_BLOCK.finditer(completion))
-    if blocks:
-        return blocks[-1].group(2), blocks[-1].span(2)
-    if ":=" in completion:
-        return completion, (0, len(completion))
-    return None
 
 
 @register
@@ -128,7 +117,7 @@ class Controller(TaskFamily):
         return make_grade(report.outcome, results, report.code_span is not None, self.step_weight)
 
     def evaluate(self, sample: Sample, completion: str) -> Evaluation:
-        found = extract_code(completion)
+        found = extract_code(completion, marker=":=")
         if found is None:
             return Evaluation([], "no code block found (answer with the program in a ```st block)", None)
         code, span = found

@@ -27,14 +27,12 @@ from __future__ import annotations
 import inspect
 import math
 import random
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from cohortrl.rewards import sandbox
 from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, make_grade, register, rng_for
-
-CODE_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+from cohortrl.tasks.code_blocks import extract_code
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -262,16 +260,6 @@ def matches(value: Any, expected: Any, rel_tol: float) -> bool:
     return abs(value - expected) <= rel_tol * abs(expected) + 1e-9
 
 
-def extract_code(completion: str) -> tuple[str, tuple[int, int]] | None:
-    """The last fenced code block, else the whole response if it defines a function."""
-    blocks = list(CODE_BLOCK.finditer(completion))
-    if blocks:
-        return blocks[-1].group(2), blocks[-1].span(2)
-    if "def " in completion:
-        return completion, (0, len(completion))
-    return None
-
-
 def show(value: Any, lists_as_tuples: bool = True) -> str:
     """A value as the prompt and the diagnostics write it: floats to 6 significant figures; a returned
     list is the tuple the reference returned (JSON has no tuples)."""
@@ -326,7 +314,7 @@ class PythonFunction(TaskFamily):
                 return args
 
     def grade(self, sample: Sample, completion: str) -> Grade:
-        found = extract_code(completion)
+        found = extract_code(completion, marker="def ")
         cases = sample.extra["tests"]
         if found is None:
             results = [StepResult(s.key, False, None) for s in sample.steps]

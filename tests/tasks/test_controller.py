@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from cohortrl import tasks
-from cohortrl.tasks.controller import STAGES, extract_code
+from cohortrl.tasks.code_blocks import extract_code
+from cohortrl.tasks.controller import STAGES
 from cohortrl.tasks.plants import PLANTS
 from cohortrl.tasks.st import compile_program
 
@@ -21,7 +22,7 @@ def st(text: str) -> str:
 
 
 def reference_body(sample) -> str:
-    return extract_code(sample.reference_solution)[0]
+    return extract_code(sample.reference_solution, marker=":=")[0]
 
 
 def evaluate_all(level: int, make, n: int = 12, seed: int = 3):
