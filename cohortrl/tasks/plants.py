@@ -45,9 +45,12 @@ def _schedule(changes: list[list[float]], times: list[float]) -> list[float]:
 class ContinuousPlant:
     """One REAL actuator in [0, 1] driving a measured process variable towards a setpoint."""
 
-    output = ""
+    output = ""  # the actuator's name in the interface
+    output_help = ""
     pv_name = ""
     unit = ""
+    limit_name = ""  # what exceeding ``limit`` is called
+    limit = math.inf  # the safety limit on the true process variable
 
     def __init__(self, params: dict, scenario: dict, dt: float) -> None:
         self.params, self.scenario, self.dt = params, scenario, dt
@@ -63,9 +66,12 @@ class ContinuousPlant:
         self.u: list[float] = []
         self.violation = ""
 
-    @staticmethod
-    def interface(params: dict) -> list[Var]:
-        raise NotImplementedError
+    @classmethod
+    def interface(cls, params: dict) -> list[Var]:
+        return [Var(cls.pv_name, "REAL", True, cls.unit, f"measured {cls.pv_name}"),
+                Var("setpoint", "REAL", True, cls.unit, f"wanted {cls.pv_name}"),
+                Var("DT", "REAL", True, "s", "the scan period"),
+                Var(cls.output, "REAL", False, "", cls.output_help)]
 
     def check_outputs(self, outputs: list) -> str:
         """The hack blocks on outputs: NaN / inf, and values beyond the actuator's range."""
@@ -75,6 +81,28 @@ class ContinuousPlant:
         if not -1e-9 <= u <= 1.0 + 1e-9:
             return f"{self.output} = {u:g} is beyond the actuator's range [0, 1]"
         return ""
+
+    def run(self, program) -> str:
+        """Simulate the scenario; returns a run-stage failure ("" if it ran to the end). Safety violations
+        are recorded in ``violation`` (the first one) and judged after every scenario has run."""
+        dt, scan = self.dt, program.scan
+        pv = self.scenario["initial"]
+        for i in range(self.n):
+            t = self.times[i]
+            (u,) = scan([pv + self.noise[i], self.setpoints[i], dt], t)
+            if bad := self.check_outputs([u]):
+                return f"t = {t:g} s: {bad}"
+            self.pv.append(pv)
+            self.u.append(u)
+            pv = self.advance(pv, u, i)
+            if pv > self.limit and not self.violation:
+                self.violation = (f"the {self.pv_name} reached {pv:.4g} {self.unit} at t = {t + dt:g} s, above "
+                                  f"{self.limit_name} {self.limit:g} {self.unit}")
+        return ""
+
+    def advance(self, pv: float, u: float, i: int) -> float:
+        """The process variable one scan later, with ``u`` held over the scan and the i-th disturbance."""
+        raise NotImplementedError
 
     # -- performance -------------------------------------------------------------------------------------
     def windows(self) -> list[tuple[int, int, float]]:
@@ -132,65 +160,36 @@ class ContinuousPlant:
 
 
 class Tank(ContinuousPlant):
-    output, pv_name, unit = "pump", "level", "m"
+    output, pv_name, unit, limit_name = "pump", "level", "m", "the overflow limit"
+    output_help = "pump command, 0 (off) to 1 (rated flow)"
 
-    @staticmethod
-    def interface(params: dict) -> list[Var]:
-        return [Var("level", "REAL", True, "m", "measured liquid level"),
-                Var("setpoint", "REAL", True, "m", "wanted level"),
-                Var("DT", "REAL", True, "s", "the scan period"),
-                Var("pump", "REAL", False, "", "pump command, 0 (off) to 1 (rated flow)")]
+    def __init__(self, params: dict, scenario: dict, dt: float) -> None:
+        super().__init__(params, scenario, dt)
+        self.area = params["area"] * scenario["area_factor"]
+        self.k = params["k"] * scenario["k_factor"]
+        self.limit = params["h_max"]
 
-    def run(self, program) -> str:
-        """Simulate the scenario; returns a run-stage failure ("" if it ran to the end)."""
-        p, dt = self.params, self.dt
-        area, q, k, u_max = p["area"] * self.scenario["area_factor"], p["q"], p["k"] * self.scenario["k_factor"], p["u_max"]
-        h_max = p["h_max"]
-        h = self.scenario["initial"]
-        scan = program.scan
-        for i in range(self.n):
-            t = self.times[i]
-            (u,) = scan([h + self.noise[i], self.setpoints[i], dt], t)
-            if bad := self.check_outputs([u]):
-                return f"t = {t:g} s: {bad}"
-            self.pv.append(h)
-            self.u.append(u)
-            h = max(0.0, h + dt * (q * min(u, u_max) - k * math.sqrt(h) - self.disturbance[i]) / area)
-            if h > h_max and not self.violation:
-                self.violation = f"the level reached {h:.3f} m at t = {t + dt:g} s, above the overflow limit {h_max:g} m"
-        return ""
+    def advance(self, h: float, u: float, i: int) -> float:
+        inflow = self.params["q"] * min(u, self.params["u_max"])
+        return max(0.0, h + self.dt * (inflow - self.k * math.sqrt(h) - self.disturbance[i]) / self.area)
 
 
 class Thermal(ContinuousPlant):
-    output, pv_name, unit = "heater", "temperature", "°C"
+    output, pv_name, unit, limit_name = "heater", "temperature", "°C", "the over-temperature limit"
+    output_help = "heater power, 0 (off) to 1 (full)"
 
-    @staticmethod
-    def interface(params: dict) -> list[Var]:
-        return [Var("temperature", "REAL", True, "°C", "measured temperature"),
-                Var("setpoint", "REAL", True, "°C", "wanted temperature"),
-                Var("DT", "REAL", True, "s", "the scan period"),
-                Var("heater", "REAL", False, "", "heater power, 0 (off) to 1 (full)")]
+    def __init__(self, params: dict, scenario: dict, dt: float) -> None:
+        super().__init__(params, scenario, dt)
+        self.gain = params["gain"] * scenario["gain_factor"]
+        self.tau = params["tau"] * scenario["tau_factor"]
+        self.delay = deque([0.0] * round(params["dead_time"] / dt))  # the heater acts dead_time later
+        self.limit = params["t_max"]
 
-    def run(self, program) -> str:
-        p, dt = self.params, self.dt
-        gain, tau = p["gain"] * self.scenario["gain_factor"], p["tau"] * self.scenario["tau_factor"]
-        ambient, u_max, t_max = p["ambient"], p["u_max"], p["t_max"]
-        delay = deque([0.0] * round(p["dead_time"] / dt))  # the heater's effect arrives dead_time later
-        temp = self.scenario["initial"]
-        scan = program.scan
-        for i in range(self.n):
-            t = self.times[i]
-            (u,) = scan([temp + self.noise[i], self.setpoints[i], dt], t)
-            if bad := self.check_outputs([u]):
-                return f"t = {t:g} s: {bad}"
-            self.pv.append(temp)
-            self.u.append(u)
-            delay.append(min(u, u_max))
-            acting = delay.popleft()
-            temp += dt * (gain * acting - (temp - ambient) - self.disturbance[i]) / tau
-            if temp > t_max and not self.violation:
-                self.violation = f"the temperature reached {temp:.1f} °C at t = {t + dt:g} s, above the limit {t_max:g} °C"
-        return ""
+    def advance(self, temp: float, u: float, i: int) -> float:
+        self.delay.append(min(u, self.params["u_max"]))
+        acting = self.delay.popleft()
+        heat = self.gain * acting - (temp - self.params["ambient"]) - self.disturbance[i]
+        return temp + self.dt * heat / self.tau
 
 
 class PumpValve:
