@@ -192,6 +192,7 @@ def isolate_network() -> str:
 UID_BASE = 1_500_000  # each child slot gets uid UID_BASE + slot when the server is root
 RESULT_FD = 3
 MAX_RESULT_BYTES = 1 << 20
+SECCOMP_FAILED = 73  # a child's exit code when its filter would not load
 
 
 def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
@@ -263,7 +264,7 @@ def child_main(job: dict, fds: dict, slot: int, seccomp: Seccomp, server_pid: in
         os.setpgid(0, 0)
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
         if os.getppid() != server_pid:
-            os._exit(71)
+            os._exit(71)  # the server died before the line above: nobody would ever reap this child
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
@@ -289,6 +290,8 @@ def child_main(job: dict, fds: dict, slot: int, seccomp: Seccomp, server_pid: in
         sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
         sys.stderr = sys.stdout
         filtered = seccomp.load()
+        if seccomp.ctx is not None and not filtered:
+            os._exit(SECCOMP_FAILED)  # fail closed: never run model code unfiltered where a filter is due
         result = run_job(job)
         result["seccomp"] = filtered
         sys.stdout.flush()
@@ -506,10 +509,10 @@ class Server:
         job["as_bytes"] += self.address_space_in_use()
         out_r, out_w = os.pipe()
         result_r, result_w = os.pipe()
+        server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            child_main(job, {"null": self.null_fd, "out": out_w, "result": result_w}, slot, self.seccomp,
-                       os.getppid())
+            child_main(job, {"null": self.null_fd, "out": out_w, "result": result_w}, slot, self.seccomp, server_pid)
         try:
             os.setpgid(pid, pid)  # also here, so a kill right after fork already reaches the group
         except OSError:
@@ -562,6 +565,9 @@ class Server:
                 reason = f"killed (SIGKILL): the CPU-time hard limit of {cpu + 1} s or the kernel's OOM killer"
             return {"ok": False, "reason": reason, "seccomp": seccomp_on}
         code = os.WEXITSTATUS(status)
+        if code == SECCOMP_FAILED:
+            return {"ok": False, "reason": "the seccomp filter could not be loaded, so the code was not run",
+                    "seccomp": False}
         try:
             data = json.loads(child.result) if code == 0 else None
         except ValueError:
