@@ -7,22 +7,14 @@ cache samples them; generation ends when every sequence has produced EOS or a st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from cohortrl.config import SamplingConfig
 from cohortrl.rollout.types import Rollout
 
 
-@dataclass
-class Sampling:
-    """Sampling settings for one ``generate`` call (mirrors ``config.SamplingConfig``)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop: tuple[str, ...] = ()
+# One description of sampling for the config, the trainer and evaluation: the config's own dataclass.
+Sampling = SamplingConfig
 
 
 class PromptTooLongError(ValueError):

@@ -41,7 +41,7 @@ from cohortrl.config import Config, ConfigError
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.models import load_model
 from cohortrl.rewards.scoring import WeightedReward, resolve
-from cohortrl.rollout.hf import Sampling, generate, response_logprobs
+from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.types import Rollout
 from cohortrl.trainers import checkpoint
 from cohortrl.trainers.evaluate import evaluate, score_rollout
@@ -136,9 +136,7 @@ class RLTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, policy_updates)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler), **self.optimised}
-        self.sampling = Sampling(
-            cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k, cfg.sampling.max_new_tokens, tuple(cfg.sampling.stop)
-        )
+        self.sampling = cfg.sampling
         self.norm_length = a.norm_length or cfg.sampling.max_new_tokens
         self.step_count = 0
         self.log = MetricsLog(self.run_dir, cfg.train.tensorboard)
