@@ -79,3 +79,14 @@ def test_train_ppo_stop_and_resume_continue_exactly(tmp_path):
     for step in (3, 4):
         for key in ("reward_mean", "loss", "value_loss", "kl", "kl_coef", "grad_norm", "critic_grad_norm", "response_length_mean"):
             assert abs(a[step][key] - b[step][key]) <= 1e-6, (step, key)
+
+
+def test_eval_a_trained_lora_adapter(tmp_path):
+    config = str(REPO / "configs" / "tiny_grpo.yaml")
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "train.progress=false", "eval.n_prompts=8"]
+    assert run("train", config, "--run-dir", str(tmp_path), "--steps", "1", *lora).returncode == 0
+    assert (tmp_path / "final" / "adapter_config.json").exists()
+    out = run("eval", config, "--adapter", str(tmp_path / "final"), *lora, "eval.pass_k=2")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["eval/n"] == 8 and 0 <= result["eval/accuracy"] <= 1 and "eval/pass@2" in result
