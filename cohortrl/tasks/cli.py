@@ -52,10 +52,11 @@ def add_tasks_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def run_list(args: argparse.Namespace) -> int:
+    width = max(map(len, tasks.names()))
     for name in tasks.names():
         family = tasks.get(name)
         doc = (sys.modules[type(family).__module__].__doc__ or "").strip().splitlines()[0]
-        print(f"{name:14s} levels {','.join(map(str, family.levels)):12s} {doc}")
+        print(f"{name:{width}s} levels {','.join(map(str, family.levels)):12s} {doc}")
     return 0
 
 
