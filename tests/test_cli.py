@@ -30,38 +30,16 @@ def test_config_error_exits_2_before_loading_a_model(tmp_path):
     assert not (tmp_path / "config.yaml").exists()
 
 
-def test_train_stop_resume_and_plot(tmp_path):
-    config = str(REPO / "configs" / "tiny_grpo.yaml")
-    full, split = tmp_path / "full", tmp_path / "split"
-    assert run("train", config, "--run-dir", str(full), "train.progress=false").returncode == 0
-    first = run("train", config, "--run-dir", str(split), "--steps", "2", "train.progress=false")
-    assert first.returncode == 0, first.stderr
-    resumed = run("train", "--run-dir", str(split), "--resume", "train.progress=false")
-    assert resumed.returncode == 0, resumed.stderr
-
-    def train_rows(run_dir):
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r for r in rows if "loss" in r}
-
-    a, b = train_rows(full), train_rows(split)
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    for step in (3, 4):
-        for key in ("reward_mean", "loss", "kl", "grad_norm", "entropy", "response_length_mean"):
-            assert abs(a[step][key] - b[step][key]) <= 1e-6, (step, key)
-    again = run("train", "--run-dir", str(split), "--resume", "train.progress=false")
-    assert again.returncode == 1 and "already done 4 step(s)" in again.stderr
-    (split / "curves.png").unlink()
-    assert run("plot", str(split)).returncode == 0 and (split / "curves.png").exists()
+COMMON_KEYS = ("reward_mean", "loss", "kl", "grad_norm", "response_length_mean")
 
 
-def test_models_lists_aliases():
-    out = run("models")
-    assert out.returncode == 0
-    assert "smollm2-135m-instruct" in out.stdout and "tiny-llama" in out.stdout
-
-
-def test_train_ppo_stop_and_resume_continue_exactly(tmp_path):
-    config = str(REPO / "configs" / "tiny_ppo.yaml")
+@pytest.mark.parametrize(
+    "config, keys",
+    [("tiny_grpo.yaml", COMMON_KEYS + ("entropy",)), ("tiny_ppo.yaml", COMMON_KEYS + ("value_loss", "kl_coef", "critic_grad_norm"))],
+)
+def test_train_stop_resume_continues_exactly_and_plots(tmp_path, config, keys):
+    """A run stopped after step 2 (process ended) and resumed gives steps 3-4 equal to an uninterrupted run."""
+    config = str(REPO / "configs" / config)
     full, split = tmp_path / "full", tmp_path / "split"
     assert run("train", config, "--run-dir", str(full), "train.progress=false").returncode == 0
     first = run("train", config, "--run-dir", str(split), "--steps", "2", "train.progress=false")
@@ -77,8 +55,18 @@ def test_train_ppo_stop_and_resume_continue_exactly(tmp_path):
     a, b = train_rows(full), train_rows(split)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for step in (3, 4):
-        for key in ("reward_mean", "loss", "value_loss", "kl", "kl_coef", "grad_norm", "critic_grad_norm", "response_length_mean"):
+        for key in keys:
             assert abs(a[step][key] - b[step][key]) <= 1e-6, (step, key)
+    again = run("train", "--run-dir", str(split), "--resume", "train.progress=false")
+    assert again.returncode == 1 and "already done 4 step(s)" in again.stderr
+    (split / "curves.png").unlink()
+    assert run("plot", str(split)).returncode == 0 and (split / "curves.png").exists()
+
+
+def test_models_lists_aliases():
+    out = run("models")
+    assert out.returncode == 0
+    assert "smollm2-135m-instruct" in out.stdout and "tiny-llama" in out.stdout
 
 
 def test_eval_a_trained_lora_adapter(tmp_path):
