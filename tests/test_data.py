@@ -72,3 +72,23 @@ def test_small_task_pools_still_give_distinct_held_out_prompts():
     assert train and not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
     with pytest.raises(DataError, match="has only about .* distinct prompts; lower data.eval_size"):
         load_rows(DataConfig(source="task:arithmetic", level=1, eval_size=2000), seed=0)
+
+
+def test_hub_source_uses_datasets_load_dataset(monkeypatch):
+    """The hub path can't reach the network here: a stand-in `datasets` module checks what it is asked for."""
+    import sys
+    import types
+
+    calls = []
+
+    def load_dataset(name, subset):
+        calls.append((name, subset))
+        rows = lambda n, off: [{"question": f"q{i + off}", "answer": str(i)} for i in range(n)]  # noqa: E731
+        return {"train": rows(10, 0), "test": rows(4, 100)}
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    cfg = DataConfig(source="hf:openai/gsm8k@main", prompt_column="question", eval_size=3, train_size=5)
+    train, held_out = load_rows(cfg, seed=0)
+    assert calls == [("openai/gsm8k", "main")]
+    assert [r["prompt"] for r in held_out] == ["q100", "q101", "q102"] and len(train) == 5
+    assert train[0] == {"prompt": "q0", "answer": "0"}
