@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from cohortrl import tasks
 
 from .helpers import (
-    FAMILIES,
     corrupt,
     grade,
     needs_gsm8k,

@@ -1,7 +1,6 @@
 """GRPO options not covered by the estimator matrix: truncation masking, stop strings, the resample bound."""
 
 import logging
-from pathlib import Path
 
 import torch
 

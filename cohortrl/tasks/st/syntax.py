@@ -23,7 +23,7 @@ import re
 from functools import lru_cache
 
 from lark import Lark, Token, Tree
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.exceptions import UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 GRAMMAR = r"""
 start: program_head? var_block* stmt* program_tail?
