@@ -217,6 +217,7 @@ class RLTrainer:
             "reward_mean": rewards_B.mean().item(),
             "reward_std": rewards_B.std().item() if len(rewards_B) > 1 else 0.0,
             **{f"reward/{k}_mean": _mean(v) for k, v in batch.per_fn.items()},
+            **{f"reward/{k}_std": _std(v) for k, v in batch.per_fn.items()},
             "accuracy": _mean(batch.per_fn[self.correctness.name]),
             # A group of one response has no variance to speak of (PPO with G = 1): None, not a misleading 1.
             "zero_variance_frac": batch.zero_variance_first_draw if G > 1 else None,
@@ -470,6 +471,12 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def _mean(values: list) -> float | None:
     vals = [v for v in values if v is not None]
     return sum(vals) / len(vals) if vals else None
+
+
+def _std(values: list) -> float | None:
+    """Sample std of the values a reward function returned (None where it did not apply)."""
+    vals = torch.tensor([v for v in values if v is not None])
+    return vals.std().item() if len(vals) > 1 else None
 
 
 def _masked_total(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:

@@ -188,6 +188,8 @@ def test_metrics_and_curves_are_written(tmp_path, addition_jsonl):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 2]
     assert {"eval/accuracy", "eval/pass@2", "eval/accuracy_ci_low"} <= set(rows[0])
+    fn_key = f"reward/{FNS}:starts_with_letter"
+    assert rows[1][f"{fn_key}_std"] >= 0 and f"{fn_key}_mean" in rows[1]
     for key in ("reward_mean", "accuracy", "zero_variance_frac", "kl", "clip_frac_low", "clip_frac_high", "entropy",
                 "response_length_mean", "response_length_max", "truncation_rate", "policy_loss", "grad_norm", "lr",
                 "time/generate", "time/score", "time/reference", "time/train", "tokens_per_s", "peak_rss_mb"):
