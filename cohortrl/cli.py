@@ -52,7 +52,7 @@ def cmd_eval(args) -> int:
     from cohortrl.data import load_rows
     from cohortrl.models import load_model
     from cohortrl.rewards.scoring import WeightedReward, resolve
-    from cohortrl.trainers.evaluate import evaluate
+    from cohortrl.trainers.evaluate import evaluate_config
 
     cfg = _load_config(args.config, args.overrides)
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed)
@@ -62,13 +62,8 @@ def cmd_eval(args) -> int:
         model = PeftModel.from_pretrained(model, args.adapter)
     fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
     _, eval_rows = load_rows(cfg.data, cfg.train.seed)
-    e = cfg.eval
-    result = evaluate(
-        model, tokenizer, eval_rows[: e.n_prompts], WeightedReward(fn.name, resolve(fn.name, fn.kwargs)),
-        system_prompt=cfg.model.system_prompt, max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens,
-        batch_size=e.batch_size, pass_k=e.pass_k, temperature=e.temperature,
-        max_prompt_tokens=cfg.data.max_prompt_tokens, overlong_prompts=cfg.data.overlong_prompts,
-    )
+    correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs))
+    result = evaluate_config(model, tokenizer, eval_rows[: cfg.eval.n_prompts], correctness, cfg)
     print(json.dumps(result, indent=2))
     return 0
 

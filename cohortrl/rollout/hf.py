@@ -82,11 +82,12 @@ def generate(
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Tp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     greedy = sampling.temperature == 0
+    eos_ids = _eos_ids(model, tokenizer)
     kwargs = dict(
         do_sample=not greedy,
         max_new_tokens=sampling.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=_eos_ids(model, tokenizer),
+        eos_token_id=eos_ids,
     )
     if not greedy:
         kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
@@ -99,7 +100,7 @@ def generate(
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
-    response_mask, truncated, completions = _finish(response_ids, tokenizer, _eos_ids(model, tokenizer), sampling)
+    response_mask, truncated, completions = _finish(response_ids, tokenizer, eos_ids, sampling)
     response_ids = response_ids.masked_fill(response_mask == 0, tokenizer.pad_token_id)
     rollout = Rollout(
         prompt_ids=prompt_ids,

@@ -74,3 +74,15 @@ def evaluate(
         out["eval/sampled_accuracy_ci_low"] = max(0.0, mean_P.mean().item() - half)
         out["eval/sampled_accuracy_ci_high"] = min(1.0, mean_P.mean().item() + half)
     return out
+
+
+def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedReward, cfg) -> dict[str, float]:
+    """``evaluate`` with the settings of a run config (``eval``, ``sampling``, ``model``, ``data`` sections):
+    the one place the trainer and ``cohortrl eval`` read them."""
+    e = cfg.eval
+    return evaluate(
+        model, tokenizer, rows, correctness, system_prompt=cfg.model.system_prompt,
+        max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens, batch_size=e.batch_size,
+        pass_k=e.pass_k, temperature=e.temperature, max_prompt_tokens=cfg.data.max_prompt_tokens,
+        overlong_prompts=cfg.data.overlong_prompts,
+    )

@@ -44,7 +44,7 @@ from cohortrl.rewards.scoring import WeightedReward, resolve
 from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.types import Rollout
 from cohortrl.trainers import checkpoint
-from cohortrl.trainers.evaluate import evaluate, score_rollout
+from cohortrl.trainers.evaluate import evaluate_config, score_rollout
 from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, peak_rss_mb, plot_curves
 from cohortrl.trainers.setup import Reference, build_optimizer, build_policy, build_scheduler
 
@@ -391,13 +391,7 @@ class RLTrainer:
         return rows
 
     def evaluate(self) -> dict:
-        e, cfg = self.cfg.eval, self.cfg
-        return evaluate(
-            self.model, self.tokenizer, self.eval_rows, self.correctness, system_prompt=cfg.model.system_prompt,
-            max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens, batch_size=e.batch_size,
-            pass_k=e.pass_k, temperature=e.temperature, max_prompt_tokens=cfg.data.max_prompt_tokens,
-            overlong_prompts=cfg.data.overlong_prompts,
-        )
+        return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg)
 
     def _log(self, row: dict) -> dict:
         self.log.write(row)
