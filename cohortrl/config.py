@@ -59,7 +59,11 @@ class ModelConfig:
 class DataConfig:
     source: str = "task:arithmetic"
     """Where prompts come from: ``task:NAME`` (a gym family, see ``cohortrl tasks list``; ``task:gsm8k`` reads
-    the local GSM8K copy, else the hub), ``jsonl:PATH``, or ``hf:DATASET_ID`` (Hugging Face hub, needs internet)."""
+    the local GSM8K copy, else the hub), ``jsonl:PATH``, ``hf:DATASET_ID`` (Hugging Face hub, needs internet),
+    or ``python:NAME`` (rows handed to the Python API as ``train_dataset=``; a config file cannot hold them)."""
+    transform: Optional[str] = None
+    """User code applied to every row before use, ``path/to/file.py:fn`` or ``module:fn``: ``fn(row: dict)
+    -> dict``; the result must hold the prompt column. Not applied to ``task:`` rows (they are generated)."""
     level: int = 1
     """Difficulty level for ``task:`` sources."""
     prompt_column: str = "prompt"
@@ -254,6 +258,9 @@ class TrainConfig:
     """Show a console progress bar."""
     threads: int = 0
     """torch CPU threads (0: torch's default)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the ``wandb`` package; project from ``WANDB_PROJECT``, else
+    ``cohortrl``)."""
 
 
 @dataclass
@@ -274,13 +281,37 @@ class Config:
     """Held-out evaluation."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Loop length, seed, checkpoints, logging."""
+    imports: list[str] = field(default_factory=list)
+    """Modules (``package.module``) or files (``path/to/file.py``) imported before the config is checked, so
+    the estimators, losses, reward functions and tasks they register can be named in it."""
 
     # ---------------------------------------------------------------- construction
+    def __post_init__(self) -> None:
+        """``Config(algorithm={"group_size": 4})`` or ``Config(algorithm=AlgorithmConfig(group_size=4))``: each
+        section, given as a mapping or as its dataclass, goes through the same type checks and validation as a
+        YAML file, with the same errors."""
+        from cohortrl.user_code import import_plugin
+
+        self.imports = _convert(list[str], self.imports, "imports")
+        for ref in self.imports:
+            import_plugin(ref)
+        hints = typing.get_type_hints(Config)
+        for f in dataclasses.fields(self):
+            tp, value = hints[f.name], getattr(self, f.name)
+            if not dataclasses.is_dataclass(tp):
+                continue
+            if isinstance(value, tp):
+                value = dataclasses.asdict(value)
+            setattr(self, f.name, _convert(tp, value, f.name))
+        validate(self)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Config":
-        cfg = _build(cls, data, "")
-        validate(cfg)
-        return cfg
+        return _build(cls, data, "")
+
+    def with_overrides(self, *overrides: str) -> "Config":
+        """A copy with ``a.b=value`` overrides applied: ``cfg.with_overrides("algorithm.group_size=4")``."""
+        return Config.from_dict(apply_overrides(self.to_dict(), list(overrides)))
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] = ()) -> "Config":
@@ -506,10 +537,10 @@ def validate(cfg: Config) -> None:
     _require(d.eval_size >= 0, "data.eval_size", d.eval_size, "must be >= 0")
     _require(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "must be at least 1")
     _require(
-        d.source.split(":", 1)[0] in ("task", "jsonl", "hf") and ":" in d.source,
+        d.source.split(":", 1)[0] in ("task", "jsonl", "hf", "python") and ":" in d.source,
         "data.source",
         d.source,
-        "must be task:NAME, jsonl:PATH or hf:DATASET_ID",
+        "must be task:NAME, jsonl:PATH, hf:DATASET_ID or python:NAME",
     )
     _require(e.every >= 0, "eval.every", e.every, "must be >= 0")
     _require(e.n_prompts >= 0, "eval.n_prompts", e.n_prompts, "must be >= 0")

@@ -6,6 +6,7 @@ functions by name (TRL's convention). Rows from a gym task also carry ``sample``
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -15,17 +16,32 @@ class DataError(ValueError):
     pass
 
 
-def load_rows(cfg, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out eval rows) for a ``config.DataConfig``; eval prompts never appear in train."""
+def load_rows(cfg, seed: int, rows: list[dict] | None = None, eval_rows: list[dict] | None = None):
+    """(train rows, held-out eval rows) for a ``config.DataConfig``; eval prompts never appear in train.
+
+    ``rows`` are the Python API's in-memory rows (``data.source = python:NAME``); they are split into train and
+    held-out exactly as a JSONL file's rows are, unless ``eval_rows`` are given (then used as held-out)."""
     kind, _, arg = cfg.source.partition(":")
-    if kind == "task":
+    if kind == "python":
+        if rows is None:
+            raise DataError(
+                f"data.source {cfg.source!r} means the rows were given in Python: pass train_dataset= to the trainer "
+                "(a config file alone cannot hold them; use jsonl:PATH to run it from the command line)"
+            )
+        loaded = [_rename(_transformed(dict(r), cfg, f"{cfg.source} row {i}"), cfg, f"{cfg.source} row {i}") for i, r in enumerate(rows)]
+        if not loaded:
+            raise DataError(f"data.source {cfg.source!r}: train_dataset holds no rows")
+        train, held_out = (loaded, []) if eval_rows is not None else _split(loaded, cfg.eval_size, seed)
+    elif kind == "task":
         train, held_out = _task_rows(arg, cfg, seed)
     elif kind == "jsonl":
-        train, held_out = _split(_jsonl_rows(Path(arg), cfg), cfg.eval_size, seed)
+        train, held_out = (_jsonl_rows(Path(arg), cfg), []) if eval_rows is not None else _split(_jsonl_rows(Path(arg), cfg), cfg.eval_size, seed)
     elif kind == "hf":
         train, held_out = _hf_rows(arg, cfg)
     else:
-        raise DataError(f"data.source {cfg.source!r}: use task:NAME, jsonl:PATH or hf:DATASET_ID")
+        raise DataError(f"data.source {cfg.source!r}: use task:NAME, jsonl:PATH, hf:DATASET_ID or python:NAME")
+    if eval_rows is not None:
+        held_out = [_rename(_transformed(dict(r), cfg, f"eval_dataset row {i}"), cfg, f"eval_dataset row {i}") for i, r in enumerate(eval_rows)]
     if cfg.train_size and kind != "task":
         train = train[: cfg.train_size]
     eval_prompts = {r["prompt"] for r in held_out}
@@ -69,6 +85,38 @@ def _dedupe(rows):
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _transform_fn(ref: str):
+    import inspect
+
+    from cohortrl.user_code import load_object
+
+    fn = load_object(ref, "data.transform", DataError)
+    try:
+        inspect.signature(fn).bind({})
+    except TypeError:
+        raise DataError(f"data.transform '{ref}' has signature {fn.__name__}{inspect.signature(fn)}; it must take one row (a dict) and return a dict") from None
+    except ValueError:
+        pass  # a builtin without a signature: its call will tell
+    return fn
+
+
+def _transformed(row: dict, cfg, where: str) -> dict:
+    """``data.transform`` applied to one row (the identity when unset)."""
+    if not cfg.transform:
+        return row
+    fn = _transform_fn(cfg.transform)
+    try:
+        out = fn(row)
+    except Exception as e:
+        raise DataError(f"data.transform '{cfg.transform}' raised {type(e).__name__} on {where}: {e}") from e
+    if not isinstance(out, dict):
+        raise DataError(
+            f"data.transform '{cfg.transform}' returned {type(out).__name__} for {where}; it must return the row as a dict"
+        )
+    return out
+
+
 def _rename(row: dict, cfg, where: str) -> dict:
     missing = [c for c in (cfg.prompt_column,) if c not in row]
     if missing:
@@ -98,7 +146,7 @@ def _jsonl_rows(path: Path, cfg) -> list[dict]:
                 raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
-            rows.append(_rename(row, cfg, f"{path}:{lineno}"))
+            rows.append(_rename(_transformed(row, cfg, f"{path}:{lineno}"), cfg, f"{path}:{lineno}"))
     if not rows:
         raise DataError(f"{path} holds no rows")
     return rows
@@ -119,8 +167,10 @@ def _hf_rows(dataset_id: str, cfg):
         raise DataError("data.source=hf:... needs the `datasets` package: pip install 'cohortrl[hub]'") from None
     name, _, subset = dataset_id.partition("@")  # hf:openai/gsm8k@main
     ds = datasets.load_dataset(name, subset or None)
-    train = [_rename(dict(r), cfg, f"{name}[{cfg.split}]") for r in ds[cfg.split]]
-    held_out = [_rename(dict(r), cfg, f"{name}[{cfg.eval_split}]") for r in ds[cfg.eval_split]][: cfg.eval_size]
+    train = [_rename(_transformed(dict(r), cfg, f"{name}[{cfg.split}] row {i}"), cfg, f"{name}[{cfg.split}]")
+             for i, r in enumerate(ds[cfg.split])]
+    held_out = [_rename(_transformed(dict(r), cfg, f"{name}[{cfg.eval_split}] row {i}"), cfg, f"{name}[{cfg.eval_split}]")
+                for i, r in enumerate(ds[cfg.eval_split])][: cfg.eval_size]
     return train, held_out
 
 

@@ -11,8 +11,9 @@ Groups are contiguous: rows k·G … k·G + G − 1 answer prompt k. ``response_
 tokens; padded slots never influence an output.
 
 Registries (one call signature per family, so a trainer looks a name up and never branches on it):
-    ADVANTAGE_ESTIMATORS / get_advantage_estimator   (see ``AdvantageEstimator``)
-    POLICY_LOSSES / get_policy_loss                  (see ``PolicyLoss``)
+    ADVANTAGE_ESTIMATORS / get_advantage_estimator / register_advantage_estimator  (see ``AdvantageEstimator``)
+    POLICY_LOSSES / get_policy_loss / register_policy_loss                         (see ``PolicyLoss``)
+Users add their own with the ``register_*`` decorators; the same signature check applies to them.
 """
 
 from cohortrl.algorithms.advantages import (
@@ -22,6 +23,7 @@ from cohortrl.algorithms.advantages import (
     gae_advantages,
     get_advantage_estimator,
     group_advantages,
+    register_advantage_estimator,
     process_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -34,6 +36,7 @@ from cohortrl.algorithms.losses import (
     PolicyLoss,
     get_policy_loss,
     policy_loss,
+    register_policy_loss,
     value_loss,
 )
 from cohortrl.algorithms.masked import (
@@ -58,6 +61,7 @@ __all__ = [
     "AdvantageEstimator",
     "ADVANTAGE_ESTIMATORS",
     "get_advantage_estimator",
+    "register_advantage_estimator",
     # losses
     "policy_loss",
     "value_loss",
@@ -65,6 +69,7 @@ __all__ = [
     "PolicyLoss",
     "POLICY_LOSSES",
     "get_policy_loss",
+    "register_policy_loss",
     # KL
     "kl_penalty",
     "KL_ESTIMATORS",

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from cohortrl.algorithms.masked import as_bool_mask, broadcast_to_tokens, masked_fill_padding, masked_whiten
-from cohortrl.algorithms.registry import lookup
+from cohortrl.algorithms.registry import lookup, register
 from cohortrl.algorithms.shaping import outcome_token_rewards
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "AdvantageEstimator",
     "ADVANTAGE_ESTIMATORS",
     "get_advantage_estimator",
+    "register_advantage_estimator",
 ]
 
 GROUP_SCALES = ("group", "batch", "none")
@@ -332,6 +333,12 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "reinforce_pp_baseline": _reinforce_pp_baseline,
     "grpo_process": _grpo_process,
 }
+
+
+def register_advantage_estimator(name: str):
+    """Decorator: select ``fn`` by ``algorithm.estimator: NAME``. It must take the keyword arguments of
+    ``AdvantageEstimator`` (or ``**kwargs``) and return advantages (N, T), 0 on padding."""
+    return register(ADVANTAGE_ESTIMATORS, name, "advantage estimator", AdvantageEstimator)
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:

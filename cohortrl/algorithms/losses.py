@@ -17,9 +17,9 @@ from typing import Protocol
 import torch
 
 from cohortrl.algorithms.masked import as_bool_mask, broadcast_to_tokens, masked_fill_padding, masked_mean
-from cohortrl.algorithms.registry import lookup
+from cohortrl.algorithms.registry import lookup, register
 
-__all__ = ["POLICY_LOSS_LEVELS", "policy_loss", "value_loss", "PolicyLoss", "POLICY_LOSSES", "get_policy_loss"]
+__all__ = ["POLICY_LOSS_LEVELS", "policy_loss", "value_loss", "PolicyLoss", "POLICY_LOSSES", "get_policy_loss", "register_policy_loss"]
 
 POLICY_LOSS_LEVELS = ("token", "sequence")
 
@@ -158,6 +158,12 @@ def _gspo(*, logp, old_logp, advantages, response_mask, clip_low, clip_high, dua
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {"clip": _clip, "gspo": _gspo}
+
+
+def register_policy_loss(name: str):
+    """Decorator: select ``fn`` by ``algorithm.policy_loss: NAME``. It must take the keyword arguments of
+    ``PolicyLoss`` (or ``**kwargs``) and return (loss (N, T), metrics with clip_frac_low / clip_frac_high)."""
+    return register(POLICY_LOSSES, name, "policy loss", PolicyLoss)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:

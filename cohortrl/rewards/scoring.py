@@ -7,16 +7,14 @@ never a silent zero.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import functools
 import math
 import numbers
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from cohortrl.rewards.functions import BUILTIN_REWARDS
+from cohortrl.user_code import check_reward_signature, load_object
 
 
 class RewardFunctionError(RuntimeError):
@@ -31,34 +29,46 @@ class WeightedReward:
 
 
 def resolve(name: str, kwargs: dict | None = None) -> Callable[..., list]:
-    """A built-in by name (its factory gets ``kwargs``), or user code as ``module:function`` /
-    ``path/to/file.py:function`` (a plain reward function, or a factory when ``kwargs`` are given)."""
+    """A built-in or registered reward by name (its factory gets ``kwargs``), or user code as ``module:function``
+    / ``path/to/file.py:function`` (a plain reward function, or a factory when ``kwargs`` are given)."""
     kwargs = kwargs or {}
     if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name](**kwargs)
-    if ":" not in name:
+        fn = BUILTIN_REWARDS[name](**kwargs)
+    elif ":" not in name:
         raise RewardFunctionError(
-            f"unknown reward function '{name}': use a built-in ({', '.join(BUILTIN_REWARDS)}) "
-            "or 'module:function' / 'path/to/file.py:function'"
+            f"unknown reward function '{name}': use a registered one ({', '.join(BUILTIN_REWARDS)}), "
+            "'module:function' or 'path/to/file.py:function'"
         )
-    target, attr = name.rsplit(":", 1)
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise RewardFunctionError(f"reward function file not found: {target} (from '{name}')")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault(path.stem, module)
-        spec.loader.exec_module(module)
     else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise RewardFunctionError(f"cannot import module '{target}' for reward function '{name}': {e}") from None
-    if not hasattr(module, attr):
-        raise RewardFunctionError(f"module '{target}' has no function '{attr}' (from reward function '{name}')")
-    fn = getattr(module, attr)
-    return fn(**kwargs) if kwargs else fn
+        fn = load_object(name, "reward function", RewardFunctionError)
+        if not callable(fn):
+            raise RewardFunctionError(f"reward function '{name}' is a {type(fn).__name__}, not a function")
+        if kwargs:  # a factory: its kwargs come from the config, it returns the reward function
+            try:
+                fn = fn(**kwargs)
+            except TypeError as e:
+                raise RewardFunctionError(f"reward function factory '{name}' does not take kwargs {sorted(kwargs)}: {e}") from None
+    check_reward_signature(fn, name, RewardFunctionError)
+    return fn
+
+
+def register_reward_function(name: str):
+    """Decorator: make a plain reward function selectable by ``name`` in ``reward.functions``. A config's
+    ``kwargs`` for it are bound as keyword arguments (``functools.partial``)."""
+
+    def decorator(fn):
+        if name in BUILTIN_REWARDS and getattr(BUILTIN_REWARDS[name], "__wrapped_reward__", None) is not fn:
+            raise RewardFunctionError(f"reward function name '{name}' is already registered; pick another name")
+        check_reward_signature(fn, name, RewardFunctionError)
+
+        def factory(**kwargs):
+            return functools.partial(fn, **kwargs) if kwargs else fn
+
+        factory.__wrapped_reward__ = fn
+        BUILTIN_REWARDS[name] = factory
+        return fn
+
+    return decorator
 
 
 def _check(values, name: str, prompts: list[str], expected: int) -> list[float | None]:

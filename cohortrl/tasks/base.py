@@ -214,7 +214,17 @@ _REGISTRY: dict[str, TaskFamily] = {}
 
 
 def register(family: type[TaskFamily]) -> type[TaskFamily]:
-    """Class decorator: make ``family`` available as ``cohortrl.tasks.get(family.name)``."""
+    """Class decorator: make ``family`` available as ``cohortrl.tasks.get(family.name)`` and as
+    ``data.source: task:NAME`` in a config (put the defining module under ``imports:``)."""
+    if not (isinstance(family, type) and issubclass(family, TaskFamily)):
+        raise TypeError(f"tasks.register takes a TaskFamily subclass, got {family!r}")
+    if not family.name or not family.levels:
+        raise TypeError(f"task family {family.__name__} must set the class attributes name and levels")
+    if family.make_sample is TaskFamily.make_sample and family.sample is TaskFamily.sample:
+        raise TypeError(f"task family {family.__name__} must implement make_sample(seed, level, index) (or sample)")
+    known = _REGISTRY.get(family.name)
+    if known is not None and type(known).__qualname__ != family.__qualname__:
+        raise ValueError(f"task family name {family.name!r} is already registered by {type(known).__qualname__}; pick another name")
     _REGISTRY[family.name] = family()
     return family
 

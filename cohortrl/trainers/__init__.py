@@ -6,11 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def make_trainer(config, run_dir: str | Path, *, model=None, tokenizer=None, resume: bool = False):
-    """A ``GRPOTrainer`` or ``PPOTrainer`` for ``config.algorithm.name``, with the same interface:
-    ``.train(steps=None)``, ``.step()``, ``.evaluate()``, ``.save_checkpoint()``."""
+def make_trainer(config, run_dir: str | Path | None = None, **kwargs):
+    """A ``GRPOTrainer`` or ``PPOTrainer`` for the config's ``algorithm.name``, with the same interface:
+    ``.train(steps=None)``, ``.step()``, ``.evaluate()``, ``.save()``, ``.save_checkpoint()``. ``config`` is
+    a ``Config``, a dict of sections or a YAML path; ``kwargs`` are the trainers' keyword arguments."""
     from cohortrl.trainers.grpo import GRPOTrainer
+    from cohortrl.trainers.inputs import as_config
     from cohortrl.trainers.ppo import PPOTrainer
 
+    config = as_config(config)
     trainers = {"grpo": GRPOTrainer, "ppo": PPOTrainer}
-    return trainers[config.algorithm.name](config, run_dir, model=model, tokenizer=tokenizer, resume=resume)
+    return trainers[config.algorithm.name](config, run_dir, **kwargs)

@@ -40,7 +40,9 @@ def evaluate(
 ) -> dict[str, float]:
     """Greedy accuracy with a 95% Wilson interval, and (if ``pass_k``) k samples per prompt at ``temperature``:
     pass@k and the sampled accuracy with a 95% interval over prompts. Sampling runs under a forked RNG so evaluating never changes the training
-    run's random stream (a resumed run evaluates at different moments)."""
+    run's random stream (a resumed run evaluates at different moments). A response is correct when the
+    correctness function gives it at least 1 (its mean value, for functions that are not 0/1, is logged as
+    ``eval/correctness_mean``)."""
     out: dict[str, float] = {}
     kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts)
     correct, lengths = [], []
@@ -52,8 +54,8 @@ def evaluate(
         lengths += rollout.lengths.tolist()
     n, hits = len(correct), int(sum(v >= 1.0 for v in correct))
     lo, hi = wilson_interval(hits, n)
-    out.update({"eval/accuracy": sum(correct) / max(n, 1), "eval/accuracy_ci_low": lo, "eval/accuracy_ci_high": hi,
-                "eval/n": n, "eval/response_length_mean": sum(lengths) / max(len(lengths), 1)})
+    out.update({"eval/accuracy": hits / max(n, 1), "eval/accuracy_ci_low": lo, "eval/accuracy_ci_high": hi,
+                "eval/correctness_mean": sum(correct) / max(n, 1), "eval/n": n, "eval/response_length_mean": sum(lengths) / max(len(lengths), 1)})
     if pass_k:
         # k samples per prompt give both pass@k (any of the k correct) and the sampled accuracy (mean over
         # the k), whose interval is taken over prompts: samples of one prompt are not independent.

@@ -44,14 +44,16 @@ from cohortrl.rewards.scoring import WeightedReward, resolve
 from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.types import Rollout
 from cohortrl.trainers import checkpoint
+from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
 from cohortrl.trainers.evaluate import evaluate_config, score_rollout
+from cohortrl.trainers.inputs import resolve_inputs
 from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, peak_rss_mb, plot_curves
 from cohortrl.trainers.setup import Reference, build_optimizer, build_policy, build_scheduler
 
 log = logging.getLogger("cohortrl")
 
 # Settings that may change between a run and its resume without changing what the run computes.
-RESUMABLE_CHANGES = {"train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard"}
+RESUMABLE_CHANGES = {"train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb"}
 
 
 class RunStateError(RuntimeError):
@@ -104,10 +106,36 @@ class RLTrainer:
 
     name = "rl"
 
-    def __init__(self, config: Config, run_dir: str | Path, *, model=None, tokenizer=None, resume: bool = False):
-        cfg = self.cfg = config
+    def __init__(
+        self,
+        config: Config | dict | str | Path | None = None,
+        run_dir: str | Path | None = None,
+        *,
+        model=None,
+        tokenizer=None,
+        reward_funcs=None,
+        reward_weights=None,
+        train_dataset=None,
+        eval_dataset=None,
+        callbacks=(),
+        resume: bool = False,
+    ):
+        """``config``: a ``Config``, a dict of sections, a YAML path, or None (defaults). ``run_dir``: where
+        metrics, checkpoints and the final model go (default ``runs/<algorithm>-<time>``). ``model``: a model
+        spec (overrides ``model.name``) or a loaded model, then with its ``tokenizer``. ``reward_funcs``:
+        functions ``fn(prompts, completions, **columns)`` or reward names (replace ``reward.functions``;
+        the first is the correctness signal unless ``reward.correctness`` names one of them), weighted by
+        ``reward_weights``. ``train_dataset``: a list of dicts (or prompt strings), a ``datasets.Dataset``,
+        a ``.jsonl`` path or a gym task name; ``eval_dataset``: held-out rows (default: held out from the
+        training source, ``data.eval_size``). ``callbacks``: see ``cohortrl.trainers.callbacks``.
+        ``resume``: continue the run in ``run_dir`` from its last checkpoint."""
+        inputs = resolve_inputs(
+            config, self.name, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
+            reward_weights=reward_weights, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        )
+        cfg = self.cfg = inputs.config
         a = cfg.algorithm
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.policy_loss = get_policy_loss(a.policy_loss)  # names already checked by config.validate
         if resume:
@@ -117,12 +145,16 @@ class RLTrainer:
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
 
-        self.rewards = [WeightedReward(f.name, resolve(f.name, f.kwargs), f.weight) for f in cfg.reward.functions]
+        self.rewards = [
+            WeightedReward(f.name, inputs.reward_fns.get(f.name) or resolve(f.name, f.kwargs), f.weight)
+            for f in cfg.reward.functions
+        ]
         self.correctness = next(r for r in self.rewards if r.name == cfg.reward.correctness)
-        train_rows, eval_rows = load_rows(cfg.data, cfg.train.seed)
+        train_rows, eval_rows = load_rows(cfg.data, cfg.train.seed, inputs.train_rows, inputs.eval_rows)
         self.stream = PromptStream(train_rows, cfg.train.seed)
         self.eval_rows = eval_rows[: cfg.eval.n_prompts]
 
+        model, tokenizer = inputs.model, inputs.tokenizer
         if model is None:
             model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed)
         self.optimised: dict[str, Optimised] = {}
@@ -139,12 +171,38 @@ class RLTrainer:
         self.sampling = cfg.sampling
         self.norm_length = a.norm_length or cfg.sampling.max_new_tokens
         self.step_count = 0
-        self.log = MetricsLog(self.run_dir, cfg.train.tensorboard)
+        self.log = MetricsLog(self.run_dir)
+        self.callbacks = [*self._config_loggers(), *callbacks]
+        self.stop_reason: str | None = None
         if resume:
             self._load_latest_checkpoint()
         else:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
             self.log.truncate_after(-1)
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, config=None, **inputs) -> "RLTrainer":
+        """The run in ``run_dir``, ready to continue from its last checkpoint (``config`` defaults to the run's
+        own ``config.yaml``; objects a file cannot hold, such as reward callables or rows, are passed again)."""
+        return cls(config if config is not None else Path(run_dir) / "config.yaml", run_dir, resume=True, **inputs)
+
+    def stop(self, reason: str) -> None:
+        """Ask the loop to stop after the current step (from a callback); it checkpoints before returning."""
+        self.stop_reason = reason
+
+    def _config_loggers(self) -> list:
+        loggers = []
+        if self.cfg.train.tensorboard:
+            loggers.append(TensorBoardCallback(self.run_dir / "tensorboard"))
+        if self.cfg.train.wandb:
+            loggers.append(WandbCallback(self.cfg.to_dict(), self.run_dir))
+        return loggers
+
+    def _fire(self, event: str, *args) -> None:
+        for callback in self.callbacks:
+            hook = getattr(callback, event, None)
+            if hook is not None:
+                hook(self, *args)
 
     # ------------------------------------------------------------------------------------------ the algorithm
     def _init_algorithm(self, model) -> None:
@@ -368,27 +426,41 @@ class RLTrainer:
                 "pass --steps with a larger number to continue it"
             )
         rows = []
+        self.stop_reason = None
         if self.step_count == 0 and self.cfg.eval.before and self.eval_rows:
-            rows.append(self._log({"step": 0, **self.evaluate()}))
+            rows.append(self._log_eval())
         bar = _progress(self.step_count, total, self.cfg.train.progress, self.name)
         every_eval, every_ckpt = self.cfg.eval.every, self.cfg.train.checkpoint_every
         while self.step_count < total:
             metrics = self.step()
             self.step_count += 1
-            rows.append(self._log({"step": self.step_count, **metrics}))
+            row = self._log({"step": self.step_count, **metrics})
+            rows.append(row)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{metrics['kl']:.4f}")
+            self._fire("on_step_end", row)
             last = self.step_count == total
             if self.eval_rows and ((every_eval and self.step_count % every_eval == 0) or last):
-                rows.append(self._log({"step": self.step_count, **self.evaluate()}))
-            if last or (every_ckpt and self.step_count % every_ckpt == 0):
-                self.save_checkpoint()
+                rows.append(self._log_eval())
+            stopping = self.stop_reason is not None
+            if last or stopping or (every_ckpt and self.step_count % every_ckpt == 0):
+                self._fire("on_save", self.save_checkpoint())
+            if stopping:
+                log.warning("stopping at step %d of %d: %s", self.step_count, total, self.stop_reason)
+                break
         if bar is not None:
             bar.close()
         self.save(self.run_dir / "final")
+        self._fire("on_save", self.run_dir / "final")
         plot_curves(self.run_dir)
+        self._fire("on_train_end", rows)
         return rows
+
+    def _log_eval(self) -> dict:
+        row = self._log({"step": self.step_count, **self.evaluate()})
+        self._fire("on_evaluate", row)
+        return row
 
     def evaluate(self) -> dict:
         return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg)
@@ -398,10 +470,12 @@ class RLTrainer:
         return row
 
     # ------------------------------------------------------------------------------------------ persistence
-    def save(self, directory: Path) -> None:
-        """The trained model (or adapter) and tokenizer, loadable by ``cohortrl eval``."""
+    def save(self, directory: str | Path | None = None) -> Path:
+        """The trained model (or adapter) and tokenizer, loadable by ``cohortrl eval`` (default ``RUN_DIR/final``)."""
+        directory = Path(directory) if directory is not None else self.run_dir / "final"
         self.model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
+        return directory
 
     def save_checkpoint(self) -> Path:
         state = {

@@ -1,5 +1,5 @@
-"""Where a run's numbers go: ``RUN_DIR/metrics.jsonl`` (one row per step, each with its ``step``), optional
-TensorBoard, and ``RUN_DIR/curves.png``."""
+"""Where a run's numbers go: ``RUN_DIR/metrics.jsonl`` (one row per step, each with its ``step``) and
+``RUN_DIR/curves.png``; TensorBoard and Weights & Biases are callbacks (``callbacks.py``)."""
 
 from __future__ import annotations
 
@@ -46,15 +46,8 @@ class MetricsLog:
     """Append-only JSONL log. On resume, rows after the checkpoint's step are dropped: they belong to work the
     crashed run did after its last checkpoint, which the resumed run does again."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False):
+    def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError("train.tensorboard=true needs the tensorboard package: pip install 'cohortrl[tensorboard]'") from None
-            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
@@ -65,11 +58,6 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.writer is not None:
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.writer.add_scalar(key, value, row["step"])
-            self.writer.flush()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -88,7 +88,7 @@ def test_resolve_user_code_and_unknown_names(tmp_path):
         resolve("acuracy")
     with pytest.raises(RewardFunctionError, match="reward function file not found"):
         resolve(str(tmp_path / "nope.py") + ":f")
-    with pytest.raises(RewardFunctionError, match="has no function 'missing'"):
+    with pytest.raises(RewardFunctionError, match="has no 'missing' \\(from reward function"):
         resolve(f"{path}:missing")
     with pytest.raises(RewardFunctionError, match="cannot import module 'no_such_mod_xyz'"):
         resolve("no_such_mod_xyz:f")

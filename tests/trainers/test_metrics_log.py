@@ -4,10 +4,21 @@ import types
 
 import pytest
 
+from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
 from cohortrl.trainers.metrics import MetricsLog, wilson_interval
 
 
-def test_metrics_rows_go_to_jsonl_and_tensorboard(tmp_path, monkeypatch):
+def test_metrics_rows_go_to_jsonl_and_resume_drops_later_rows(tmp_path):
+    log = MetricsLog(tmp_path)
+    log.write({"step": 1, "reward_mean": 0.5, "note": "x"})
+    log.write({"step": 2, "reward_mean": 0.75})
+    log.truncate_after(1)
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "reward_mean": 0.5, "note": "x"}
+    ]
+
+
+def test_tensorboard_callback_writes_every_numeric_metric(tmp_path, monkeypatch):
     scalars = []
 
     class FakeWriter:
@@ -20,19 +31,46 @@ def test_metrics_rows_go_to_jsonl_and_tensorboard(tmp_path, monkeypatch):
         def flush(self):
             pass
 
+        def close(self):
+            scalars.append("closed")
+
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
-    log = MetricsLog(tmp_path, tensorboard=True)
-    log.write({"step": 1, "reward_mean": 0.5, "note": "x"})
-    log.write({"step": 2, "reward_mean": 0.75})
-    log.truncate_after(1)
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
-    assert scalars == [("reward_mean", 0.5, 1), ("reward_mean", 0.75, 2)]
+    tb = TensorBoardCallback(tmp_path)
+    tb.on_step_end(None, {"step": 1, "reward_mean": 0.5, "note": "x", "zero_variance_frac": None, "flag": True})
+    tb.on_evaluate(None, {"step": 2, "eval/accuracy": 0.75})
+    tb.on_train_end(None, [])
+    assert scalars == [("reward_mean", 0.5, 1), ("eval/accuracy", 0.75, 2), "closed"]
 
 
-def test_missing_tensorboard_names_the_install(tmp_path, monkeypatch):
+def test_missing_tensorboard_or_wandb_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(RuntimeError, match=r"pip install 'cohortrl\[tensorboard\]'"):
-        MetricsLog(tmp_path, tensorboard=True)
+        TensorBoardCallback(tmp_path)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(RuntimeError, match=r"train.wandb=true needs the wandb package: pip install wandb"):
+        WandbCallback({}, tmp_path)
+
+
+def test_wandb_callback_logs_scalars_by_step(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, values, step):
+            calls.append((values, step))
+
+        def finish(self):
+            calls.append("finished")
+
+    def init(project, name, config, dir):
+        calls.append((project, name, config))
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.setenv("WANDB_PROJECT", "proj")
+    cb = WandbCallback({"train": {"steps": 3}}, tmp_path / "run-a")
+    cb.on_step_end(None, {"step": 3, "loss": 1.5, "kl": None})
+    cb.on_train_end(None, [])
+    assert calls == [("proj", "run-a", {"train": {"steps": 3}}), ({"loss": 1.5}, 3), "finished"]
 
 
 def test_wilson_interval_hand_worked():

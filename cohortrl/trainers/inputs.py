@@ -1,0 +1,150 @@
+"""What a trainer is given, in Python or from a file, turned into one ``Config`` plus the in-memory objects a
+config file cannot hold (a loaded model, reward callables, rows).
+
+The Python API and ``cohortrl train CONFIG`` are one machinery: every Python argument is first written into the
+config (``model.name``, ``reward.functions``, ``data.source``), so ``RUN_DIR/config.yaml`` records the run,
+and the trainer then reads only the config and, where a name cannot be loaded from a file, the object
+handed to it here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from cohortrl.config import Config, ConfigError, RewardFunctionConfig
+from cohortrl.user_code import callable_ref, check_reward_signature
+
+log = logging.getLogger("cohortrl")
+
+
+@dataclass
+class RunInputs:
+    config: Config
+    model: Any = None  # a loaded model, or None: load config.model.name
+    tokenizer: Any = None
+    reward_fns: dict[str, Callable] = field(default_factory=dict)  # config reward name -> callable given in Python
+    train_rows: list[dict] | None = None  # rows given in Python (data.source = python:...)
+    eval_rows: list[dict] | None = None
+
+
+def as_config(config: Config | dict | str | Path | None) -> Config:
+    """A ``Config`` from a ``Config``, a mapping of sections, a YAML path, or None (all defaults)."""
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return Config.from_dict(config.to_dict())  # a copy: the trainer fills it in without touching the caller's
+    if isinstance(config, dict):
+        return Config.from_dict(config)
+    if isinstance(config, (str, Path)):
+        return Config.from_yaml(config)
+    raise ConfigError(f"config must be a cohortrl.Config, a dict of sections or a YAML path, got {type(config).__name__}")
+
+
+def resolve_inputs(
+    config, algorithm: str, *, model=None, tokenizer=None, reward_funcs=None, reward_weights=None,
+    train_dataset=None, eval_dataset=None,
+) -> RunInputs:
+    cfg = as_config(config)
+    data = cfg.to_dict()
+    inputs = RunInputs(cfg)
+
+    if cfg.algorithm.name != algorithm:
+        if cfg.algorithm.name != "grpo":  # "grpo" is the default: only an explicit other choice conflicts
+            raise ConfigError(
+                f"config key 'algorithm.name' = {cfg.algorithm.name!r} but this is the {algorithm.upper()} trainer; "
+                "use the matching trainer class, or cohortrl.make_trainer(config, ...) to pick it from the config"
+            )
+        data["algorithm"]["name"] = algorithm
+
+    if isinstance(model, (str, Path)):
+        data["model"]["name"] = str(model)
+    elif model is not None:
+        if tokenizer is None:
+            raise ConfigError("model= is a loaded model: pass its tokenizer= too")
+        inputs.model, inputs.tokenizer = model, tokenizer
+        name = getattr(getattr(model, "config", None), "_name_or_path", "")
+        if name:  # what config.yaml records; a model built in memory keeps the config's name
+            data["model"]["name"] = name
+
+    if reward_funcs is not None:
+        functions = _reward_entries(reward_funcs, reward_weights, inputs.reward_fns)
+        data["reward"]["functions"] = [dataclasses.asdict(RewardFunctionConfig(n, w, k)) for n, w, k in functions]
+        names = [n for n, _, _ in functions]
+        if data["reward"]["correctness"] not in names:
+            # TRL has no notion of "the correctness function": the first one given plays that part.
+            data["reward"]["correctness"] = names[0]
+    elif reward_weights is not None:
+        raise ConfigError("reward_weights= needs reward_funcs= (one weight per function)")
+
+    if train_dataset is not None:
+        source, rows = _source(train_dataset, "train_dataset")
+        data["data"]["source"] = source
+        inputs.train_rows = rows
+    if eval_dataset is not None:
+        source, rows = _source(eval_dataset, "eval_dataset")
+        if rows is None:
+            raise ConfigError("eval_dataset= must be rows (a list of dicts or a datasets.Dataset); "
+                              "a file or task source holds out its own evaluation prompts (data.eval_size)")
+        inputs.eval_rows = rows
+
+    inputs.config = Config.from_dict(data)
+    return inputs
+
+
+def _reward_entries(reward_funcs, reward_weights, in_memory: dict[str, Callable]):
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ConfigError("reward_funcs= is empty: give at least one reward function")
+    weights = [1.0] * len(funcs) if reward_weights is None else list(reward_weights)
+    if len(weights) != len(funcs):
+        raise ConfigError(f"reward_weights= has {len(weights)} weights for {len(funcs)} reward functions")
+    out = []
+    for fn, weight in zip(funcs, weights):
+        if isinstance(fn, str):
+            out.append((fn, float(weight), {}))
+            continue
+        if not callable(fn):
+            raise ConfigError(f"reward_funcs= entries must be functions or names, got {type(fn).__name__}")
+        ref = callable_ref(fn)
+        name = ref or getattr(fn, "__name__", type(fn).__name__)
+        check_reward_signature(fn, name, ConfigError)
+        if name in in_memory:
+            raise ConfigError(f"two reward functions are both called {name!r}; give them distinct names")
+        in_memory[name] = fn
+        out.append((name, float(weight), {}))
+    return out
+
+
+def _source(dataset, what: str) -> tuple[str, list[dict] | None]:
+    """(data.source, in-memory rows or None) for a dataset given in Python."""
+    from cohortrl import tasks
+
+    if isinstance(dataset, Path):
+        dataset = str(dataset)
+    if isinstance(dataset, str):
+        if dataset.split(":", 1)[0] in ("task", "jsonl", "hf", "python") and ":" in dataset:
+            return dataset, None
+        if dataset.endswith(".jsonl"):
+            return f"jsonl:{dataset}", None
+        if dataset in tasks.names():
+            return f"task:{dataset}", None
+        raise ConfigError(
+            f"{what}={dataset!r} is neither a .jsonl path, a gym task ({', '.join(tasks.names())}) nor a "
+            "task:/jsonl:/hf: source"
+        )
+    if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):  # a datasets.Dataset
+        rows = dataset.to_list()
+    elif isinstance(dataset, (list, tuple)):
+        rows = list(dataset)
+    else:
+        raise ConfigError(f"{what}= must be a list of dicts, a datasets.Dataset, a .jsonl path or a task name, got {type(dataset).__name__}")
+    for i, row in enumerate(rows):
+        if isinstance(row, str):  # a bare list of prompts
+            rows[i] = {"prompt": row}
+        elif not isinstance(row, dict):
+            raise ConfigError(f"{what} row {i} is a {type(row).__name__}; rows must be dicts (or prompt strings)")
+    return f"python:{what}", rows
