@@ -289,3 +289,35 @@ def test_example_custom_task_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "a held-out prompt: 'Convert the " in out and "held-out accuracy" in out
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["source"] == "task:unit_conversion"
+
+
+def test_register_task_checks_the_family():
+    from dataclasses import dataclass
+
+    from cohortrl import register_task
+    from cohortrl.tasks import TaskFamily
+
+    class NoLevels(TaskFamily):
+        name = "no_levels"
+
+    with pytest.raises(TypeError, match=r"^task family NoLevels must set the class attributes name and levels$"):
+        register_task(NoLevels)
+
+    @dataclass(frozen=True)
+    class NoSampler(TaskFamily):
+        name, levels = "no_sampler", (1,)
+
+    with pytest.raises(TypeError, match=r"^task family NoSampler must implement make_sample\(seed, level, index\)"):
+        register_task(NoSampler)
+
+    @dataclass(frozen=True)
+    class Clash(TaskFamily):
+        name, levels = "arithmetic", (1,)
+
+        def make_sample(self, seed, level, index):
+            raise NotImplementedError
+
+    with pytest.raises(ValueError, match=r"^task family name 'arithmetic' is already registered by Arithmetic; pick another name$"):
+        register_task(Clash)
+    with pytest.raises(TypeError, match=r"^tasks.register takes a TaskFamily subclass, got 3$"):
+        register_task(3)
