@@ -37,6 +37,7 @@ from cohortrl.algorithms.losses import (
     get_policy_loss,
     policy_loss,
     register_policy_loss,
+    truncated_importance_weights,
     value_loss,
 )
 from cohortrl.algorithms.masked import (
@@ -70,6 +71,7 @@ __all__ = [
     "POLICY_LOSSES",
     "get_policy_loss",
     "register_policy_loss",
+    "truncated_importance_weights",
     # KL
     "kl_penalty",
     "KL_ESTIMATORS",

@@ -19,7 +19,10 @@ import torch
 from cohortrl.algorithms.masked import as_bool_mask, broadcast_to_tokens, masked_fill_padding, masked_mean
 from cohortrl.algorithms.registry import lookup, register
 
-__all__ = ["POLICY_LOSS_LEVELS", "policy_loss", "value_loss", "PolicyLoss", "POLICY_LOSSES", "get_policy_loss", "register_policy_loss"]
+__all__ = [
+    "POLICY_LOSS_LEVELS", "policy_loss", "value_loss", "PolicyLoss", "POLICY_LOSSES", "get_policy_loss", "register_policy_loss",
+    "truncated_importance_weights",
+]
 
 POLICY_LOSS_LEVELS = ("token", "sequence")
 
@@ -169,3 +172,18 @@ def register_policy_loss(name: str):
 def get_policy_loss(name: str) -> PolicyLoss:
     """The registered policy loss called ``name``; an unknown name raises ValueError naming the closest one."""
     return lookup(POLICY_LOSSES, name, "policy loss")
+
+
+def truncated_importance_weights(
+    old_logp: torch.Tensor, sampling_logp: torch.Tensor, response_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """w_t = min(π_old(y_t) / π_sampler(y_t), C): truncated importance sampling for a sampler whose numerics
+    differ from the trainer's (vLLM's kernels vs the training forward pass). The policy-gradient loss of each
+    token is multiplied by w_t, so the gradient estimates the trainer's on-policy gradient; truncating at C
+    bounds the variance (Ionides 2008, truncated IS; applied to RL rollouts by Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"). (N, T), detached, 0 on padding."""
+    if cap <= 0:
+        raise ValueError(f"the importance-weight cap must be > 0, got {cap}")
+    mask = as_bool_mask(response_mask)
+    ratio = torch.exp((old_logp - sampling_logp).detach()).clamp(max=cap)
+    return torch.where(mask, ratio, torch.zeros_like(ratio))

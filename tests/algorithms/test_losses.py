@@ -229,3 +229,16 @@ def test_padding_never_influences_the_value_loss(data, garbage):
     dirty = run(*(with_garbage(x, mask, g) for x, g in ((values, garbage), (old_values, -garbage), (returns, garbage))))
     assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
     assert torch.isfinite(dirty[1]).all()
+
+
+def test_truncated_importance_weights_hand_worked():
+    from cohortrl.algorithms import truncated_importance_weights
+
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, 0.0, 0.0]])
+    sampler = torch.tensor([[-1.5, -1.0, -0.5], [-3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    w = truncated_importance_weights(old, sampler, mask, cap=2.0)
+    # exp(0.5) = 1.6487, exp(-1) = 0.3679, exp(0) = 1, exp(2) = 7.389 -> capped at 2; padding 0
+    torch.testing.assert_close(w, torch.tensor([[1.6487213, 0.3678794, 1.0], [2.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        truncated_importance_weights(old, sampler, mask, cap=0.0)

@@ -1,0 +1,101 @@
+"""Scoring in a pool of worker processes, so verifiers (and the sandbox they drive) run beside generation.
+
+The trainer submits each group's responses as soon as they are generated and collects the scores after the
+last group: scoring overlaps generation instead of following it. Workers are started by a fork server (a
+clean process, not a fork of the trainer with its model and threads) and load the reward functions by their
+config names (``resolve``), so only names, prompts, completions and dataset columns cross the process
+boundary.
+
+Faults are never silent. A worker that dies (killed, segfault, out of memory) or a batch that does not
+finish within ``timeout_s`` gets the pool restarted and the batch retried ``retries`` times; if it fails
+again the run stops with a ``RewardFunctionError`` that names the functions, the batch and what happened.
+An exception raised by a reward function is not retried (it is the function's answer, and deterministic
+code would raise again): it is reported exactly as in-process scoring reports it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+from cohortrl.rewards.scoring import RewardFunctionError
+
+# Reward functions resolved once per worker process: (name, sorted kwargs) -> function.
+_WORKER_FUNCTIONS: dict = {}
+
+
+def _score_in_worker(specs: list[tuple[str, dict]], prompts, completions, columns) -> dict[str, list]:
+    from cohortrl.rewards.scoring import _call, resolve
+
+    out = {}
+    for name, kwargs in specs:
+        key = (name, tuple(sorted(kwargs.items())))
+        if key not in _WORKER_FUNCTIONS:
+            _WORKER_FUNCTIONS[key] = resolve(name, kwargs)
+        out[name] = list(_call(_WORKER_FUNCTIONS[key], name, prompts, completions, columns))
+    return out
+
+
+@dataclass
+class _Job:
+    args: tuple
+    future: cf.Future
+
+
+class RewardPool:
+    """``submit(prompts, completions, columns)`` now, ``result(job)`` later: each function's raw values."""
+
+    def __init__(self, specs: list[tuple[str, dict]], workers: int, timeout_s: float | None = None, retries: int = 1):
+        if workers < 1:
+            raise ValueError(f"a reward pool needs at least one worker, got {workers}")
+        self.specs, self.workers, self.timeout_s, self.retries = specs, workers, timeout_s or None, retries
+        self.restarts = 0
+        self._pending: list[_Job] = []  # submitted, result not collected yet
+        self._pool = self._start()
+
+    def _start(self) -> cf.ProcessPoolExecutor:
+        return cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("forkserver"))
+
+    def _restart(self) -> None:
+        # Kill what is left (a hung worker never returns), then start afresh.
+        for process in list(getattr(self._pool, "_processes", {}).values()):
+            process.kill()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._start()
+        self.restarts += 1
+        for job in self._pending:  # the old pool's jobs died with it, finished or not: run them again
+            job.future = self._pool.submit(_score_in_worker, *job.args)
+
+    def submit(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> _Job:
+        args = (self.specs, list(prompts), list(completions), columns)
+        job = _Job(args, self._pool.submit(_score_in_worker, *args))
+        self._pending.append(job)
+        return job
+
+    def result(self, job: _Job) -> dict[str, list]:
+        names = ", ".join(name for name, _ in self.specs)
+        for attempt in range(self.retries + 1):
+            try:
+                values = job.future.result(timeout=self.timeout_s)
+                self._pending.remove(job)
+                return values
+            except RewardFunctionError:
+                self._pending.remove(job)
+                raise
+            except BrokenProcessPool:
+                what = "a reward worker process died (killed, crashed or out of memory)"
+            except cf.TimeoutError:
+                what = f"the batch did not finish within reward.timeout_s={self.timeout_s:g} s"
+            if attempt == self.retries:
+                self._pending.remove(job)
+            self._restart()  # resubmits this job (unless out of retries) and every other pending one
+        raise RewardFunctionError(
+            f"scoring {len(job.args[1])} completions with reward function(s) {names} failed: {what}; "
+            f"the pool was restarted and the batch retried {self.retries} time(s). The first prompt of the batch: "
+            f"{job.args[1][0][:200]!r}"
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
