@@ -159,7 +159,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(checkpoint.CheckpointError, match="disk full"):
         checkpoint.save(tmp_path, 2, {"x": torch.zeros(2)})
     monkeypatch.undo()
     assert checkpoint.latest(tmp_path).name == "step_000001"
