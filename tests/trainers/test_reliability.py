@@ -305,3 +305,12 @@ def test_overlong_prompts_are_rejected_by_name_or_truncated_and_counted(tmp_path
         row = GRPOTrainer(cfg, tmp_path / "truncate").train()[0]
     assert row["prompts_truncated"] == 2
     assert "2 prompt(s) truncated to data.max_prompt_tokens=5" in caplog.text
+
+
+def test_a_hung_reward_function_stops_the_run_by_name(tmp_path, addition_jsonl):
+    from cohortrl.rewards.scoring import RewardTimeoutError
+
+    cfg = tiny_config(addition_jsonl, fn="hangs", reward={"timeout_s": 0.3}, eval={"n_prompts": 0})
+    with pytest.raises(RewardTimeoutError, match=r"^reward function '.*reward_fns.py:hangs' did not return within "
+                                                 r"reward.timeout_s=0.3 s on 8 sample\(s\)"):
+        GRPOTrainer(cfg, tmp_path).train()
