@@ -95,6 +95,8 @@ def write_dir(final: Path, write) -> None:
     """Call ``write(tmp_dir)`` and rename the result to ``final`` (replacing it): ``final`` holds either the
     old complete contents or the new ones, never a mix, even if the process dies half way."""
     final = Path(final)
+    for stale in final.parent.glob(f".tmp-{final.name}-*"):  # left by a crash mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
         write(tmp)

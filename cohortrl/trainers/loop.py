@@ -462,7 +462,10 @@ class RLTrainer:
     def _load_latest_checkpoint(self) -> None:
         path = checkpoint.latest(self.run_dir)
         if path is None:
-            raise RunStateError(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}")
+            raise RunStateError(
+                f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'} (the run stopped before its first "
+                "checkpoint); start it again without --resume"
+            )
         state = checkpoint.load(path)
         load_trainable_state(self.model, state["model"], f"checkpoint {path}")
         for name, o in self.optimised.items():
