@@ -62,7 +62,7 @@ def cmd_eval(args) -> int:
         model = PeftModel.from_pretrained(model, args.adapter)
     fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
     _, eval_rows = load_rows(cfg.data, cfg.train.seed)
-    correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs))
+    correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), timeout_s=cfg.reward.timeout_s)
     result = evaluate_config(model, tokenizer, eval_rows[: cfg.eval.n_prompts], correctness, cfg)
     print(json.dumps(result, indent=2))
     return 0
@@ -151,9 +151,14 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from cohortrl.models import ModelLoadError
     from cohortrl.rewards.scoring import RewardFunctionError
     from cohortrl.rollout.hf import PromptTooLongError
+    from cohortrl.trainers.checkpoint import CheckpointError
+    from cohortrl.trainers.guards import NonfiniteError
     from cohortrl.trainers.loop import RunStateError
 
-    return (DataError, ModelLoadError, RewardFunctionError, PromptTooLongError, RunStateError, FileNotFoundError)
+    return (
+        DataError, ModelLoadError, RewardFunctionError, PromptTooLongError, RunStateError, CheckpointError,
+        NonfiniteError, FileNotFoundError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

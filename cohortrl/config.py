@@ -116,6 +116,10 @@ class RewardConfig:
     correctness: str = "accuracy"
     """Name of the function whose value says whether a response is correct (accuracy metric, zero-variance
     test). Shaped totals hide all-wrong groups, so this is the outcome signal alone."""
+    timeout_s: float = 60.0
+    """Seconds one call of a reward function may take before the run stops with an error naming it (0: no
+    limit). The call runs in a thread, which Python cannot kill: a hung call is left running in the background;
+    code that must be killed belongs in the sandbox."""
 
 
 @dataclass
@@ -261,6 +265,9 @@ class TrainConfig:
     wandb: bool = False
     """Also log to Weights & Biases (needs the ``wandb`` package; project from ``WANDB_PROJECT``, else
     ``cohortrl``)."""
+    max_nonfinite_steps: int = 3
+    """An update whose loss or gradient is NaN/inf is skipped (logged as ``skipped_nonfinite``, samples saved
+    under RUN_DIR/nonfinite/); this many such steps in a row stop the run (0: never stop)."""
 
 
 @dataclass
@@ -320,6 +327,12 @@ class Config:
             raise ConfigError(f"config file not found: {path} (give the path of a YAML file, e.g. configs/tiny_grpo.yaml)")
         try:
             data = yaml.safe_load(path.read_text()) or {}
+        except yaml.constructor.ConstructorError as e:
+            # safe_load builds plain data only; a `!!python/...` tag would construct (and run) Python objects.
+            raise ConfigError(
+                f"config file {path} uses a YAML tag that safe loading refuses ({e.problem}); config files hold plain "
+                "data only (mappings, lists, strings, numbers): remove the tag"
+            ) from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
@@ -548,6 +561,8 @@ def validate(cfg: Config) -> None:
     _require(e.batch_size >= 1, "eval.batch_size", e.batch_size, "must be at least 1")
     _require(t.steps >= 0, "train.steps", t.steps, "must be >= 0")
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps, "must be >= 0 (0: never stop)")
+    _require(cfg.reward.timeout_s >= 0, "reward.timeout_s", cfg.reward.timeout_s, "must be >= 0 (0: no limit)")
     _require(cfg.model.lora.r >= 1, "model.lora.r", cfg.model.lora.r, "must be at least 1")
     for i, fn in enumerate(cfg.reward.functions):
         _require(fn.name != "", f"reward.functions[{i}].name", fn.name, "must name a reward function")

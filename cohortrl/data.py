@@ -121,6 +121,12 @@ def _rename(row: dict, cfg, where: str) -> dict:
     missing = [c for c in (cfg.prompt_column,) if c not in row]
     if missing:
         raise DataError(f"{where}: missing column(s) {missing}; columns found: {sorted(row)} (set data.prompt_column)")
+    prompt = row[cfg.prompt_column]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise DataError(
+            f"{where}: the prompt (column {cfg.prompt_column!r}) is {prompt!r}; it must be non-empty text "
+            "(fix or remove the row, or set data.prompt_column)"
+        )
     out = {k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)}
     out["prompt"] = row[cfg.prompt_column]
     if cfg.answer_column in row:
@@ -137,11 +143,11 @@ def _jsonl_rows(path: Path, cfg) -> list[dict]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e})") from None
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e}); convert the file to UTF-8") from None
             if not text.strip():
                 continue
             try:
-                row = json.loads(text)
+                row = json.loads(text.rstrip("\r\n"))  # so a line cut short reports its own column, not the next line's
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
@@ -167,9 +173,9 @@ def _hf_rows(dataset_id: str, cfg):
         raise DataError("data.source=hf:... needs the `datasets` package: pip install 'cohortrl[hub]'") from None
     name, _, subset = dataset_id.partition("@")  # hf:openai/gsm8k@main
     ds = datasets.load_dataset(name, subset or None)
-    train = [_rename(_transformed(dict(r), cfg, f"{name}[{cfg.split}] row {i}"), cfg, f"{name}[{cfg.split}]")
+    train = [_rename(_transformed(dict(r), cfg, f"{name}[{cfg.split}] row {i}"), cfg, f"{name}[{cfg.split}] row {i}")
              for i, r in enumerate(ds[cfg.split])]
-    held_out = [_rename(_transformed(dict(r), cfg, f"{name}[{cfg.eval_split}] row {i}"), cfg, f"{name}[{cfg.eval_split}]")
+    held_out = [_rename(_transformed(dict(r), cfg, f"{name}[{cfg.eval_split}] row {i}"), cfg, f"{name}[{cfg.eval_split}] row {i}")
                 for i, r in enumerate(ds[cfg.eval_split])][: cfg.eval_size]
     return train, held_out
 

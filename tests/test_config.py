@@ -62,6 +62,8 @@ ERRORS = [
     ({"eval": {"batch_size": 0}}, "config key 'eval.batch_size' = 0: must be at least 1"),
     ({"train": {"steps": -1}}, "config key 'train.steps' = -1: must be >= 0"),
     ({"train": {"checkpoint_every": -1}}, "config key 'train.checkpoint_every' = -1: must be >= 0"),
+    ({"train": {"max_nonfinite_steps": -1}}, "config key 'train.max_nonfinite_steps' = -1: must be >= 0 (0: never stop)"),
+    ({"reward": {"timeout_s": -1}}, "config key 'reward.timeout_s' = -1.0: must be >= 0 (0: no limit)"),
     ({"model": {"lora": {"r": 0}}}, "config key 'model.lora.r' = 0: must be at least 1"),
     ({"reward": {"functions": []}}, "config key 'reward.functions' = []: needs at least one reward function"),
     ({"reward": {"functions": [{"name": ""}]}}, "config key 'reward.functions[0].name' = '': must name a reward function"),
@@ -111,6 +113,24 @@ def test_missing_and_malformed_files(tmp_path):
     seq.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match=r"must hold a mapping of sections, got list"):
         Config.from_yaml(seq)
+
+
+def test_a_python_object_tag_in_a_config_file_is_refused_not_run(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.yaml"
+    path.write_text(f"train: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError) as err:
+        Config.from_yaml(path)
+    assert str(err.value) == (
+        f"config file {path} uses a YAML tag that safe loading refuses (could not determine a constructor for the tag "
+        "'tag:yaml.org,2002:python/object/apply:os.system'); config files hold plain data only (mappings, lists, "
+        "strings, numbers): remove the tag"
+    )
+    assert not marker.exists()
+    # An override is parsed the same safe way: the tag stays a string and nothing runs.
+    with pytest.raises(ConfigError, match="config key 'train.seed': expected int"):
+        Config.from_dict(apply_overrides({}, [f"train.seed=!!python/object/apply:os.system ['touch {marker}']"]))
+    assert not marker.exists()
 
 
 def test_every_shipped_config_is_valid():

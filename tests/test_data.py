@@ -38,10 +38,37 @@ def test_missing_file_empty_prompt_and_too_small_dataset(tmp_path):
         load_rows(DataConfig(source=f"jsonl:{tmp_path / 'x.jsonl'}"), seed=0)
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "  "}\n{"prompt": "b"}\n{"prompt": "c"}\n')
-    with pytest.raises(DataError, match="has an empty prompt"):
+    with pytest.raises(DataError, match=r"d.jsonl:1: the prompt \(column 'prompt'\) is '  '"):
         load_rows(DataConfig(source=f"jsonl:{path}", eval_size=0), seed=0)
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
     with pytest.raises(DataError, match="data.eval_size=3 leaves no training rows out of 3"):
         load_rows(DataConfig(source=f"jsonl:{path}", eval_size=3), seed=0)
+
+
+EXACT = [
+    (b'{"prompt": "a"}\n{"prompt": \n',
+     "{path}:2: malformed JSON (Expecting value at column 12)"),
+    (b'{"question": "a", "answer": "1"}\n',
+     "{path}:1: missing column(s) ['prompt']; columns found: ['answer', 'question'] (set data.prompt_column)"),
+    (b'{"prompt": "a"}\n{"prompt": ""}\n',
+     "{path}:2: the prompt (column 'prompt') is ''; it must be non-empty text (fix or remove the row, or set data.prompt_column)"),
+    (b'{"prompt": 7}\n',
+     "{path}:1: the prompt (column 'prompt') is 7; it must be non-empty text (fix or remove the row, or set data.prompt_column)"),
+    (b'{"prompt": "caf\xe9"}\n',
+     "{path}:1: not valid UTF-8 ('utf-8' codec can't decode byte 0xe9 in position 15: invalid continuation byte); "
+     "convert the file to UTF-8"),
+    (b'{"prompt": "a"}\n{"prompt": "b"}\n',
+     "data.eval_size=2 leaves no training rows out of 2; lower it"),
+]
+
+
+@pytest.mark.parametrize("content, message", EXACT, ids=["json", "columns", "empty", "not-text", "utf8", "too-small"])
+def test_every_bad_data_case_has_an_exact_message(tmp_path, content, message):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as err:
+        load_rows(DataConfig(source=f"jsonl:{path}", eval_size=2), seed=0)
+    assert str(err.value) == message.format(path=path)
 
 
 def test_prompt_stream_is_seeded_endless_and_resumable():

@@ -2,7 +2,7 @@
 
 A reward function that raises, returns the wrong number of values, or returns NaN / inf / a non-number
 stops the run with a :class:`RewardFunctionError` naming the function, the sample index and the prompt —
-never a silent zero.
+never a silent zero. So does one that does not return within ``reward.timeout_s`` (a hung call).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,11 +22,16 @@ class RewardFunctionError(RuntimeError):
     pass
 
 
+class RewardTimeoutError(RewardFunctionError):
+    """A reward function that did not return within ``reward.timeout_s``."""
+
+
 @dataclass
 class WeightedReward:
     name: str
     fn: Callable[..., list]
     weight: float = 1.0
+    timeout_s: float | None = None  # per call; None or 0: wait for ever
 
 
 def resolve(name: str, kwargs: dict | None = None) -> Callable[..., list]:
@@ -94,15 +100,49 @@ def _check(values, name: str, prompts: list[str], expected: int) -> list[float |
     return [None if v is None else float(v) for v in values]
 
 
-def _call(fn, name: str, prompts, completions, columns) -> list:
+def call_with_timeout(fn, timeout_s: float | None, name: str, /, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or :class:`RewardFunctionError` if it has not returned after ``timeout_s``.
+
+    The call runs in a daemon thread. Python cannot kill a thread, so a hung call keeps running in the
+    background until the process ends (a daemon thread does not keep the process alive); code that may hang
+    or must be killed belongs in the sandbox (``cohortrl.rewards.sandbox``), which runs it in a process."""
+    if not timeout_s:
+        return fn(*args, **kwargs)
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller below
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name=f"reward:{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeoutError(
+            f"reward function '{name}' did not return within reward.timeout_s={timeout_s:g} s on {len(args[0])} "
+            "sample(s); it may hang (its thread is left running in the background). Fix the function or raise "
+            "reward.timeout_s"
+        )
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _call(fn, name: str, prompts, completions, columns, timeout_s: float | None = None) -> list:
     try:
-        return fn(prompts, completions, **columns)
+        return call_with_timeout(fn, timeout_s, name, prompts, completions, **columns)
+    except RewardTimeoutError:
+        raise
     except Exception as batch_error:
         # Find the first sample that fails on its own, so the error can name it.
         for i in range(len(prompts)):
             one = {k: v[i : i + 1] for k, v in columns.items()}
             try:
-                fn(prompts[i : i + 1], completions[i : i + 1], **one)
+                call_with_timeout(fn, timeout_s, name, prompts[i : i + 1], completions[i : i + 1], **one)
+            except RewardTimeoutError:
+                raise
             except Exception as e:
                 raise RewardFunctionError(
                     f"reward function '{name}' raised {type(e).__name__}: {e} on sample {i} (prompt: {prompts[i][:200]!r})"
@@ -116,7 +156,7 @@ def score(
     """Total reward per completion (weighted sum of the functions that apply) and each function's values."""
     per_fn = {}
     for r in rewards:
-        per_fn[r.name] = _check(_call(r.fn, r.name, prompts, completions, columns), r.name, prompts, len(completions))
+        per_fn[r.name] = _check(_call(r.fn, r.name, prompts, completions, columns, r.timeout_s), r.name, prompts, len(completions))
     totals = []
     for i in range(len(completions)):
         applied = [(r.weight, per_fn[r.name][i]) for r in rewards if per_fn[r.name][i] is not None]

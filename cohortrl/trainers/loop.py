@@ -25,7 +25,7 @@ correctness signal, not on the shaped total reward (a shaped total hides all-wro
 from __future__ import annotations
 
 import dataclasses
-
+import json
 import logging
 import random
 import time
@@ -43,7 +43,7 @@ from cohortrl.models import load_model
 from cohortrl.rewards.scoring import WeightedReward, resolve
 from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.types import Rollout
-from cohortrl.trainers import checkpoint
+from cohortrl.trainers import checkpoint, faults, guards
 from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
 from cohortrl.trainers.evaluate import evaluate_config, score_rollout
 from cohortrl.trainers.inputs import resolve_inputs
@@ -53,7 +53,14 @@ from cohortrl.trainers.setup import Reference, build_optimizer, build_policy, bu
 log = logging.getLogger("cohortrl")
 
 # Settings that may change between a run and its resume without changing what the run computes.
-RESUMABLE_CHANGES = {"train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb"}
+RESUMABLE_CHANGES = {
+    "train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb",
+    "train.max_nonfinite_steps",
+    "reward.timeout_s",
+}
+# Written into RUN_DIR/final/ with the step it was saved at: a resume can tell a finished run from one
+# killed between its last checkpoint and its final save.
+FINAL_MARKER = "cohortrl_run.json"
 
 
 class RunStateError(RuntimeError):
@@ -68,6 +75,7 @@ class ScoredBatch:
     zero_variance: torch.Tensor  # (P,) bool: all G responses of the group equally correct
     zero_variance_first_draw: float  # fraction of zero-variance groups in the step's first draw
     draws: int  # prompt batches generated this step (1 unless resampling)
+    prompts_truncated: int = 0  # prompts cut to data.max_prompt_tokens (overlong_prompts=truncate), all draws
 
 
 @dataclass
@@ -146,7 +154,7 @@ class RLTrainer:
         random.seed(cfg.train.seed)
 
         self.rewards = [
-            WeightedReward(f.name, inputs.reward_fns.get(f.name) or resolve(f.name, f.kwargs), f.weight)
+            WeightedReward(f.name, inputs.reward_fns.get(f.name) or resolve(f.name, f.kwargs), f.weight, cfg.reward.timeout_s)
             for f in cfg.reward.functions
         ]
         self.correctness = next(r for r in self.rewards if r.name == cfg.reward.correctness)
@@ -161,6 +169,7 @@ class RLTrainer:
         self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer)
+        guards.check_run_fits(cfg, self.model, len(train_rows))
         self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.updates_per_step = a.epochs * a.minibatches
@@ -174,6 +183,7 @@ class RLTrainer:
         self.log = MetricsLog(self.run_dir)
         self.callbacks = [*self._config_loggers(), *callbacks]
         self.stop_reason: str | None = None
+        self.guard = guards.NonfiniteGuard(self.run_dir, cfg.train.max_nonfinite_steps)
         if resume:
             self._load_latest_checkpoint()
         else:
@@ -266,6 +276,7 @@ class RLTrainer:
         # 5. μ epochs over minibatches of whole groups
         with timer("train"):
             stats = self._update(rollout, input_ids, attention_mask, loss_mask, targets)
+        self.guard.after_step(self.step_count + 1, stats, batch)  # saves skipped steps' samples; may stop the run
 
         # 6. metrics
         lengths = rollout.lengths.float()
@@ -281,6 +292,7 @@ class RLTrainer:
             "zero_variance_frac": batch.zero_variance_first_draw if G > 1 else None,
             "zero_variance_groups": int(batch.zero_variance.sum()) if G > 1 else None,
             "resample_draws": batch.draws - 1,
+            "prompts_truncated": batch.prompts_truncated,
             "trained_responses": int(keep_B.sum()),
             "advantage_abs_mean": masked_mean(targets.advantages.abs(), response_mask).item(),
             **targets.metrics,
@@ -300,14 +312,16 @@ class RLTrainer:
         ``max_resample_draws`` extra) until P informative groups are found (DAPO dynamic sampling)."""
         a, cfg = self.cfg.algorithm, self.cfg
         P, G = a.prompts_per_step, a.group_size
-        parts, first_frac = [], None
+        parts, first_frac, n_truncated = [], None, 0
         while True:
             rows = self.stream.take(P)
+            faults.point("generate")
             with timer("generate"):
                 rollout, n_trunc = generate(
                     self.model, self.tokenizer, rows, G, self.sampling, system_prompt=cfg.model.system_prompt,
                     max_prompt_tokens=cfg.data.max_prompt_tokens, overlong_prompts=cfg.data.overlong_prompts,
                 )
+            n_truncated += n_trunc
             if n_trunc:
                 log.warning("%d prompt(s) truncated to data.max_prompt_tokens=%d", n_trunc, cfg.data.max_prompt_tokens)
             with timer("score"):
@@ -315,7 +329,7 @@ class RLTrainer:
             correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(P, G)
             zero_var_P = (correct_PG == correct_PG[:, :1]).all(-1)
             first_frac = zero_var_P.float().mean().item() if first_frac is None else first_frac
-            parts.append(ScoredBatch(rollout, rewards, per_fn, zero_var_P, first_frac, len(parts) + 1))
+            parts.append(ScoredBatch(rollout, rewards, per_fn, zero_var_P, first_frac, len(parts) + 1, n_truncated))
             if a.zero_variance != "resample":
                 return parts[0]
             informative = sum(int((~p.zero_variance).sum()) for p in parts)
@@ -327,7 +341,7 @@ class RLTrainer:
                     "training on what there is", informative, P, a.max_resample_draws,
                 )
                 if informative == 0:  # nothing informative anywhere: train on the first draw (only KL acts)
-                    return dataclasses.replace(parts[0], draws=len(parts))
+                    return dataclasses.replace(parts[0], draws=len(parts), prompts_truncated=n_truncated)
                 break
         # Keep the first P informative groups, in draw order.
         groups = [(p, g) for p in parts for g in range(P) if not p.zero_variance[g]][:P]
@@ -335,7 +349,8 @@ class RLTrainer:
         rollout = Rollout.concat([p.rollout.select(idx) for p, idx in keep], self.tokenizer.pad_token_id)
         rewards = [p.rewards[i] for p, idx in keep for i in idx]
         per_fn = {k: [p.per_fn[k][i] for p, idx in keep for i in idx] for k in parts[0].per_fn}
-        return ScoredBatch(rollout, rewards, per_fn, torch.zeros(len(groups), dtype=torch.bool), first_frac, len(parts))
+        zero_var = torch.zeros(len(groups), dtype=torch.bool)
+        return ScoredBatch(rollout, rewards, per_fn, zero_var, first_frac, len(parts), n_truncated)
 
     def _micro_batches(self, n: int) -> list[torch.Tensor]:
         """Positions 0..n-1 split into micro-batches of ``algorithm.micro_batch_size`` (0: one batch)."""
@@ -358,7 +373,7 @@ class RLTrainer:
         sums = {"policy_loss": 0.0, "loss": 0.0, "entropy": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0}
         token_sums: dict[str, float] = defaultdict(float)  # the algorithm's per-token metrics
         grad_norms: dict[str, list[float]] = defaultdict(list)
-        n_updates, token_count = 0, 0
+        n_updates, token_count, skipped = 0, 0, 0
         groups_per_mb = n_groups // a.minibatches
         for _ in range(a.epochs):
             order = torch.randperm(n_groups) if a.minibatches > 1 else torch.arange(n_groups)
@@ -367,6 +382,7 @@ class RLTrainer:
                 weights_BT = token_weights(loss_mask[rows], a.aggregation, self.norm_length)
                 for o in trained:
                     o.optimizer.zero_grad(set_to_none=True)
+                mb_loss = 0.0
                 for pos in self._micro_batches(len(rows)):
                     micro, w = rows[pos], weights_BT[pos]
                     mask, response_mask = loss_mask[micro], rollout.response_mask[micro]
@@ -393,13 +409,19 @@ class RLTrainer:
                     loss = torch.where(w != 0, w * loss_BT, 0.0).sum()
                     loss.backward()
                     sums["loss"] += loss.item()
+                    mb_loss += loss.item()
                     token_count += int(response_mask.sum())
                 max_norm = self.cfg.optim.max_grad_norm or float("inf")
+                norms = {o.metric: float(torch.nn.utils.clip_grad_norm_(o.params, max_norm)) for o in trained}
+                faults.point("update")
+                n_updates += 1
+                if not guards.finite(mb_loss, norms):  # no optimiser or scheduler step: their state stays as it was
+                    skipped += 1
+                    continue
                 for o in trained:
-                    grad_norms[o.metric].append(float(torch.nn.utils.clip_grad_norm_(o.params, max_norm)))
+                    grad_norms[o.metric].append(norms[o.metric])
                     o.optimizer.step()
                     o.scheduler.step()
-                n_updates += 1
         n_loss_tokens = max(1, int(loss_mask.sum()) * a.epochs)
         policy = {
             "policy_loss": sums["policy_loss"] / n_updates,
@@ -413,7 +435,8 @@ class RLTrainer:
         return {
             "loss": sums["loss"] / n_updates,
             **policy,
-            **{metric: sum(norms) / len(norms) for metric, norms in grad_norms.items()},
+            **{o.metric: _mean(grad_norms[o.metric]) for o in trained},  # None when every update was skipped
+            "skipped_nonfinite": skipped,
         }
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -421,10 +444,7 @@ class RLTrainer:
         """Train until ``steps`` steps in total (default ``train.steps``); steps done before a resume count."""
         total = steps if steps is not None else self.cfg.train.steps
         if self.step_count >= total:
-            raise RunStateError(
-                f"run in {self.run_dir} has already done {self.step_count} step(s), nothing left up to {total}; "
-                "pass --steps with a larger number to continue it"
-            )
+            return self._finish_or_refuse(total)
         rows = []
         self.stop_reason = None
         if self.step_count == 0 and self.cfg.eval.before and self.eval_rows:
@@ -451,11 +471,27 @@ class RLTrainer:
                 break
         if bar is not None:
             bar.close()
-        self.save(self.run_dir / "final")
-        self._fire("on_save", self.run_dir / "final")
-        plot_curves(self.run_dir)
+        self._save_final()
         self._fire("on_train_end", rows)
         return rows
+
+    def _save_final(self) -> None:
+        self._fire("on_save", self.save(self.run_dir / "final"))
+        plot_curves(self.run_dir)
+
+    def _finish_or_refuse(self, total: int) -> list[dict]:
+        """No steps left: finish the one thing a run killed after its last checkpoint may lack (final/), or
+        say that there is nothing to do; never a silent run of zero steps."""
+        marker = self.run_dir / "final" / FINAL_MARKER
+        if not marker.is_file() or json.loads(marker.read_text())["step"] != self.step_count:
+            log.warning("run in %s has done all %d steps but not its final save; writing final/", self.run_dir, total)
+            self._save_final()
+            return []
+        raise RunStateError(
+            f"run in {self.run_dir} has already done {self.step_count} step(s) and saved final/, nothing is left up "
+            f"to {total} step(s); to train further pass a larger total with --steps N, N > {self.step_count} "
+            f"(cohortrl train --run-dir {self.run_dir} --resume --steps N)"
+        )
 
     def _log_eval(self) -> dict:
         row = self._log({"step": self.step_count, **self.evaluate()})
@@ -471,10 +507,16 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------ persistence
     def save(self, directory: str | Path | None = None) -> Path:
-        """The trained model (or adapter) and tokenizer, loadable by ``cohortrl eval`` (default ``RUN_DIR/final``)."""
+        """The trained model (or adapter) and tokenizer, loadable by ``cohortrl eval`` (default ``RUN_DIR/final``);
+        written atomically, with the step it was saved at in ``FINAL_MARKER``."""
         directory = Path(directory) if directory is not None else self.run_dir / "final"
-        self.model.save_pretrained(directory)
-        self.tokenizer.save_pretrained(directory)
+
+        def write(tmp: Path) -> None:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            (tmp / FINAL_MARKER).write_text(json.dumps({"step": self.step_count}))
+
+        checkpoint.write_dir(directory, write)
         return directory
 
     def save_checkpoint(self) -> Path:
@@ -484,6 +526,7 @@ class RLTrainer:
             **{f"{name}_scheduler": o.scheduler.state_dict() for name, o in self.optimised.items()},
             "rng": checkpoint.rng_state(),
             "data": self.stream.state_dict(),
+            "guard": self.guard.state_dict(),
             **self._algorithm_state(),
         }
         return checkpoint.save(self.run_dir, self.step_count, state)
@@ -491,13 +534,17 @@ class RLTrainer:
     def _load_latest_checkpoint(self) -> None:
         path = checkpoint.latest(self.run_dir)
         if path is None:
-            raise RunStateError(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}")
+            raise RunStateError(
+                f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'} (the run stopped before its first "
+                "checkpoint); start it again without --resume"
+            )
         state = checkpoint.load(path)
         load_trainable_state(self.model, state["model"], f"checkpoint {path}")
         for name, o in self.optimised.items():
             o.optimizer.load_state_dict(state[f"{name}_optimizer"])
             o.scheduler.load_state_dict(state[f"{name}_scheduler"])
         self.stream.load_state_dict(state["data"])
+        self.guard.load_state_dict(state.get("guard", {}))  # absent in checkpoints written before the guard
         self._load_algorithm_state(state)
         checkpoint.set_rng_state(state["rng"])
         self.step_count = state["step"]

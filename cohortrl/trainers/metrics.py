@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import time
 from contextlib import contextmanager
@@ -50,10 +51,16 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
 
     def truncate_after(self, step: int) -> None:
+        """Keep the rows up to ``step``. A process killed mid-write leaves a torn last line (no newline), which
+        is dropped; the file is replaced atomically, so a crash here loses nothing either."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        text = self.path.read_text()
+        lines = text.split("\n")[:-1]  # a torn last line has no newline: the split leaves it in [-1]
+        kept = [line for line in lines if line and json.loads(line)["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def write(self, row: dict) -> None:
         with self.path.open("a") as f:

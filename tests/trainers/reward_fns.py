@@ -33,3 +33,10 @@ def starts_with_letter(prompts, completions, **columns):
 
 def constant(prompts, completions, **columns):
     return [1.0] * len(completions)
+
+
+def hangs(prompts, completions, **columns):
+    import time
+
+    time.sleep(3)  # far past the test's reward.timeout_s; the abandoned thread ends soon after
+    return [0.0] * len(completions)

@@ -20,10 +20,10 @@ AGGREGATIONS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 VOLATILE = ("time/", "tokens_per_s", "peak_rss_mb")
 
 
-def tiny_config(data: Path, fn: str = "starts_with_letter", **sections) -> Config:
+def tiny_config(data_file: Path, fn: str = "starts_with_letter", **sections) -> Config:
     base = {
         "model": {"name": "tiny-llama", "system_prompt": None},
-        "data": {"source": f"jsonl:{data}", "eval_size": 8},
+        "data": {"source": f"jsonl:{data_file}", "eval_size": 8},
         "sampling": {"max_new_tokens": 8},
         "reward": {"functions": [{"name": f"{FNS}:{fn}"}], "correctness": f"{FNS}:{fn}"},
         "algorithm": {"group_size": 4, "prompts_per_step": 2, "beta": 0.04},
@@ -159,7 +159,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(checkpoint.CheckpointError, match="disk full"):
         checkpoint.save(tmp_path, 2, {"x": torch.zeros(2)})
     monkeypatch.undo()
     assert checkpoint.latest(tmp_path).name == "step_000001"

@@ -1,0 +1,97 @@
+"""Guards that stop a run from going wrong quietly: settings that cannot fit the loaded model or data (checked
+once, before the first step) and update steps whose loss or gradient is not finite (skipped, saved, counted).
+
+A non-finite loss or gradient would turn every weight it touches into NaN with the next optimiser step, and
+AdamW's moments with it, so that one bad batch ends the run's usefulness without an error. Such an update is
+skipped instead (no optimiser or scheduler step, so their state is exactly as before) and the step's samples
+are written to ``RUN_DIR/nonfinite/step_NNNNNN.jsonl`` for inspection. One bad batch can be bad luck; several
+in a row mean the run itself is broken, so ``train.max_nonfinite_steps`` of them in a row stop it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from cohortrl.config import ConfigError
+from cohortrl.data import DataError
+
+log = logging.getLogger("cohortrl")
+
+
+class NonfiniteError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient."""
+
+
+def check_run_fits(cfg, model, n_train_rows: int) -> None:
+    """Settings that are valid on their own but impossible for this model or this data; raised before step 1."""
+    n_ctx = getattr(model.config, "max_position_embeddings", None)
+    longest = cfg.data.max_prompt_tokens + max(cfg.sampling.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    if n_ctx is not None and longest > n_ctx:
+        raise ConfigError(
+            f"data.max_prompt_tokens ({cfg.data.max_prompt_tokens}) + the generation budget "
+            f"(sampling.max_new_tokens {cfg.sampling.max_new_tokens}, eval.max_new_tokens {cfg.eval.max_new_tokens}) "
+            f"= {longest} tokens, more than {cfg.model.name}'s context of {n_ctx} (max_position_embeddings); "
+            "lower data.max_prompt_tokens or the max_new_tokens settings"
+        )
+    P = cfg.algorithm.prompts_per_step
+    if n_train_rows < P:
+        # Cycling would put the same prompt into one step more than once, which quietly weights it double.
+        raise DataError(
+            f"{cfg.data.source!r} has {n_train_rows} training prompt(s) after holding out data.eval_size="
+            f"{cfg.data.eval_size} for evaluation, fewer than one step's algorithm.prompts_per_step={P}; "
+            "add prompts, lower data.eval_size or lower algorithm.prompts_per_step"
+        )
+
+
+def finite(loss: float, grad_norms: dict[str, float]) -> bool:
+    """Whether an update's loss and every gradient norm are finite (a NaN anywhere makes the norm NaN)."""
+    return math.isfinite(loss) and all(math.isfinite(n) for n in grad_norms.values())
+
+
+class NonfiniteGuard:
+    """Counts steps with skipped (non-finite) updates, saves their samples, and stops the run after
+    ``max_in_a_row`` such steps in a row (0: never stop)."""
+
+    def __init__(self, run_dir: Path, max_in_a_row: int):
+        self.dir = Path(run_dir) / "nonfinite"
+        self.max_in_a_row = max_in_a_row
+        self.in_a_row = 0
+
+    def after_step(self, step: int, stats: dict, batch) -> None:
+        """``stats`` is the update's metrics (with ``skipped_nonfinite``), ``batch`` the step's ScoredBatch."""
+        skipped = stats["skipped_nonfinite"]
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        path = self._save(step, stats, batch)
+        log.warning("step %d: %d update(s) with a non-finite loss or gradient skipped; samples in %s", step, skipped, path)
+        if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
+            raise NonfiniteError(
+                f"{self.in_a_row} steps in a row (steps {step - self.in_a_row + 1}-{step}) had a non-finite loss or "
+                f"gradient and were skipped (train.max_nonfinite_steps={self.max_in_a_row}); their samples are in "
+                f"{self.dir}. Lower optim.lr, check the reward functions and data, or raise train.max_nonfinite_steps"
+            )
+
+    def _save(self, step: int, stats: dict, batch) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"step_{step:06d}.jsonl"
+        rollout = batch.rollout
+        numbers = {k: stats.get(k) for k in ("loss", "policy_loss", "grad_norm", "skipped_nonfinite")}
+        with path.open("w") as f:
+            for i, row in enumerate(rollout.rows):
+                sample = {
+                    "step": step, "index": i, "prompt": row["prompt"], "completion": rollout.completions[i],
+                    "reward": batch.rewards[i], "rewards": {k: v[i] for k, v in batch.per_fn.items()}, **numbers,
+                }
+                f.write(json.dumps(sample) + "\n")
+        return path
+
+    def state_dict(self) -> dict:
+        return {"in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.in_a_row = state.get("in_a_row", 0)
