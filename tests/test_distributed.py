@@ -57,7 +57,7 @@ def runs(tmp_path_factory, addition_jsonl):
         "algorithm": {"estimator": "grpo_batch", "aggregation": "token-mean", "group_size": 4, "prompts_per_step": 2,
                       "minibatches": 2, "epochs": 2, "micro_batch_size": 2, "beta": 0.04},
         "optim": {"lr": 1e-3},
-        "train": {"steps": 4, "checkpoint_every": 1, "progress": False},
+        "train": {"steps": 4, "checkpoint_every": 2, "progress": False},
         "eval": {"before": False, "n_prompts": 4, "batch_size": 4},
     }
     path = root / "ddp.yaml"

@@ -25,10 +25,14 @@ class GRPOTrainer(RLTrainer):
         self.estimator = get_advantage_estimator(self.cfg.algorithm.estimator)
 
     def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer) -> Targets:
-        a = self.cfg.algorithm
-        advantages_BT = self.estimator(
-            rewards=rewards_B, response_mask=batch.rollout.response_mask, group_size=a.group_size, eps=a.eps
+        a, d = self.cfg.algorithm, self.dist
+        # The estimator sees the whole batch (every rank's groups under torchrun): batch-level statistics
+        # (grpo_batch's std, REINFORCE++ whitening) are global; each rank keeps its own rows.
+        response_mask = batch.rollout.response_mask
+        advantages_all = self.estimator(
+            rewards=d.gather_rows(rewards_B), response_mask=d.gather_rows(response_mask), group_size=a.group_size, eps=a.eps
         )
+        advantages_BT = d.local_rows(advantages_all, a.group_size, response_mask.shape[1])
         return Targets(advantages_BT, old_logp, ref_logp)
 
     def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):

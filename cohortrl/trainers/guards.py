@@ -55,8 +55,9 @@ class NonfiniteGuard:
     """Counts steps with skipped (non-finite) updates, saves their samples, and stops the run after
     ``max_in_a_row`` such steps in a row (0: never stop)."""
 
-    def __init__(self, run_dir: Path, max_in_a_row: int):
+    def __init__(self, run_dir: Path, max_in_a_row: int, rank: int = 0):
         self.dir = Path(run_dir) / "nonfinite"
+        self.rank = rank  # under torchrun each rank saves its own rows
         self.max_in_a_row = max_in_a_row
         self.in_a_row = 0
 
@@ -78,7 +79,7 @@ class NonfiniteGuard:
 
     def _save(self, step: int, stats: dict, batch) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"step_{step:06d}.jsonl"
+        path = self.dir / (f"step_{step:06d}.jsonl" if self.rank == 0 else f"step_{step:06d}.rank{self.rank}.jsonl")
         rollout = batch.rollout
         numbers = {k: stats.get(k) for k in ("loss", "policy_loss", "grad_norm", "skipped_nonfinite")}
         with path.open("w") as f:

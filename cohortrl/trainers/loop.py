@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from cohortrl.algorithms import aggregate, get_policy_loss, masked_mean
+from cohortrl import distributed
+from cohortrl.algorithms import aggregate, get_policy_loss
 from cohortrl.config import Config, ConfigError
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.models import load_model
@@ -146,6 +147,9 @@ class RLTrainer:
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.policy_loss = get_policy_loss(a.policy_loss)  # names already checked by config.validate
+        self.dist = distributed.from_env()  # the single-process identity unless started by torchrun
+        if self.dist.launched:
+            _check_distributed(cfg, self.name, self.dist)
         if resume:
             self._check_resume_config()
         if cfg.train.threads:
@@ -170,6 +174,7 @@ class RLTrainer:
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer)
         guards.check_run_fits(cfg, self.model, len(train_rows))
+        self.train_model = self.dist.wrap(self.model)  # DDP under torchrun; the update's forward/backward go through it
         self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.updates_per_step = a.epochs * a.minibatches
@@ -183,10 +188,10 @@ class RLTrainer:
         self.log = MetricsLog(self.run_dir)
         self.callbacks = [*self._config_loggers(), *callbacks]
         self.stop_reason: str | None = None
-        self.guard = guards.NonfiniteGuard(self.run_dir, cfg.train.max_nonfinite_steps)
+        self.guard = guards.NonfiniteGuard(self.run_dir, cfg.train.max_nonfinite_steps, self.dist.rank)
         if resume:
             self._load_latest_checkpoint()
-        else:
+        elif self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
             self.log.truncate_after(-1)
 
@@ -202,6 +207,8 @@ class RLTrainer:
 
     def _config_loggers(self) -> list:
         loggers = []
+        if not self.dist.is_main:  # one copy of the numbers, from rank 0 (they are global already)
+            return loggers
         if self.cfg.train.tensorboard:
             loggers.append(TensorBoardCallback(self.run_dir / "tensorboard"))
         if self.cfg.train.wandb:
@@ -278,32 +285,41 @@ class RLTrainer:
             stats = self._update(rollout, input_ids, attention_mask, loss_mask, targets)
         self.guard.after_step(self.step_count + 1, stats, batch)  # saves skipped steps' samples; may stop the run
 
-        # 6. metrics
-        lengths = rollout.lengths.float()
-        n_tokens = int(response_mask.sum())
+        # 6. metrics, over the whole batch (every rank's rows, under torchrun)
+        d = self.dist
+        rewards_all = d.gather_rows(rewards_B)
+        per_fn = {k: d.gather_list(v) for k, v in batch.per_fn.items()}
+        zero_variance = d.gather_rows(batch.zero_variance.long())
+        lengths = d.gather_rows(rollout.lengths).float()
+        counts = d.sum({
+            "tokens": float(response_mask.sum()), "kept": float(keep_B.sum()), "truncated": float(rollout.truncated.sum()),
+            "prompts_truncated": float(batch.prompts_truncated),
+            "advantage_abs": _masked_total(targets.advantages.abs(), response_mask),
+        })
         elapsed = time.perf_counter() - t0
         return {
-            "reward_mean": rewards_B.mean().item(),
-            "reward_std": rewards_B.std().item() if len(rewards_B) > 1 else 0.0,
-            **{f"reward/{k}_mean": _mean(v) for k, v in batch.per_fn.items()},
-            **{f"reward/{k}_std": _std(v) for k, v in batch.per_fn.items()},
-            "accuracy": _mean(batch.per_fn[self.correctness.name]),
+            "reward_mean": rewards_all.mean().item(),
+            "reward_std": rewards_all.std().item() if len(rewards_all) > 1 else 0.0,
+            **{f"reward/{k}_mean": _mean(v) for k, v in per_fn.items()},
+            **{f"reward/{k}_std": _std(v) for k, v in per_fn.items()},
+            "accuracy": _mean(per_fn[self.correctness.name]),
             # A group of one response has no variance to speak of (PPO with G = 1): None, not a misleading 1.
-            "zero_variance_frac": batch.zero_variance_first_draw if G > 1 else None,
-            "zero_variance_groups": int(batch.zero_variance.sum()) if G > 1 else None,
+            "zero_variance_frac": (zero_variance.float().mean().item() if d.launched else batch.zero_variance_first_draw)
+            if G > 1 else None,
+            "zero_variance_groups": int(zero_variance.sum()) if G > 1 else None,
             "resample_draws": batch.draws - 1,
-            "prompts_truncated": batch.prompts_truncated,
-            "trained_responses": int(keep_B.sum()),
-            "advantage_abs_mean": masked_mean(targets.advantages.abs(), response_mask).item(),
+            "prompts_truncated": int(counts["prompts_truncated"]),
+            "trained_responses": int(counts["kept"]),
+            "advantage_abs_mean": counts["advantage_abs"] / max(1.0, counts["tokens"]),
             **targets.metrics,
             "response_length_mean": lengths.mean().item(),
             "response_length_max": lengths.max().item(),
-            "truncation_rate": rollout.truncated.float().mean().item(),
+            "truncation_rate": counts["truncated"] / len(lengths),
             **stats,
             "lr": self.scheduler.get_last_lr()[0],
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/step": elapsed,
-            "tokens_per_s": n_tokens / elapsed,
+            "tokens_per_s": counts["tokens"] / elapsed,
             "peak_rss_mb": peak_rss_mb(),
         }
 
@@ -312,6 +328,8 @@ class RLTrainer:
         ``max_resample_draws`` extra) until P informative groups are found (DAPO dynamic sampling)."""
         a, cfg = self.cfg.algorithm, self.cfg
         P, G = a.prompts_per_step, a.group_size
+        if self.dist.launched:
+            return self._sample_and_score_shard(self.stream.take(P), timer)
         parts, first_frac, n_truncated = [], None, 0
         while True:
             rows = self.stream.take(P)
@@ -352,6 +370,29 @@ class RLTrainer:
         zero_var = torch.zeros(len(groups), dtype=torch.bool)
         return ScoredBatch(rollout, rewards, per_fn, zero_var, first_frac, len(parts), n_truncated)
 
+    def _sample_and_score_shard(self, rows: list[dict], timer: PhaseTimer) -> ScoredBatch:
+        """Under torchrun: this rank's share of the step's groups, each sampled under a seed of its own
+        (``distributed.group_seed``), so what a group samples does not depend on the number of processes."""
+        cfg, G = self.cfg, self.cfg.algorithm.group_size
+        parts, n_truncated = [], 0
+        faults.point("generate")
+        with timer("generate"):
+            for g in self.dist.local_groups(len(rows)):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(distributed.group_seed(cfg.train.seed, self.step_count, g))
+                    rollout, n_trunc = generate(
+                        self.model, self.tokenizer, [rows[g]], G, self.sampling, system_prompt=cfg.model.system_prompt,
+                        max_prompt_tokens=cfg.data.max_prompt_tokens, overlong_prompts=cfg.data.overlong_prompts,
+                    )
+                parts.append(rollout)
+                n_truncated += n_trunc
+        rollout = Rollout.concat(parts, self.tokenizer.pad_token_id)
+        with timer("score"):
+            rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens)
+        correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, G)
+        zero_var_P = (correct_PG == correct_PG[:, :1]).all(-1)
+        return ScoredBatch(rollout, rewards, per_fn, zero_var_P, zero_var_P.float().mean().item(), 1, n_truncated)
+
     def _micro_batches(self, n: int) -> list[torch.Tensor]:
         """Positions 0..n-1 split into micro-batches of ``algorithm.micro_batch_size`` (0: one batch)."""
         return list(torch.arange(n).split(self.cfg.algorithm.micro_batch_size or n))
@@ -366,8 +407,12 @@ class RLTrainer:
         return torch.cat(parts)
 
     def _update(self, rollout, input_ids, attention_mask, loss_mask, targets: Targets) -> dict:
-        a = self.cfg.algorithm
-        G, n_groups = a.group_size, rollout.batch_size // a.group_size
+        a, d = self.cfg.algorithm, self.dist
+        # Token weights come from the whole batch's loss mask (every rank's rows under torchrun), so an
+        # aggregation over the batch (token-mean) divides by the global token count.
+        loss_mask_all = d.gather_rows(loss_mask)
+        G, n_groups = a.group_size, loss_mask_all.shape[0] // a.group_size
+        first_row, T = d.local_groups(n_groups).start * G, loss_mask.shape[1]  # this rank's rows, first_row + 0 … b − 1
         train_policy = self.step_count >= self.policy_frozen_steps
         trained = [o for name, o in self.optimised.items() if name != "policy" or train_policy]
         sums = {"policy_loss": 0.0, "loss": 0.0, "entropy": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0}
@@ -378,20 +423,33 @@ class RLTrainer:
         for _ in range(a.epochs):
             order = torch.randperm(n_groups) if a.minibatches > 1 else torch.arange(n_groups)
             for mb_groups in order.split(groups_per_mb):
-                rows = (mb_groups.unsqueeze(-1) * G + torch.arange(G)).flatten()
-                weights_BT = token_weights(loss_mask[rows], a.aggregation, self.norm_length)
+                rows_all = (mb_groups.unsqueeze(-1) * G + torch.arange(G)).flatten()
+                weights_all = token_weights(loss_mask_all[rows_all], a.aggregation, self.norm_length)
+                mine = (rows_all >= first_row) & (rows_all < first_row + rollout.batch_size)
+                rows = rows_all[mine] - first_row
+                # DDP averages gradients over ranks; each rank's weights are its share of the global sum.
+                weights_BT = weights_all[mine][:, :T] * d.world
                 for o in trained:
                     o.optimizer.zero_grad(set_to_none=True)
                 mb_loss = 0.0
-                for pos in self._micro_batches(len(rows)):
-                    micro, w = rows[pos], weights_BT[pos]
+                # A rank with no rows in this minibatch still joins the gradient all-reduce, with a zero-weight row.
+                micro_batches = self._micro_batches(len(rows)) if len(rows) else [None]
+                for i, pos in enumerate(micro_batches):
+                    if pos is None:
+                        micro, w = torch.tensor([0]), torch.zeros(1, T)
+                    else:
+                        micro, w = rows[pos], weights_BT[pos]
+                    sync = i == len(micro_batches) - 1  # DDP all-reduces on the last micro-batch only
                     mask, response_mask = loss_mask[micro], rollout.response_mask[micro]
+                    if pos is None:
+                        mask, response_mask = torch.zeros_like(mask), torch.zeros_like(response_mask)
                     logp, loss_BT = None, torch.zeros(mask.shape)
                     if train_policy:
-                        logp, entropy = response_logprobs(
-                            self.model, input_ids[micro], attention_mask[micro], rollout.response_ids[micro],
-                            temperature=self.sampling.temperature, with_entropy=True,
-                        )
+                        with d.no_sync(self.train_model, sync):
+                            logp, entropy = response_logprobs(
+                                self.train_model, input_ids[micro], attention_mask[micro], rollout.response_ids[micro],
+                                temperature=self.sampling.temperature, with_entropy=True,
+                            )
                         old = targets.old_logp[micro] if targets.old_logp is not None else logp.detach()
                         loss_BT, pg_metrics = self.policy_loss(
                             logp=logp, old_logp=old, advantages=targets.advantages[micro], response_mask=mask,
@@ -407,7 +465,8 @@ class RLTrainer:
                     for name, value_BT in extra_metrics.items():
                         token_sums[name] += _masked_total(value_BT.detach(), response_mask)
                     loss = torch.where(w != 0, w * loss_BT, 0.0).sum()
-                    loss.backward()
+                    with d.no_sync(self.train_model, sync):
+                        loss.backward()
                     sums["loss"] += loss.item()
                     mb_loss += loss.item()
                     token_count += int(response_mask.sum())
@@ -415,14 +474,19 @@ class RLTrainer:
                 norms = {o.metric: float(torch.nn.utils.clip_grad_norm_(o.params, max_norm)) for o in trained}
                 faults.point("update")
                 n_updates += 1
-                if not guards.finite(mb_loss, norms):  # no optimiser or scheduler step: their state stays as it was
+                if not guards.finite(d.sum({"loss": mb_loss})["loss"], norms):  # every rank decides alike  # no optimiser or scheduler step: their state stays as it was
                     skipped += 1
                     continue
                 for o in trained:
                     grad_norms[o.metric].append(norms[o.metric])
                     o.optimizer.step()
                     o.scheduler.step()
-        n_loss_tokens = max(1, int(loss_mask.sum()) * a.epochs)
+        sums = d.sum(sums)
+        for key in ("loss", "policy_loss"):  # weighted by world-scaled weights: back to the global aggregate
+            sums[key] /= d.world
+        token_sums = d.sum(dict(token_sums))
+        token_count = d.sum({"n": token_count})["n"]
+        n_loss_tokens = max(1, int(loss_mask_all.sum()) * a.epochs)
         policy = {
             "policy_loss": sums["policy_loss"] / n_updates,
             **{k: v / max(1, token_count) for k, v in token_sums.items()},
@@ -473,11 +537,13 @@ class RLTrainer:
             bar.close()
         self._save_final()
         self._fire("on_train_end", rows)
+        self.dist.barrier()
         return rows
 
     def _save_final(self) -> None:
-        self._fire("on_save", self.save(self.run_dir / "final"))
-        plot_curves(self.run_dir)
+        if self.dist.is_main:
+            self._fire("on_save", self.save(self.run_dir / "final"))
+            plot_curves(self.run_dir)
 
     def _finish_or_refuse(self, total: int) -> list[dict]:
         """No steps left: finish the one thing a run killed after its last checkpoint may lack (final/), or
@@ -499,10 +565,13 @@ class RLTrainer:
         return row
 
     def evaluate(self) -> dict:
-        return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg)
+        """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers."""
+        metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg) if self.dist.is_main else None
+        return self.dist.broadcast(metrics)
 
     def _log(self, row: dict) -> dict:
-        self.log.write(row)
+        if self.dist.is_main:
+            self.log.write(row)
         return row
 
     # ------------------------------------------------------------------------------------------ persistence
@@ -529,7 +598,11 @@ class RLTrainer:
             "guard": self.guard.state_dict(),
             **self._algorithm_state(),
         }
-        return checkpoint.save(self.run_dir, self.step_count, state)
+        path = checkpoint.checkpoint_dir(self.run_dir) / f"step_{self.step_count:06d}"
+        if self.dist.is_main:  # the state is the same on every rank (DDP keeps replicas identical)
+            path = checkpoint.save(self.run_dir, self.step_count, state)
+        self.dist.barrier()
+        return path
 
     def _load_latest_checkpoint(self) -> None:
         path = checkpoint.latest(self.run_dir)
@@ -548,7 +621,8 @@ class RLTrainer:
         self._load_algorithm_state(state)
         checkpoint.set_rng_state(state["rng"])
         self.step_count = state["step"]
-        self.log.truncate_after(self.step_count)
+        if self.dist.is_main:
+            self.log.truncate_after(self.step_count)
         log.info("resumed from %s at step %d", path, self.step_count)
 
     def _check_resume_config(self) -> None:
@@ -560,6 +634,25 @@ class RLTrainer:
         if differ:
             detail = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
             raise ConfigError(f"--resume with a different config than the run was started with ({detail})")
+
+
+def _check_distributed(cfg: Config, algorithm: str, dist: distributed.Dist) -> None:
+    """Settings torchrun cannot run as asked: refused before any model loads."""
+    a = cfg.algorithm
+    if a.prompts_per_step % dist.world:
+        raise ConfigError(
+            f"config key 'algorithm.prompts_per_step' = {a.prompts_per_step}: must be divisible by the number of "
+            f"processes ({dist.world}) so that every rank gets whole groups; use a multiple of {dist.world}"
+        )
+    if a.zero_variance == "resample":
+        raise ConfigError(
+            "config key 'algorithm.zero_variance' = 'resample': not supported under torchrun yet (the informative "
+            "groups found would have to move between ranks); use filter"
+        )
+    if algorithm != "grpo":
+        raise ConfigError(
+            f"config key 'algorithm.name' = {algorithm!r}: only GRPO runs under torchrun so far; run PPO in one process"
+        )
 
 
 def load_trainable_state(model, saved: dict[str, torch.Tensor], what: str) -> None:
