@@ -31,7 +31,10 @@ def cmd_train(args) -> int:
         config_path = args.config
     cfg = _load_config(config_path, args.overrides)
     trainer = make_trainer(cfg, run_dir, resume=args.resume)  # GRPO or PPO, by algorithm.name
-    rows = trainer.train(steps=args.steps)
+    try:
+        rows = trainer.train(steps=args.steps)
+    finally:
+        trainer.close()
     if not trainer.dist.is_main:  # under torchrun: one report, from rank 0
         return 0
     evals = [r for r in rows if "eval/accuracy" in r]

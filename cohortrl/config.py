@@ -96,6 +96,14 @@ class SamplingConfig:
     """Generation budget per response; a response that hits it is 'truncated'."""
     stop: list[str] = field(default_factory=list)
     """Strings that end a response (besides the EOS token); the stop string is kept in the response."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Rollout generation: ``hf`` (transformers, any device) or ``vllm`` (a colocated vLLM engine, GPU only;
+    see docs/distributed.md). Evaluation always uses ``hf``."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """With ``backend: vllm``: the share of GPU memory the engine may take (the rest is for training)."""
+    is_cap: float = 2.0
+    """With ``backend: vllm``: C in the truncated importance weight min(π_old / π_vLLM, C) that corrects
+    for the engine's numerics differing from the trainer's."""
 
 
 @dataclass
@@ -120,6 +128,9 @@ class RewardConfig:
     """Seconds one call of a reward function may take before the run stops with an error naming it (0: no
     limit). The call runs in a thread, which Python cannot kill: a hung call is left running in the background;
     code that must be killed belongs in the sandbox."""
+    workers: int = 0
+    """Score in this many worker processes, overlapping generation (0: in the trainer's process). Reward
+    callables handed to the Python API that cannot be imported by name are always scored in-process."""
 
 
 @dataclass
@@ -265,6 +276,9 @@ class TrainConfig:
     wandb: bool = False
     """Also log to Weights & Biases (needs the ``wandb`` package; project from ``WANDB_PROJECT``, else
     ``cohortrl``)."""
+    device: str = "auto"
+    """Where the models run: ``auto`` (a GPU if PyTorch sees one, under torchrun ``cuda:LOCAL_RANK``),
+    ``cpu``, ``cuda`` or ``cuda:N``."""
     max_nonfinite_steps: int = 3
     """An update whose loss or gradient is NaN/inf is skipped (logged as ``skipped_nonfinite``, samples saved
     under RUN_DIR/nonfinite/); this many such steps in a row stop the run (0: never stop)."""
@@ -563,6 +577,14 @@ def validate(cfg: Config) -> None:
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
     _require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps, "must be >= 0 (0: never stop)")
     _require(cfg.reward.timeout_s >= 0, "reward.timeout_s", cfg.reward.timeout_s, "must be >= 0 (0: no limit)")
+    _require(cfg.reward.workers >= 0, "reward.workers", cfg.reward.workers, "must be >= 0 (0: score in the trainer's process)")
+    _require(
+        t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
+        "train.device", t.device, "must be auto, cpu, cuda or cuda:N",
+    )
+    _require(0 < s.vllm_gpu_memory_utilization <= 1, "sampling.vllm_gpu_memory_utilization",
+             s.vllm_gpu_memory_utilization, "must be in (0, 1]")
+    _require(s.is_cap > 0, "sampling.is_cap", s.is_cap, "must be > 0")
     _require(cfg.model.lora.r >= 1, "model.lora.r", cfg.model.lora.r, "must be at least 1")
     for i, fn in enumerate(cfg.reward.functions):
         _require(fn.name != "", f"reward.functions[{i}].name", fn.name, "must name a reward function")

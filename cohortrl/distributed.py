@@ -148,6 +148,20 @@ def from_env() -> Dist:
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), launched=True)
 
 
+def resolve_device(setting: str, dist: Dist) -> torch.device:
+    """``train.device``: ``auto`` is the GPU when PyTorch sees one (``cuda:LOCAL_RANK`` under torchrun), else
+    the CPU."""
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and dist.launched:
+        setting = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+    if setting.startswith("cuda") and not torch.cuda.is_available():
+        from cohortrl.config import ConfigError
+
+        raise ConfigError(f"config key 'train.device' = {setting!r}: PyTorch sees no CUDA GPU here; use auto or cpu")
+    return torch.device(setting)
+
+
 def group_seed(seed: int, step: int, group: int) -> int:
     """The sampling seed of one group: a function of the run's seed, the step and the group's global index,
     never of the number of processes."""

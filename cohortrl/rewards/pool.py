@@ -70,7 +70,12 @@ class RewardPool:
 
     def submit(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> _Job:
         args = (self.specs, list(prompts), list(completions), columns)
-        job = _Job(args, self._pool.submit(_score_in_worker, *args))
+        try:
+            future = self._pool.submit(_score_in_worker, *args)
+        except BrokenProcessPool:  # a worker died since the last submit: replace the pool (re-running its jobs)
+            self._restart()
+            future = self._pool.submit(_score_in_worker, *args)
+        job = _Job(args, future)
         self._pending.append(job)
         return job
 

@@ -151,12 +151,17 @@ def _call(fn, name: str, prompts, completions, columns, timeout_s: float | None 
 
 
 def score(
-    rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list]
+    rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list],
+    computed: dict[str, list] | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
-    """Total reward per completion (weighted sum of the functions that apply) and each function's values."""
+    """Total reward per completion (weighted sum of the functions that apply) and each function's values.
+    ``computed`` holds values some functions already returned elsewhere (the reward pool); they are checked
+    like the rest."""
+    computed = computed or {}
     per_fn = {}
     for r in rewards:
-        per_fn[r.name] = _check(_call(r.fn, r.name, prompts, completions, columns, r.timeout_s), r.name, prompts, len(completions))
+        values = computed[r.name] if r.name in computed else _call(r.fn, r.name, prompts, completions, columns, r.timeout_s)
+        per_fn[r.name] = _check(values, r.name, prompts, len(completions))
     totals = []
     for i in range(len(completions)):
         applied = [(r.weight, per_fn[r.name][i]) for r in rewards if per_fn[r.name][i] is not None]

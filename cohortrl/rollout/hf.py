@@ -55,6 +55,11 @@ def encode_prompts(tokenizer, prompts: list[str], system_prompt: str | None, max
     return ids_PT, mask_PT, n_truncated
 
 
+def model_device(model) -> torch.device:
+    """The device of a model's parameters (plain, PEFT or DDP-wrapped alike)."""
+    return next(model.parameters()).device
+
+
 def _eos_ids(model, tokenizer) -> list[int]:
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -97,7 +102,8 @@ def generate(
         kwargs.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
     was_training = model.training
     model.eval()
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
+    device = model_device(model)
+    out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), **kwargs).cpu()
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
     response_mask, truncated, completions = _finish(response_ids, tokenizer, eos_ids, sampling)
@@ -142,7 +148,8 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
 ):
-    """Log-probabilities of the response tokens under ``model``: (B, T), plus per-token entropy (B, T) if asked.
+    """Log-probabilities of the response tokens under ``model``: (B, T), plus per-token entropy (B, T) if asked,
+    on the model's device.
 
     ``input_ids`` is [left-padded prompt | right-padded response]; only the last T+1 positions go through the
     LM head (``logits_to_keep``), which matters when V is large. Position ids are rebuilt from the mask so a
@@ -150,6 +157,8 @@ def response_logprobs(
     temperature so the ratio compares the distribution that was actually sampled from.
     """
     T = response_ids.shape[1]
+    device = model_device(model)  # the batch lives on the CPU; the forward runs where the model is
+    input_ids, attention_mask, response_ids = input_ids.to(device), attention_mask.to(device), response_ids.to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False

@@ -23,6 +23,7 @@ class Rollout:
     completions: list[str]  # (B,) decoded responses, without special tokens
     group_size: int  # G
     rows: list[dict] = field(default_factory=list)  # (B,) the dataset row each response answers
+    sampling_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampler's own numerics (vLLM); None: HF
 
     @property
     def batch_size(self) -> int:
@@ -51,6 +52,7 @@ class Rollout:
             completions=[self.completions[i] for i in index.tolist()],
             group_size=self.group_size,
             rows=rows,
+            sampling_logp=self.sampling_logp[index] if self.sampling_logp is not None else None,
         )
 
     @staticmethod
@@ -74,4 +76,6 @@ class Rollout:
             completions=[c for r in parts for c in r.completions],
             group_size=parts[0].group_size,
             rows=[row for r in parts for row in r.rows],
+            sampling_logp=torch.cat([right(r.sampling_logp, T, 0.0) for r in parts])
+            if all(r.sampling_logp is not None for r in parts) else None,
         )

@@ -113,7 +113,8 @@ class VLLMGenerator:
 
     def generate(self, rows: list[dict], group_size: int, sampling, *, system_prompt=None, max_prompt_tokens=512,
                  overlong_prompts="reject", seed: int | None = None):
-        """(rollout, prompts truncated, sampling log-probs (B, T)): the same Rollout as ``rollout.hf.generate``."""
+        """(rollout, prompts truncated): the same Rollout as ``rollout.hf.generate``, plus the sampler's log-probs
+        of the sampled tokens in ``rollout.sampling_logp``."""
         prompt_ids, prompt_mask, n_truncated = encode_prompts(
             self.tokenizer, [r["prompt"] for r in rows], system_prompt, max_prompt_tokens, overlong_prompts
         )
@@ -147,8 +148,9 @@ class VLLMGenerator:
             completions=[s.text for s in samples],
             group_size=group_size,
             rows=[row for row in rows for _ in range(group_size)],
+            sampling_logp=sampling_logp,
         )
-        return rollout, n_truncated, sampling_logp
+        return rollout, n_truncated
 
 
 __all__ = ["VLLMGenerator", "VLLMUnavailable", "merged_state_dict"]

@@ -43,6 +43,8 @@ def response_values(critic: ValueModel, input_ids, attention_mask, response_len:
     ``input_ids`` is [left-padded prompt | right-padded response]; positions are rebuilt from the mask as in
     generation, so a left-padded row sees the same positions.
     """
+    device = next(critic.parameters()).device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     values = critic(input_ids, attention_mask, position_ids, keep_last=response_len + 1)
     return values[:, :-1]

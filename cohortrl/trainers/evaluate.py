@@ -17,10 +17,16 @@ def _columns(rollout) -> dict[str, list]:
     return cols
 
 
-def score_rollout(rewards: list[WeightedReward], rollout, max_new_tokens: int):
+def rollout_columns(rollout, max_new_tokens: int) -> dict[str, list]:
+    """The keyword arguments reward functions receive: the rows' columns, plus ``max_new_tokens``."""
     cols = _columns(rollout)
     cols["max_new_tokens"] = [max_new_tokens] * rollout.batch_size
-    return score(rewards, [r["prompt"] for r in rollout.rows], rollout.completions, cols)
+    return cols
+
+
+def score_rollout(rewards: list[WeightedReward], rollout, max_new_tokens: int, computed: dict | None = None):
+    cols = rollout_columns(rollout, max_new_tokens)
+    return score(rewards, [r["prompt"] for r in rollout.rows], rollout.completions, cols, computed)
 
 
 @torch.no_grad()

@@ -39,5 +39,5 @@ class GRPOTrainer(RLTrainer):
         """β·KL(π_θ ‖ π_ref) per token (arXiv 2402.03300, eq. 3-4); with β = 0 there is no reference and KL is 0."""
         if targets.ref_logp is None:
             return None, {"kl": torch.zeros_like(logp)}
-        kl_BT = kl_penalty(logp, targets.ref_logp[rows], self.cfg.algorithm.kl_estimator)
+        kl_BT = kl_penalty(logp, targets.ref_logp[rows].to(logp.device), self.cfg.algorithm.kl_estimator)
         return self.cfg.algorithm.beta * kl_BT, {"kl": kl_BT}

@@ -37,7 +37,7 @@ import torch
 import yaml
 
 from cohortrl import distributed
-from cohortrl.algorithms import aggregate, get_policy_loss
+from cohortrl.algorithms import aggregate, get_policy_loss, masked_mean, truncated_importance_weights
 from cohortrl.config import Config, ConfigError
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.models import load_model
@@ -46,7 +46,7 @@ from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.types import Rollout
 from cohortrl.trainers import checkpoint, faults, guards
 from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
-from cohortrl.trainers.evaluate import evaluate_config, score_rollout
+from cohortrl.trainers.evaluate import evaluate_config, rollout_columns, score_rollout
 from cohortrl.trainers.inputs import resolve_inputs
 from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, peak_rss_mb, plot_curves
 from cohortrl.trainers.setup import Reference, build_optimizer, build_policy, build_scheduler
@@ -89,6 +89,7 @@ class Targets:
     old_values: torch.Tensor | None = None  # (B, T) PPO: the critic's values at rollout time
     returns: torch.Tensor | None = None  # (B, T) PPO: GAE returns, the critic's regression target
     metrics: dict = field(default_factory=dict)  # the algorithm's numbers for the step's log row
+    is_weights: torch.Tensor | None = None  # (B, T) truncated importance weights for a vLLM sampler; None: 1
 
 
 @dataclass
@@ -148,6 +149,7 @@ class RLTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.policy_loss = get_policy_loss(a.policy_loss)  # names already checked by config.validate
         self.dist = distributed.from_env()  # the single-process identity unless started by torchrun
+        self.device = distributed.resolve_device(cfg.train.device, self.dist)
         if self.dist.launched:
             _check_distributed(cfg, self.name, self.dist)
         if resume:
@@ -173,6 +175,7 @@ class RLTrainer:
         self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer)
+        self.model.to(self.device)
         guards.check_run_fits(cfg, self.model, len(train_rows))
         self.train_model = self.dist.wrap(self.model)  # DDP under torchrun; the update's forward/backward go through it
         self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
@@ -183,6 +186,14 @@ class RLTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler), **self.optimised}
         self.sampling = cfg.sampling
+        self.pool = self._reward_pool(inputs.reward_fns)
+        self.generator = None  # the vLLM engine, when sampling.backend is vllm
+        if cfg.sampling.backend == "vllm":
+            from cohortrl.rollout.vllm import VLLMGenerator
+
+            self.generator = VLLMGenerator(self.model, self.tokenizer, gpu_memory_utilization=cfg.sampling.vllm_gpu_memory_utilization,
+                                           seed=cfg.train.seed)
+        self._engine_stale = False  # the policy changed since the engine last got its weights
         self.norm_length = a.norm_length or cfg.sampling.max_new_tokens
         self.step_count = 0
         self.log = MetricsLog(self.run_dir)
@@ -200,6 +211,12 @@ class RLTrainer:
         """The run in ``run_dir``, ready to continue from its last checkpoint (``config`` defaults to the run's
         own ``config.yaml``; objects a file cannot hold, such as reward callables or rows, are passed again)."""
         return cls(config if config is not None else Path(run_dir) / "config.yaml", run_dir, resume=True, **inputs)
+
+    def close(self) -> None:
+        """Stop the reward workers (if any); the trainer can still be saved and evaluated."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def stop(self, reason: str) -> None:
         """Ask the loop to stop after the current step (from a callback); it checkpoints before returning."""
@@ -226,8 +243,10 @@ class RLTrainer:
         """Build what the algorithm holds besides the policy (``model`` is the policy before LoRA)."""
 
     def _needs_old_logp(self) -> bool:
-        """Whether step 3 computes log π_old; without it the update is on-policy (ratio 1)."""
-        return self.cfg.algorithm.epochs > 1 or self.cfg.algorithm.minibatches > 1
+        """Whether step 3 computes log π_old; without it the update is on-policy (ratio 1). A vLLM sampler
+        needs it for the importance weights (its own log-probs come from other numerics)."""
+        a = self.cfg.algorithm
+        return a.epochs > 1 or a.minibatches > 1 or self.generator is not None
 
     def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer: PhaseTimer) -> Targets:
         """Step 4: advantages (and whatever else the update regresses onto) for the scored batch."""
@@ -279,6 +298,9 @@ class RLTrainer:
 
         # 4. advantages: where the algorithms differ
         targets = self._targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
+        if rollout.sampling_logp is not None:  # sampled by vLLM: correct for its numerics (truncated IS)
+            targets.is_weights = truncated_importance_weights(old_logp, rollout.sampling_logp, response_mask, self.sampling.is_cap)
+            targets.metrics["is_weight_mean"] = masked_mean(targets.is_weights, response_mask).item()
 
         # 5. μ epochs over minibatches of whole groups
         with timer("train"):
@@ -326,7 +348,7 @@ class RLTrainer:
     def _sample_and_score(self, timer: PhaseTimer) -> ScoredBatch:
         """Generate and score P groups; with ``resample``, draw more prompt batches (at most
         ``max_resample_draws`` extra) until P informative groups are found (DAPO dynamic sampling)."""
-        a, cfg = self.cfg.algorithm, self.cfg
+        a = self.cfg.algorithm
         P, G = a.prompts_per_step, a.group_size
         if self.dist.launched:
             return self._sample_and_score_shard(self.stream.take(P), timer)
@@ -334,16 +356,8 @@ class RLTrainer:
         while True:
             rows = self.stream.take(P)
             faults.point("generate")
-            with timer("generate"):
-                rollout, n_trunc = generate(
-                    self.model, self.tokenizer, rows, G, self.sampling, system_prompt=cfg.model.system_prompt,
-                    max_prompt_tokens=cfg.data.max_prompt_tokens, overlong_prompts=cfg.data.overlong_prompts,
-                )
+            rollout, rewards, per_fn, n_trunc = self._rollout_and_score(rows, timer)
             n_truncated += n_trunc
-            if n_trunc:
-                log.warning("%d prompt(s) truncated to data.max_prompt_tokens=%d", n_trunc, cfg.data.max_prompt_tokens)
-            with timer("score"):
-                rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens)
             correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(P, G)
             zero_var_P = (correct_PG == correct_PG[:, :1]).all(-1)
             first_frac = zero_var_P.float().mean().item() if first_frac is None else first_frac
@@ -371,27 +385,73 @@ class RLTrainer:
         return ScoredBatch(rollout, rewards, per_fn, zero_var, first_frac, len(parts), n_truncated)
 
     def _sample_and_score_shard(self, rows: list[dict], timer: PhaseTimer) -> ScoredBatch:
-        """Under torchrun: this rank's share of the step's groups, each sampled under a seed of its own
-        (``distributed.group_seed``), so what a group samples does not depend on the number of processes."""
-        cfg, G = self.cfg, self.cfg.algorithm.group_size
-        parts, n_truncated = [], 0
+        """Under torchrun: this rank's share of the step's groups."""
         faults.point("generate")
-        with timer("generate"):
-            for g in self.dist.local_groups(len(rows)):
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(distributed.group_seed(cfg.train.seed, self.step_count, g))
-                    rollout, n_trunc = generate(
-                        self.model, self.tokenizer, [rows[g]], G, self.sampling, system_prompt=cfg.model.system_prompt,
-                        max_prompt_tokens=cfg.data.max_prompt_tokens, overlong_prompts=cfg.data.overlong_prompts,
-                    )
-                parts.append(rollout)
-                n_truncated += n_trunc
-        rollout = Rollout.concat(parts, self.tokenizer.pad_token_id)
-        with timer("score"):
-            rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens)
-        correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, G)
+        local = self.dist.local_groups(len(rows))
+        rollout, rewards, per_fn, n_truncated = self._rollout_and_score([rows[g] for g in local], timer, group_ids=local)
+        correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, self.cfg.algorithm.group_size)
         zero_var_P = (correct_PG == correct_PG[:, :1]).all(-1)
         return ScoredBatch(rollout, rewards, per_fn, zero_var_P, zero_var_P.float().mean().item(), 1, n_truncated)
+
+    def _rollout_and_score(self, rows: list[dict], timer: PhaseTimer, group_ids: range | None = None):
+        """G responses for each row, scored: (rollout, total rewards, each function's values, prompts truncated).
+
+        The rows are generated in chunks: one chunk normally; one per group under torchrun (``group_ids``),
+        each sampled under its own seed (``distributed.group_seed``) so what a group samples does not depend on
+        the number of processes; two halves with a reward pool, whose scoring of the first then runs while the
+        second is generated."""
+        cfg = self.cfg
+        if group_ids is not None:
+            chunks = [([row], distributed.group_seed(cfg.train.seed, self.step_count, g)) for row, g in zip(rows, group_ids)]
+        elif self.pool is not None and len(rows) > 1:
+            half = (len(rows) + 1) // 2
+            chunks = [(rows[:half], None), (rows[half:], None)]
+        else:
+            chunks = [(rows, None)]
+        if self.generator is not None and self._engine_stale:
+            with timer("weight_sync"):
+                self.generator.sync_weights(self.model)
+            self._engine_stale = False
+        parts, jobs, n_truncated = [], [], 0
+        for chunk, seed in chunks:
+            with timer("generate"), torch.random.fork_rng(devices=[], enabled=seed is not None):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                rollout, n_trunc = self._generate(chunk, seed)
+            parts.append(rollout)
+            n_truncated += n_trunc
+            if self.pool is not None:
+                cols = rollout_columns(rollout, self.sampling.max_new_tokens)
+                jobs.append(self.pool.submit([r["prompt"] for r in rollout.rows], rollout.completions, cols))
+        if n_truncated:
+            log.warning("%d prompt(s) truncated to data.max_prompt_tokens=%d", n_truncated, cfg.data.max_prompt_tokens)
+        rollout = parts[0] if len(parts) == 1 else Rollout.concat(parts, self.tokenizer.pad_token_id)
+        with timer("score"):
+            computed = None
+            if jobs:
+                results = [self.pool.result(job) for job in jobs]
+                computed = {name: [v for res in results for v in res[name]] for name in results[0]}
+            rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens, computed)
+        return rollout, rewards, per_fn, n_truncated
+
+    def _generate(self, rows: list[dict], seed: int | None):
+        cfg = self.cfg
+        kw = dict(system_prompt=cfg.model.system_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                  overlong_prompts=cfg.data.overlong_prompts)
+        if self.generator is not None:
+            return self.generator.generate(rows, cfg.algorithm.group_size, self.sampling, seed=seed, **kw)
+        return generate(self.model, self.tokenizer, rows, cfg.algorithm.group_size, self.sampling, **kw)
+
+    def _reward_pool(self, in_memory: dict):
+        """Worker processes for the reward functions that can be loaded by name (``reward.workers`` > 0)."""
+        if not self.cfg.reward.workers:
+            return None
+        from cohortrl.rewards.pool import RewardPool
+
+        specs = [(f.name, f.kwargs) for f in self.cfg.reward.functions if f.name not in in_memory]
+        if not specs:
+            return None
+        return RewardPool(specs, self.cfg.reward.workers, self.cfg.reward.timeout_s)
 
     def _micro_batches(self, n: int) -> list[torch.Tensor]:
         """Positions 0..n-1 split into micro-batches of ``algorithm.micro_batch_size`` (0: one batch)."""
@@ -403,7 +463,7 @@ class RLTrainer:
             logp, _ = response_logprobs(
                 model, input_ids[idx], attention_mask[idx], response_ids[idx], temperature=self.sampling.temperature
             )
-            parts.append(logp)
+            parts.append(logp.cpu())  # the batch and its targets live on the CPU; micro-batches move to the device
         return torch.cat(parts)
 
     def _update(self, rollout, input_ids, attention_mask, loss_mask, targets: Targets) -> dict:
@@ -443,18 +503,22 @@ class RLTrainer:
                     mask, response_mask = loss_mask[micro], rollout.response_mask[micro]
                     if pos is None:
                         mask, response_mask = torch.zeros_like(mask), torch.zeros_like(response_mask)
-                    logp, loss_BT = None, torch.zeros(mask.shape)
+                    dev = self.device  # a no-op on the CPU
+                    mask, response_mask, w = mask.to(dev), response_mask.to(dev), w.to(dev)
+                    logp, loss_BT = None, torch.zeros(mask.shape, device=dev)
                     if train_policy:
                         with d.no_sync(self.train_model, sync):
                             logp, entropy = response_logprobs(
                                 self.train_model, input_ids[micro], attention_mask[micro], rollout.response_ids[micro],
                                 temperature=self.sampling.temperature, with_entropy=True,
                             )
-                        old = targets.old_logp[micro] if targets.old_logp is not None else logp.detach()
+                        old = targets.old_logp[micro].to(dev) if targets.old_logp is not None else logp.detach()
                         loss_BT, pg_metrics = self.policy_loss(
-                            logp=logp, old_logp=old, advantages=targets.advantages[micro], response_mask=mask,
+                            logp=logp, old_logp=old, advantages=targets.advantages[micro].to(dev), response_mask=mask,
                             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
                         )
+                        if targets.is_weights is not None:  # vLLM sampled: w_t = min(π_old / π_vLLM, C) per token
+                            loss_BT = loss_BT * targets.is_weights[micro].to(dev)
                         sums["policy_loss"] += torch.where(w != 0, w * loss_BT.detach(), 0.0).sum().item()
                         sums["entropy"] += _masked_total(entropy, response_mask)
                         sums["clip_frac_low"] += pg_metrics["clip_frac_low"] * int(mask.sum())
@@ -481,6 +545,7 @@ class RLTrainer:
                     grad_norms[o.metric].append(norms[o.metric])
                     o.optimizer.step()
                     o.scheduler.step()
+                self._engine_stale = self.generator is not None and train_policy
         sums = d.sum(sums)
         for key in ("loss", "policy_loss"):  # weighted by world-scaled weights: back to the global aggregate
             sums[key] /= d.world

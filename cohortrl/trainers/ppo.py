@@ -48,7 +48,7 @@ class PPOTrainer(RLTrainer):
 
     def _init_algorithm(self, model) -> None:
         cfg, a, p = self.cfg, self.cfg.algorithm, self.cfg.algorithm.ppo
-        self.critic = build_critic(p.critic_init, model, getattr(torch, cfg.model.dtype))
+        self.critic = build_critic(p.critic_init, model, getattr(torch, cfg.model.dtype)).to(self.device)
         critic_optim = dataclasses.replace(cfg.optim, lr=p.critic_lr or cfg.optim.lr)
         optimizer = build_optimizer(self.critic, critic_optim)
         scheduler = build_scheduler(optimizer, critic_optim, cfg.train.steps * a.epochs * a.minibatches)
@@ -68,7 +68,7 @@ class PPOTrainer(RLTrainer):
         p, rollout = self.cfg.algorithm.ppo, batch.rollout
         response_mask = rollout.response_mask
         with timer("values"), torch.no_grad():
-            old_values_BT = self._values(rollout.input_ids(), rollout.attention_mask(), response_mask.shape[1])
+            old_values_BT = self._values(rollout.input_ids(), rollout.attention_mask(), response_mask.shape[1]).cpu()
 
         # r_t = score on the last token − β·KL_t (Ziegler et al. §2.2; ALGORITHMS.md "PPO for RLHF").
         score_B = rewards_B
@@ -112,7 +112,9 @@ class PPOTrainer(RLTrainer):
         """vf_coef · clipped value loss per token (Ziegler et al.; ``value_loss``): the critic's share."""
         p = self.cfg.algorithm.ppo
         values_BT = self._values(input_ids[rows], attention_mask[rows], targets.returns.shape[1])
-        loss_BT = value_loss(values_BT, targets.old_values[rows], targets.returns[rows], loss_mask, clip=p.value_clip)
+        dev = values_BT.device  # the batch lives on the CPU, the critic where train.device puts it
+        loss_BT = value_loss(values_BT, targets.old_values[rows].to(dev), targets.returns[rows].to(dev), loss_mask.to(dev),
+                             clip=p.value_clip)
         return p.vf_coef * loss_BT, {"value_loss": loss_BT}
 
     def _values(self, input_ids, attention_mask, response_len: int) -> torch.Tensor:

@@ -91,12 +91,13 @@ def test_generator_builds_the_rollout_and_syncs_weights(monkeypatch, tmp_path):
     assert fake.init_kwargs["gpu_memory_utilization"] == 0.5 and fake.init_kwargs["seed"] == 3
 
     rows = [{"prompt": "What is 2 + 2?"}, {"prompt": "Name a colour."}]
-    rollout, n_truncated, sampling_logp = gen.generate(rows, 3, SamplingConfig(temperature=0.7, max_new_tokens=3), seed=11)
+    rollout, n_truncated = gen.generate(rows, 3, SamplingConfig(temperature=0.7, max_new_tokens=3), seed=11)
     assert fake.params.n == 3 and fake.params.logprobs == 0 and fake.params.seed == 11 and fake.params.max_tokens == 3
     assert n_truncated == 0 and rollout.batch_size == 6 and rollout.group_size == 3
     assert rollout.response_mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]] * 2
     assert rollout.truncated.tolist() == [False, False, True] * 2
     assert rollout.response_ids[4, :2].tolist() == [6, 7]  # prompt 1, sample 1: ids [5 + 1, 6 + 1]
+    sampling_logp = rollout.sampling_logp
     torch.testing.assert_close(sampling_logp[2], torch.tensor([-0.1, -0.2, -0.3]))
     assert sampling_logp[0, 1:].tolist() == [0.0, 0.0]
     assert [r["prompt"] for r in rollout.rows] == ["What is 2 + 2?"] * 3 + ["Name a colour."] * 3
