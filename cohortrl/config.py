@@ -118,6 +118,28 @@ class RewardFunctionConfig:
 
 
 @dataclass
+class ProcessRewardConfig:
+    """Step-level (process) rewards: see cohortrl/rewards/process.py and docs/algorithms.md."""
+
+    name: str = "task_steps"
+    """The process reward function: ``task_steps`` (the gym's step graders) or ``module:function`` returning,
+    per completion, a list of (score, (start, end) or None)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for its factory."""
+    coef: float = 1.0
+    """λ: GRPO's ``grpo_combined`` uses A_outcome + λ·A_process; PPO adds λ × each step reward at the
+    step's last token."""
+    credit: Literal["sum", "min"] = "sum"
+    """How a token is credited with the steps after it: their sum (DeepSeekMath) or their minimum (PURE)."""
+    cap: float = 1.0
+    """Largest reward one step can earn."""
+    max_steps: int = 32
+    """Steps beyond this many earn nothing positive (their zero or negative scores still count)."""
+    require_answer: bool = True
+    """No positive step reward in a response without an ``ANSWER:`` line."""
+
+
+@dataclass
 class RewardConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
     """The reward functions; the total reward is their weighted sum (``None`` results are skipped)."""
@@ -128,6 +150,9 @@ class RewardConfig:
     """Seconds one call of a reward function may take before the run stops with an error naming it (0: no
     limit). The call runs in a thread, which Python cannot kill: a hung call is left running in the background;
     code that must be killed belongs in the sandbox."""
+    process: Optional[ProcessRewardConfig] = None
+    """Step-level rewards (null: outcome only). GRPO needs ``algorithm.estimator`` grpo_process or
+    grpo_combined to use them; PPO places them on the steps' last tokens before GAE."""
     workers: int = 0
     """Score in this many worker processes, overlapping generation (0: in the trainer's process). Reward
     callables handed to the Python API that cannot be imported by name are always scored in-process."""
@@ -184,7 +209,7 @@ class AlgorithmConfig:
     critic and GAE, KL to the reference in the per-token reward; settings under ``algorithm.ppo``)."""
     estimator: str = "grpo"
     """Advantage estimator (registry name in ``cohortrl.algorithms``: grpo, grpo_batch, dr_grpo, rloo,
-    reinforce_pp, reinforce_pp_baseline, grpo_process)."""
+    reinforce_pp, reinforce_pp_baseline, grpo_process, grpo_combined)."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     prompts_per_step: int = 4
@@ -486,7 +511,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 
 # -------------------------------------------------------------------- cross-field validation
-_GROUP_ESTIMATORS = {"grpo", "grpo_batch", "dr_grpo", "rloo", "reinforce_pp_baseline", "grpo_process"}
+_GROUP_ESTIMATORS = {"grpo", "grpo_batch", "dr_grpo", "rloo", "reinforce_pp_baseline", "grpo_process", "grpo_combined"}
+_PROCESS_ESTIMATORS = {"grpo_process", "grpo_combined"}
 
 
 def _require(ok: bool, path: str, value: Any, why: str) -> None:
@@ -577,6 +603,20 @@ def validate(cfg: Config) -> None:
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
     _require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps, "must be >= 0 (0: never stop)")
     _require(cfg.reward.timeout_s >= 0, "reward.timeout_s", cfg.reward.timeout_s, "must be >= 0 (0: no limit)")
+    proc = cfg.reward.process
+    _require(
+        proc is not None or a.estimator not in _PROCESS_ESTIMATORS or a.name == "ppo",
+        "algorithm.estimator", a.estimator, "uses step rewards: set reward.process (e.g. {name: task_steps})",
+    )
+    _require(
+        proc is None or a.name == "ppo" or a.estimator in _PROCESS_ESTIMATORS,
+        "reward.process", proc and proc.name,
+        f"step rewards would be ignored by estimator '{a.estimator}'; use algorithm.estimator=grpo_process or grpo_combined",
+    )
+    if proc is not None:
+        _require(proc.cap > 0, "reward.process.cap", proc.cap, "must be > 0")
+        _require(proc.max_steps >= 1, "reward.process.max_steps", proc.max_steps, "must be at least 1")
+        _require(proc.coef >= 0, "reward.process.coef", proc.coef, "must be >= 0")
     _require(cfg.reward.workers >= 0, "reward.workers", cfg.reward.workers, "must be >= 0 (0: score in the trainer's process)")
     _require(
         t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),

@@ -31,7 +31,7 @@ ERRORS = [
     ({"algorithm": {"dual_clip": 0.5}}, "config key 'algorithm.dual_clip' = 0.5: must be > 1 (typically 3) or null"),
     ({"algorithm": {"estimator": "grp"}},
      "config key 'algorithm.estimator' = 'grp': unknown name; did you mean 'grpo'? registered: grpo, grpo_batch, dr_grpo, rloo, "
-     "reinforce_pp, reinforce_pp_baseline, grpo_process"),
+     "reinforce_pp, reinforce_pp_baseline, grpo_process, grpo_combined"),
     ({"algorithm": {"policy_loss": "ppo"}}, "config key 'algorithm.policy_loss' = 'ppo': unknown name; registered: clip, gspo"),
     ({"algorithm": {"minibatches": 3}}, "config key 'algorithm.minibatches' = 3: must divide the batch of prompts_per_step x group_size = 32 responses"),
     ({"algorithm": {"minibatches": 8}},

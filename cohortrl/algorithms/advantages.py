@@ -127,17 +127,24 @@ def process_advantages(
     response_mask: torch.Tensor,
     group_size: int,
     eps: float = 1e-6,
+    credit: str = "sum",
 ) -> torch.Tensor:
     """GRPO process supervision (DeepSeekMath, arXiv 2402.03300, §4.1.3). → (N, T).
 
         r̃_i^(j) = (r_i^(j) − mean(R)) / (std(R) + eps),  R = all step rewards of all G responses of the group
-        A_{i,t}  = Σ_{j : index(j) ≥ t} r̃_i^(j)
+        A_{i,t}  = Σ_{j : index(j) ≥ t} r̃_i^(j)                      credit="sum" (DeepSeekMath)
+        A_{i,t}  = min_{j : index(j) ≥ t} r̃_i^(j)                    credit="min" (PURE, arXiv 2504.15275)
+
+    Min-form credit values a token by the worst step still ahead of it, so a run of easy correct steps cannot
+    outweigh one wrong step (the summed form rewards writing many steps: the hacking PURE describes).
 
     ``step_rewards[i]`` holds the S_i step rewards of response i, ``step_ends[i]`` the response-token index
     (0-based, < T) where each step ends. A is 0 where the mask is 0 and after i's last step; a response
     without steps gets 0 everywhere. A group with fewer than two steps, or whose step rewards are all equal,
     gives exactly 0. G = 1 is allowed (normalisation then runs over the steps of one response).
     """
+    if credit not in ("sum", "min"):
+        raise ValueError(f"credit must be 'sum' or 'min', got {credit!r}")
     mask = as_bool_mask(response_mask)
     n, t_len = mask.shape
     if len(step_rewards) != n or len(step_ends) != n:
@@ -168,6 +175,8 @@ def process_advantages(
         rows += group_rows
         ends += group_ends
         normalised.append(values_S)
+    if credit == "min":
+        return masked_fill_padding(_min_to_go(rows, ends, torch.cat(normalised) if normalised else [], n, t_len), mask)
     at_step_end_NT = torch.zeros((n, t_len), dtype=dtype)
     at_step_end_NT.index_put_(
         (torch.tensor(rows, dtype=torch.long), torch.tensor(ends, dtype=torch.long)),
@@ -175,6 +184,22 @@ def process_advantages(
         accumulate=True,  # two steps may end on the same token
     )
     return masked_fill_padding(_return_to_go(at_step_end_NT).to(mask.device), mask)
+
+
+def _min_to_go(rows: list[int], ends: list[int], values, n: int, t_len: int) -> torch.Tensor:
+    """A_{i,t} = min of row i's step values whose step ends at or after t; 0 after its last step."""
+    out = torch.zeros((n, t_len), dtype=torch.get_default_dtype())
+    by_row: dict[int, list[tuple[int, float]]] = {}
+    for row, end, value in zip(rows, ends, values):
+        by_row.setdefault(row, []).append((end, float(value)))
+    for row, steps in by_row.items():
+        steps.sort()
+        running = float("inf")
+        # Walk the steps from the last: tokens up to a step's end see the min of it and every later step.
+        for end, value in reversed(steps):
+            running = min(running, value)
+            out[row, : end + 1] = running
+    return out
 
 
 def reinforce_pp_advantages(
@@ -243,8 +268,9 @@ class AdvantageEstimator(Protocol):
     eps=1e-6) -> advantages (N, T)``, 0 on padding.
 
     ``rewards`` (N,) outcome reward per response; ``token_rewards`` (N, T), ``step_rewards`` /
-    ``step_ends`` (ragged, see ``process_advantages``) are used by the estimators that need them and ignored
-    by the others. Outcome estimators give every response token of o_i the same A_i.
+    ``step_ends`` (ragged, see ``process_advantages``), ``credit`` (sum / min) and ``process_coef`` (λ of the
+    combined estimator) are used by the estimators that need them and ignored by the others. Outcome
+    estimators give every response token of o_i the same A_i.
     """
 
     def __call__(
@@ -257,32 +283,38 @@ class AdvantageEstimator(Protocol):
         step_rewards: Sequence[Sequence[float]] | None = None,
         step_ends: Sequence[Sequence[int]] | None = None,
         eps: float = 1e-6,
+        credit: str = "sum",
+        process_coef: float = 1.0,
     ) -> torch.Tensor: ...
 
 
 def _grpo(
-    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6,
+    credit="sum", process_coef=1.0
 ):
     """GRPO outcome supervision: (r − mean_g) / (std_g + eps) on every token (arXiv 2402.03300)."""
     return broadcast_to_tokens(group_advantages(rewards, group_size, "group", eps), response_mask)
 
 
 def _grpo_batch(
-    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6,
+    credit="sum", process_coef=1.0
 ):
     """Group mean baseline, batch std scale: (r − mean_g) / (std_N + eps) on every token."""
     return broadcast_to_tokens(group_advantages(rewards, group_size, "batch", eps), response_mask)
 
 
 def _dr_grpo(
-    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6,
+    credit="sum", process_coef=1.0
 ):
     """Dr. GRPO: r − mean_g on every token, no std (arXiv 2503.20783)."""
     return broadcast_to_tokens(group_advantages(rewards, group_size, "none", eps), response_mask)
 
 
 def _rloo(
-    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6,
+    credit="sum", process_coef=1.0
 ):
     """RLOO: r_i − mean of the other G − 1 rewards on every token (arXiv 2402.14740)."""
     return broadcast_to_tokens(rloo_advantages(rewards, group_size), response_mask)
@@ -293,7 +325,8 @@ def _token_rewards_or_outcome(token_rewards, rewards, response_mask):
 
 
 def _reinforce_pp(
-    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6,
+    credit="sum", process_coef=1.0
 ):
     """REINFORCE++: whitened return-to-go, no group baseline (arXiv 2501.03262). Default token rewards:
     the outcome reward on the last response token."""
@@ -304,7 +337,8 @@ def _reinforce_pp(
 
 
 def _reinforce_pp_baseline(
-    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6,
+    credit="sum", process_coef=1.0
 ):
     """REINFORCE++-baseline: return-to-go minus the group mean return, whitened (arXiv 2501.03262)."""
     token_rewards = _token_rewards_or_outcome(token_rewards, rewards, response_mask)
@@ -312,7 +346,8 @@ def _reinforce_pp_baseline(
 
 
 def _grpo_process(
-    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6,
+    credit="sum", process_coef=1.0
 ):
     """GRPO process supervision from step rewards and step end indices (arXiv 2402.03300, §4.1.3)."""
     missing = [name for name, value in (("step_rewards", step_rewards), ("step_ends", step_ends)) if value is None]
@@ -321,7 +356,17 @@ def _grpo_process(
             f"advantage estimator 'grpo_process' needs {' and '.join(missing)}: pass each response's step rewards "
             "and the token index where each step ends (a process reward function provides them)"
         )
-    return process_advantages(step_rewards, step_ends, response_mask, group_size, eps)
+    return process_advantages(step_rewards, step_ends, response_mask, group_size, eps, credit)
+
+
+def _grpo_combined(
+    *, rewards, response_mask, group_size, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6,
+    credit="sum", process_coef=1.0
+):
+    """Outcome and process supervision together: A = A_outcome (GRPO) + λ·A_process (``process_coef``)."""
+    process = _grpo_process(rewards=rewards, response_mask=response_mask, group_size=group_size,
+                            step_rewards=step_rewards, step_ends=step_ends, eps=eps, credit=credit)
+    return _grpo(rewards=rewards, response_mask=response_mask, group_size=group_size, eps=eps) + process_coef * process
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
@@ -332,6 +377,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "reinforce_pp": _reinforce_pp,
     "reinforce_pp_baseline": _reinforce_pp_baseline,
     "grpo_process": _grpo_process,
+    "grpo_combined": _grpo_combined,
 }
 
 

@@ -29,8 +29,14 @@ class GRPOTrainer(RLTrainer):
         # The estimator sees the whole batch (every rank's groups under torchrun): batch-level statistics
         # (grpo_batch's std, REINFORCE++ whitening) are global; each rank keeps its own rows.
         response_mask = batch.rollout.response_mask
+        process = self.cfg.reward.process
+        steps = {}
+        if batch.step_rewards is not None:  # process supervision: step rewards and where each step ends
+            steps = dict(step_rewards=d.gather_list(batch.step_rewards), step_ends=d.gather_list(batch.step_ends),
+                         credit=process.credit, process_coef=process.coef)
         advantages_all = self.estimator(
-            rewards=d.gather_rows(rewards_B), response_mask=d.gather_rows(response_mask), group_size=a.group_size, eps=a.eps
+            rewards=d.gather_rows(rewards_B), response_mask=d.gather_rows(response_mask), group_size=a.group_size,
+            eps=a.eps, **steps,
         )
         advantages_BT = d.local_rows(advantages_all, a.group_size, response_mask.shape[1])
         return Targets(advantages_BT, old_logp, ref_logp)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import random
 import time
 from collections import defaultdict
@@ -41,7 +42,9 @@ from cohortrl.algorithms import aggregate, get_policy_loss, masked_mean, truncat
 from cohortrl.config import Config, ConfigError
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.models import load_model
-from cohortrl.rewards.scoring import WeightedReward, resolve
+from cohortrl.rewards.process import guard_steps, resolve_process, step_detectors
+from cohortrl.rewards.scoring import RewardFunctionError, WeightedReward, _call, resolve
+from cohortrl.rewards.steps import step_end_tokens, token_char_ends
 from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.types import Rollout
 from cohortrl.trainers import checkpoint, faults, guards
@@ -77,6 +80,8 @@ class ScoredBatch:
     zero_variance_first_draw: float  # fraction of zero-variance groups in the step's first draw
     draws: int  # prompt batches generated this step (1 unless resampling)
     prompts_truncated: int = 0  # prompts cut to data.max_prompt_tokens (overlong_prompts=truncate), all draws
+    step_rewards: list[list[float]] | None = None  # (B, S_i) guarded step rewards (reward.process), else None
+    step_ends: list[list[int]] | None = None  # (B, S_i) response-token index where each step ends
 
 
 @dataclass
@@ -187,6 +192,8 @@ class RLTrainer:
         self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler), **self.optimised}
         self.sampling = cfg.sampling
         self.pool = self._reward_pool(inputs.reward_fns)
+        p = cfg.reward.process
+        self.process = resolve_process(p.name, p.kwargs) if p is not None else None
         self.generator = None  # the vLLM engine, when sampling.backend is vllm
         if cfg.sampling.backend == "vllm":
             from cohortrl.rollout.vllm import VLLMGenerator
@@ -277,6 +284,10 @@ class RLTrainer:
         rollout = batch.rollout
         response_mask = rollout.response_mask
         rewards_B = torch.tensor(batch.rewards)
+        step_metrics = {}
+        if self.process is not None:  # step-level rewards, mapped onto the tokens that end each step
+            with timer("score_steps"):
+                step_metrics = self._score_steps(batch)
 
         # Rows dropped from the loss by the zero-variance and truncation settings.
         keep_B = torch.ones(rollout.batch_size, dtype=torch.bool)
@@ -334,6 +345,7 @@ class RLTrainer:
             "trained_responses": int(counts["kept"]),
             "advantage_abs_mean": counts["advantage_abs"] / max(1.0, counts["tokens"]),
             **targets.metrics,
+            **step_metrics,
             "response_length_mean": lengths.mean().item(),
             "response_length_max": lengths.max().item(),
             "truncation_rate": counts["truncated"] / len(lengths),
@@ -433,6 +445,40 @@ class RLTrainer:
                 computed = {name: [v for res in results for v in res[name]] for name in results[0]}
             rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens, computed)
         return rollout, rewards, per_fn, n_truncated
+
+    def _score_steps(self, batch: ScoredBatch) -> dict:
+        """Fill ``batch.step_rewards`` / ``step_ends`` from the process reward function (guarded, see
+        ``rewards/process.py``) and return the step detectors' metrics (over the whole batch)."""
+        p, rollout = self.cfg.reward.process, batch.rollout
+        prompts = [r["prompt"] for r in rollout.rows]
+        cols = rollout_columns(rollout, self.sampling.max_new_tokens)
+        raw = _call(self.process, p.name, prompts, rollout.completions, cols, self.cfg.reward.timeout_s)
+        if not isinstance(raw, (list, tuple)) or len(raw) != rollout.batch_size:
+            raise RewardFunctionError(
+                f"process reward '{p.name}' must return one list of (score, span) per completion "
+                f"({rollout.batch_size}), got {type(raw).__name__}" + (f" of {len(raw)}" if hasattr(raw, "__len__") else "")
+            )
+        step_rewards, step_ends = [], []
+        for i, (completion, steps) in enumerate(zip(rollout.completions, raw)):
+            for score, span in steps:
+                if not isinstance(score, (int, float)) or not math.isfinite(score):
+                    raise RewardFunctionError(
+                        f"process reward '{p.name}' returned step score {score!r} for sample {i} "
+                        f"(prompt: {prompts[i][:200]!r}); step scores must be finite numbers"
+                    )
+            guarded = guard_steps(completion, steps, cap=p.cap, max_steps=p.max_steps, require_answer=p.require_answer)
+            ids = rollout.response_ids[i][rollout.response_mask[i].bool()].tolist()
+            char_ends = token_char_ends(self.tokenizer, ids)
+            stated = iter(step_end_tokens([span for _, span in guarded if span is not None], char_ends))
+            last = max(0, len(ids) - 1)  # a required step never stated counts on the last token
+            step_rewards.append([score for score, _ in guarded])
+            step_ends.append([next(stated) if span is not None else last for _, span in guarded])
+        batch.step_rewards, batch.step_ends = step_rewards, step_ends
+        d = self.dist
+        return step_detectors(
+            d.gather_list(rollout.completions), d.gather_list(step_rewards),
+            d.gather_list(batch.per_fn[self.correctness.name]), p.coef,
+        )
 
     def _generate(self, rows: list[dict], seed: int | None):
         cfg = self.cfg

@@ -101,12 +101,15 @@ class PPOTrainer(RLTrainer):
         return Targets(advantages_BT, old_logp, ref_logp, old_values_BT, returns_BT, metrics)
 
     def _token_rewards(self, batch: ScoredBatch, score_B: torch.Tensor) -> torch.Tensor:
-        """(B, T) rewards before the KL penalty: each response's score on its last token.
-
-        The hook for process rewards: step rewards placed at their steps' last tokens belong here, once scoring
-        returns them (the process-reward issue); GAE needs no other change.
-        """
-        return outcome_token_rewards(score_B, batch.rollout.response_mask)
+        """(B, T) rewards before the KL penalty: each response's score on its last token, plus, with
+        ``reward.process``, λ × each step's reward on the step's last token (GAE then credits earlier tokens)."""
+        rewards_BT = outcome_token_rewards(score_B, batch.rollout.response_mask)
+        if batch.step_rewards is not None:
+            coef = self.cfg.reward.process.coef
+            for i, (scores, ends) in enumerate(zip(batch.step_rewards, batch.step_ends)):
+                for score, end in zip(scores, ends):
+                    rewards_BT[i, end] += coef * score
+        return rewards_BT
 
     def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
         """vf_coef · clipped value loss per token (Ziegler et al.; ``value_loss``): the critic's share."""

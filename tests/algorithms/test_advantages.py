@@ -321,3 +321,24 @@ def test_outcome_token_rewards_places_the_reward_on_the_last_response_token():
     mask[1, 0] = False
     got = outcome_token_rewards(t([1.0, -0.5, 7.0]), mask)
     torch.testing.assert_close(got, t([[0, 0, 1, 0], [0, -0.5, 0, 0], [0, 0, 0, 0]]))
+
+
+def test_min_credit_hand_worked():
+    # R = [1, 0, 1] -> mean 2/3, std sqrt(1/3): r~ = +0.5774 (1) and -1.1547 (0)
+    mask = torch.ones(2, 4)
+    got = process_advantages([[1.0, 0.0], [1.0]], [[1, 3], [2]], mask, group_size=2, eps=0.0, credit="min")
+    hi, lo = 1 / 3**0.5, -2 / 3**0.5
+    torch.testing.assert_close(got, torch.tensor([[lo, lo, lo, lo], [hi, hi, hi, 0.0]]))
+    summed = process_advantages([[1.0, 0.0], [1.0]], [[1, 3], [2]], mask, group_size=2, eps=0.0, credit="sum")
+    torch.testing.assert_close(summed, torch.tensor([[hi + lo, hi + lo, lo, lo], [hi, hi, hi, 0.0]]))
+
+
+def test_combined_estimator_is_outcome_plus_lambda_process():
+    from cohortrl.algorithms import get_advantage_estimator
+
+    mask = torch.ones(2, 3)
+    kw = dict(response_mask=mask, group_size=2, step_rewards=[[1.0], [0.0]], step_ends=[[1], [2]], eps=0.0)
+    outcome = get_advantage_estimator("grpo")(rewards=torch.tensor([1.0, 0.0]), **kw)
+    process = get_advantage_estimator("grpo_process")(rewards=torch.tensor([1.0, 0.0]), **kw)
+    combined = get_advantage_estimator("grpo_combined")(rewards=torch.tensor([1.0, 0.0]), process_coef=0.5, **kw)
+    torch.testing.assert_close(combined, outcome + 0.5 * process)

@@ -27,9 +27,9 @@ from .helpers import FAST, GARBAGE, right_padded_mask, t, with_garbage
 ROOT = Path(__file__).resolve().parents[2]
 
 # Entries whose baseline is the group: they need G >= 2. The others work with any G.
-NEEDS_TWO = {"grpo", "grpo_batch", "dr_grpo", "rloo", "reinforce_pp_baseline"}
+NEEDS_TWO = {"grpo", "grpo_batch", "dr_grpo", "rloo", "reinforce_pp_baseline", "grpo_combined"}
 # Entries that return exactly 0 for a group whose rewards are all equal, whatever the rest of the batch holds.
-ZERO_ON_CONSTANT_GROUP = {"grpo", "grpo_batch", "dr_grpo", "rloo", "grpo_process"}
+ZERO_ON_CONSTANT_GROUP = {"grpo", "grpo_batch", "dr_grpo", "rloo", "grpo_process", "grpo_combined"}
 
 
 def _signature(fn) -> list[tuple[str, object, object]]:
@@ -145,7 +145,7 @@ def test_unknown_names_fail_with_the_closest_entry():
 CONTRACT = {
     "group_advantages": "(rewards, group_size, scale='group', eps=1e-06)",
     "rloo_advantages": "(rewards, group_size)",
-    "process_advantages": "(step_rewards, step_ends, response_mask, group_size, eps=1e-06)",
+    "process_advantages": "(step_rewards, step_ends, response_mask, group_size, eps=1e-06, credit='sum')",
     "reinforce_pp_advantages": "(token_rewards, response_mask, group_size=None, eps=1e-06)",
     "gae_advantages": "(token_rewards, values, response_mask, gamma=1.0, lam=0.95)",
     "kl_penalty": "(logp, ref_logp, kind='k3')",

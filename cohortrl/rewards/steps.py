@@ -1,0 +1,63 @@
+"""Splitting a response into steps, and finding the response token where each step ends.
+
+A process reward is given per step, but the policy gradient is per token, so each step's reward must land on
+the token that completes the step. Character spans come from the text (a step is a line by default, or the
+pieces between a delimiter / regex matches); token positions come from decoding the response's own token ids
+one prefix at a time, which is correct for any tokenizer: byte-level BPE, SentencePiece, tokens that hold
+the end of one step and the start of the next, and multi-byte characters split across tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_left
+from collections.abc import Sequence
+
+Span = tuple[int, int]  # [start, end) in characters of the decoded completion
+
+
+def split_steps(text: str, delimiter: str = "\n", regex: str | None = None) -> list[Span]:
+    """Character spans of the non-blank steps of ``text``: pieces between ``delimiter`` (default: lines), or,
+    with ``regex``, the pieces ending at its matches. A step keeps the delimiter that ends it ("x = 3;"), and
+    each span is trimmed of surrounding whitespace (so a line's newline is not part of it)."""
+    if regex is not None:
+        cuts = [m.end() for m in re.finditer(regex, text)]
+    else:
+        cuts, at = [], 0
+        while (found := text.find(delimiter, at)) != -1:
+            at = found + len(delimiter)
+            cuts.append(at)
+    spans, start = [], 0
+    for end in [*cuts, len(text)]:
+        piece = text[start:end]
+        if piece.strip():
+            left = len(piece) - len(piece.lstrip())
+            right = len(piece.rstrip())
+            spans.append((start + left, start + right))
+        start = end
+    return spans
+
+
+def token_char_ends(tokenizer, token_ids: Sequence[int]) -> list[int]:
+    """For each response token k, the length of the decoded text of tokens 0..k: where token k ends in the
+    completion string (decoded with ``skip_special_tokens=True``, as the trainer decodes completions).
+
+    A prefix that ends inside a multi-byte character decodes to a trailing U+FFFD; that token does not complete
+    any character yet, so it ends where the previous token ended. Ends never decrease."""
+    ends, last = [], 0
+    for k in range(1, len(token_ids) + 1):
+        text = tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True)
+        while text.endswith("\ufffd"):
+            text = text[:-1]
+        last = max(last, len(text))
+        ends.append(last)
+    return ends
+
+
+def step_end_tokens(spans: Sequence[Span], char_ends: Sequence[int]) -> list[int]:
+    """The token holding each step's last character: the first token whose decoded end reaches the span's end.
+    A step cut off by truncation ends on the response's last token."""
+    if not char_ends:
+        return []
+    last = len(char_ends) - 1
+    return [min(bisect_left(char_ends, end), last) for _, end in spans]

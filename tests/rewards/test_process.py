@@ -1,0 +1,130 @@
+"""Process rewards: the guards cap, bound, de-duplicate and gate step rewards; planted hacks (padding repeated
+steps, restating givens, stopping without an answer) earn no more than the honest solution under the gym's
+step grader or a naive per-line PRM once guarded, and the detectors flag them; the trainer runs process GRPO
+(sum and min credit, combined with the outcome) and PPO with step rewards."""
+
+import pytest
+import torch
+
+from cohortrl import tasks
+from cohortrl.algorithms import process_advantages
+from cohortrl.rewards.process import guard_steps, make_task_steps, step_detectors
+from cohortrl.rewards.steps import split_steps
+from cohortrl.trainers.grpo import GRPOTrainer
+from cohortrl.trainers.ppo import PPOTrainer
+from tests.trainers.test_grpo import tiny_config
+
+
+def test_guards_cap_bound_deduplicate_and_require_an_answer():
+    text = "a = 1\na = 1\nb = 2\nc = 3\nANSWER: 3"
+    spans = split_steps(text)
+    steps = [(5.0, spans[0]), (1.0, spans[1]), (1.0, spans[2]), (1.0, spans[3]), (0.5, None)]
+    guarded = guard_steps(text, steps, cap=1.0, max_steps=4, require_answer=True)
+    assert [s for s, _ in guarded] == [1.0, 0.0, 1.0, 1.0, 0.0]  # capped, repeat zeroed, fifth step unpaid
+    no_answer = text.rsplit("\n", 1)[0]
+    assert [s for s, _ in guard_steps(no_answer, steps[:4], cap=1.0, max_steps=4, require_answer=True)] == [0.0] * 4
+    negative = [(-1.0, spans[0])]
+    assert guard_steps(no_answer, negative, cap=1.0, max_steps=4, require_answer=True)[0][0] == -1.0  # only positives gated
+
+
+def naive_line_prm(completion: str):
+    """A learned-PRM stand-in that likes any line with an '=' in it: the kind of step reward padding farms."""
+    return [(1.0 if "=" in completion[a:b] else 0.0, (a, b)) for a, b in split_steps(completion)]
+
+
+def first_token_advantages(completions, step_lists, credit):
+    """A_{i,0} for a group of responses whose steps end on tokens 0, 1, 2, ... in order (the order is all
+    that matters to the credit rule)."""
+    rewards = [[score for score, _ in steps] for steps in step_lists]
+    ends = [list(range(len(r))) for r in rewards]
+    T = max(len(r) for r in rewards)
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rewards])
+    return process_advantages(rewards, ends, mask, group_size=len(rewards), eps=0.0, credit=credit)[:, 0].tolist()
+
+
+def test_planted_hacks_earn_no_more_than_the_honest_solution_and_are_flagged():
+    family = tasks.get("arithmetic")
+    sample = family.sample(1, seed=3, level=3)[0]
+    honest = sample.reference_solution
+    step_lines = honest.splitlines()[:-1]
+    padded = "\n".join(step_lines + step_lines * 4 + [honest.splitlines()[-1]])  # every correct step repeated
+    givens = "\n".join([f"x{i} = {i}" for i in range(6)] + [honest])  # distinct filler 'facts' first
+    unanswered = "\n".join(step_lines)  # the steps, no ANSWER line
+    grader = make_task_steps()
+    rows = [sample.to_dict()]
+
+    def task_steps(c):
+        return guard_steps(c, grader([sample.prompt], [c], sample=rows)[0], cap=1.0, max_steps=8, require_answer=True)
+
+    # The gym's step grader pays each required step once: no hack earns more than the honest solution.
+    honest_task = sum(s for s, _ in task_steps(honest))
+    assert honest_task == len(sample.steps)
+    for hack in (padded, givens, unanswered):
+        assert sum(s for s, _ in task_steps(hack)) <= honest_task
+    assert sum(s for s, _ in task_steps(unanswered)) == 0
+
+    # A naive PRM that likes every line with '=': unguarded, padding pays several times over; the guards
+    # (repeats earn nothing) bring repeated steps back to the honest total.
+    def naive(c):
+        return guard_steps(c, naive_line_prm(c), cap=1.0, max_steps=8, require_answer=True)
+
+    assert sum(s for s, _ in naive_line_prm(padded)) > 2 * sum(s for s, _ in naive_line_prm(honest))
+    assert sum(s for s, _ in naive(padded)) <= sum(s for s, _ in naive(honest))
+    assert sum(s for s, _ in naive(unanswered)) == 0
+    # Distinct filler lines are not repeats: under sum credit they do raise the advantage (bounded only by
+    # max_steps); min-form credit (PURE) is what stops them: the worst step ahead does not improve.
+    sum_adv = first_token_advantages([honest, givens], [naive(honest), naive(givens)], "sum")
+    min_adv = first_token_advantages([honest, givens], [naive(honest), naive(givens)], "min")
+    assert sum_adv[1] > sum_adv[0]
+    assert min_adv[1] <= min_adv[0]
+
+    # The detectors flag each hack.
+    honest_d = step_detectors([honest], [[1.0] * len(sample.steps)], [1.0], 1.0)
+    padded_d = step_detectors([padded], [[1.0] * len(sample.steps)], [1.0], 1.0)
+    givens_d = step_detectors([givens], [[1.0] * len(sample.steps)], [1.0], 1.0)
+    assert padded_d["steps_per_response"] > 3 * honest_d["steps_per_response"]
+    assert padded_d["unique_step_ratio"] < 0.5 < honest_d["unique_step_ratio"] == 1.0
+    assert givens_d["steps_per_response"] > 2 * honest_d["steps_per_response"]
+
+
+def test_detectors_hand_worked():
+    d = step_detectors(["a\nb\na", "c"], [[1.0, 0.0], [1.0]], [1.0, 0.0], process_coef=0.5)
+    assert d["steps_per_response"] == 2.0  # 4 lines over 2 responses
+    assert d["unique_step_ratio"] == 3 / 4  # {a, b} + {c} distinct of 4 lines
+    assert d["step_reward_mean"] == pytest.approx(2 / 3)
+    assert d["step_reward_share"] == pytest.approx(0.5 * 2 / (0.5 * 2 + 1.0))
+    # mean step reward per response (0.5, 1.0) against outcomes (1, 0): perfectly anti-correlated
+    assert d["step_outcome_corr"] == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("estimator, credit", [("grpo_process", "min"), ("grpo_combined", "sum")])
+def test_process_grpo_trains_on_gym_step_rewards(tmp_path, estimator, credit):
+    cfg = tiny_config(
+        tmp_path / "unused.jsonl",
+        data={"source": "task:arithmetic", "level": 2, "train_size": 50, "eval_size": 8},
+        reward={"functions": [{"name": "task"}], "correctness": "task",
+                "process": {"name": "task_steps", "credit": credit, "coef": 0.5}},
+        algorithm={"estimator": estimator},
+        sampling={"max_new_tokens": 12},
+    )
+    rows = [r for r in GRPOTrainer(cfg, tmp_path / "run").train() if "loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["steps_per_response"] > 0 and 0 <= r["unique_step_ratio"] <= 1
+        assert r["step_reward_mean"] == 0.0  # a random tiny model never commits to an answer: gated to 0
+
+
+def test_ppo_places_step_rewards_on_step_end_tokens(tmp_path):
+    cfg = tiny_config(
+        tmp_path / "unused.jsonl",
+        data={"source": "task:arithmetic", "level": 2, "train_size": 50, "eval_size": 8},
+        reward={"functions": [{"name": "task"}], "correctness": "task", "process": {"name": "task_steps", "coef": 2.0}},
+        algorithm={"name": "ppo", "group_size": 1, "estimator": "reinforce_pp", "beta": 0.0},
+        sampling={"max_new_tokens": 12}, train={"steps": 1},
+    )
+    trainer = PPOTrainer(cfg, tmp_path / "run")
+    batch = trainer._sample_and_score(__import__("cohortrl.trainers.metrics", fromlist=["PhaseTimer"]).PhaseTimer())
+    batch.step_rewards = [[1.0, 0.5] for _ in range(batch.rollout.batch_size)]
+    batch.step_ends = [[0, 1] for _ in range(batch.rollout.batch_size)]
+    rewards = trainer._token_rewards(batch, torch.zeros(batch.rollout.batch_size))
+    assert rewards[:, 0].tolist() == [2.0] * batch.rollout.batch_size and rewards[:, 1].tolist() == [1.0] * batch.rollout.batch_size
