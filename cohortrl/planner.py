@@ -29,7 +29,6 @@ What the model assumes (each is a choice a reader can check and change):
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
