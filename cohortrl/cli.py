@@ -1,4 +1,4 @@
-"""The ``cohortrl`` command line: train, eval, models, tasks, plot, demo."""
+"""The ``cohortrl`` command line: train, eval, models, tasks, plot, plan, demo."""
 
 from __future__ import annotations
 
@@ -100,6 +100,26 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Memory per device and time per step of a PPO / GRPO / RLOO step (``cohortrl.planner``)."""
+    from cohortrl.planner import DEVICE_PEAK_FLOPS, PlanError, RunSpec, format_plan, plan
+
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else DEVICE_PEAK_FLOPS["cpu" if args.device == "cpu" else args.gpu]
+    run = RunSpec(
+        algorithm=args.algorithm, gpus=args.gpus, sharding=args.sharding, dtype=args.dtype, lora_rank=args.lora_rank,
+        prompt_len=args.prompt_len, response_len=args.response_len, group_size=args.group_size,
+        prompts_per_step=args.prompts, micro_batch_size=args.micro_batch_size, checkpointing=args.checkpointing,
+        reference=not args.no_reference, reward_model=args.reward_model, epochs=args.epochs, device=args.device,
+        cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2, peak_flops=peak, mfu=args.mfu, generation_mfu=args.generation_mfu,
+    )
+    try:
+        print(format_plan(plan(args.model, run)))
+    except PlanError as e:  # caught here: main's handler imports the trainer stack (seconds) just to name its errors
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_demo(args) -> int:
     """The default run: GRPO on SmolLM2-135M-Instruct (configs/demo.yaml)."""
     ns = argparse.Namespace(
@@ -136,6 +156,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="write RUN_DIR/curves.png", description="Plot a run's training curves to RUN_DIR/curves.png.")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("plan", help="memory per GPU and time per step of PPO vs GRPO",
+                       description="Per-device memory by component and FLOPs / time per step by phase (docs/planner.md).")
+    p.add_argument("model", help="size preset (0.5b, 1.5b, 7b, 8b, 70b), a directory with a config.json, or a cohortrl alias")
+    p.add_argument("--algorithm", default="grpo", help="ppo, grpo or rloo (default grpo)")
+    p.add_argument("--gpus", type=int, default=1, help="data-parallel devices (default 1)")
+    p.add_argument("--sharding", default="none", help="none, zero1, zero2, zero3 (= fsdp full shard)")
+    p.add_argument("--dtype", default="bf16", help="bf16 (fp32 master weights in AdamW) or fp32 (default bf16)")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on the policy; 0: full fine-tuning (default)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens, padded (default 512)")
+    p.add_argument("--response-len", type=int, default=1024, help="response tokens, padded (default 1024)")
+    p.add_argument("-G", "--group-size", type=int, default=8, help="responses per prompt (default 8)")
+    p.add_argument("-P", "--prompts", type=int, default=64, help="prompts per step (default 64)")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward per device (default 4)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (recompute each layer)")
+    p.add_argument("--no-reference", action="store_true", help="beta = 0: no reference model")
+    p.add_argument("--reward-model", action="store_true", help="a learned reward model of the policy's size")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the batch per step (default 1)")
+    p.add_argument("--device", default="gpu", help="gpu, or cpu (adds --cpu-baseline-mb)")
+    p.add_argument("--cpu-baseline-mb", type=float, default=350.0,
+                   help="cpu: resident MiB of the process before any model (default 350, measured by benchmarks/planner_validation.py)")
+    p.add_argument("--gpu", default="h100", choices=["a100", "h100", "h200"], help="device whose peak FLOP/s to assume (default h100)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device (overrides --gpu)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of forward/backward passes (default 0.4)")
+    p.add_argument("--generation-mfu", type=float, default=0.1, help="utilisation while decoding (default 0.1: bandwidth-bound)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("demo", help="the default GRPO run on SmolLM2-135M-Instruct", description=cmd_demo.__doc__)
     p.add_argument("overrides", nargs="*", help="overrides to configs/demo.yaml as key.path=value")
