@@ -159,8 +159,10 @@ class RewardModelConfig:
     """With task:FAMILY: the difficulty level."""
     n_train: int = 512
     """With task:FAMILY: number of generated training examples."""
+    n_eval: int = 128
+    """With task:FAMILY: number of held-out examples, generated from problems of another seed."""
     eval_data: str | None = None
-    """Held-out JSONL file (same kind); default with task:FAMILY: 128 fresh problems from another seed."""
+    """Held-out JSONL file (same kind as data)."""
     steps: int = 200
     batch_size: int = 8
     lr: float = 3e-4
@@ -201,7 +203,7 @@ def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
     if cfg.data.startswith("task:"):
         family = cfg.data.removeprefix("task:")
         train = gym_step_examples(family, cfg.n_train, seed=cfg.seed, level=cfg.level)
-        held = gym_step_examples(family, 128, seed=cfg.seed + 10_000, level=cfg.level)
+        held = gym_step_examples(family, cfg.n_eval, seed=cfg.seed + 10_000, level=cfg.level)
         if cfg.kind == "orm":
             train, held = as_pointwise(train), as_pointwise(held)
         return train, held
