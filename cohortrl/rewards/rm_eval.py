@@ -10,7 +10,7 @@ import math
 import random
 from collections import Counter
 
-from cohortrl.rewards.labels import PointExample, StepExample
+from cohortrl.rewards.labels import PairExample, PointExample, StepExample
 
 
 def auroc(scores: list[float], labels: list[float]) -> float:
@@ -70,6 +70,16 @@ def evaluate_orm(model, tokenizer, examples: list[PointExample], max_length: int
     majority = sum(y >= 0.5 for y in labels) / len(labels)
     return {"n": len(labels), "accuracy": accuracy_at_half([1 / (1 + math.exp(-s)) for s in scores], labels),
             "auroc": auroc(scores, labels), "majority_baseline": max(majority, 1 - majority)}
+
+
+def evaluate_pairs(model, tokenizer, examples: list[PairExample], max_length: int = 512) -> dict:
+    """Held-out preference accuracy: how often the ORM scores the chosen response above the rejected one."""
+    from cohortrl.rewards.models import orm_scores
+
+    prompts = [e.prompt for e in examples]
+    chosen = orm_scores(model, tokenizer, prompts, [e.chosen for e in examples], max_length=max_length)
+    rejected = orm_scores(model, tokenizer, prompts, [e.rejected for e in examples], max_length=max_length)
+    return {"n_pairs": len(examples), "pair_accuracy": sum(c > r for c, r in zip(chosen, rejected)) / len(examples)}
 
 
 # ---------------------------------------------------------------------------------------------------- best of N

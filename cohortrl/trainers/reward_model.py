@@ -69,10 +69,14 @@ def build_reward_model(spec: str, kind: Literal["orm", "prm"], seed: int = 0, dt
 # ---------------------------------------------------------------------------------------------------- batches
 def orm_batch(tokenizer, prompts: list[str], completions: list[str], max_length: int) -> dict:
     """Right-padded chat texts (the classifier pools the last non-pad token; the end is kept if too long)."""
+    sides = tokenizer.padding_side, tokenizer.truncation_side
     tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
-    texts = [chat_text(tokenizer, p, c) for p, c in zip(prompts, completions)]
-    return dict(tokenizer(texts, add_special_tokens=False, padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt"))
+    try:
+        texts = [chat_text(tokenizer, p, c) for p, c in zip(prompts, completions)]
+        return dict(tokenizer(texts, add_special_tokens=False, padding=True, truncation=True, max_length=max_length,
+                              return_tensors="pt"))
+    finally:
+        tokenizer.padding_side, tokenizer.truncation_side = sides
 
 
 def prm_batch(tokenizer, examples: list[StepExample], max_length: int) -> dict:
@@ -220,7 +224,7 @@ def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
 
 def train_reward_model(cfg: RewardModelConfig) -> dict:
     """Train, save to ``cfg.out`` and evaluate on held-out data; returns the summary written to train_rm.json."""
-    from cohortrl.rewards.rm_eval import evaluate_orm, evaluate_prm
+    from cohortrl.rewards.rm_eval import evaluate_orm, evaluate_pairs, evaluate_prm
 
     train, held = load_examples(cfg)
     model, tokenizer = build_reward_model(cfg.model, cfg.kind, seed=cfg.seed)
@@ -238,5 +242,7 @@ def train_reward_model(cfg: RewardModelConfig) -> dict:
         summary["held_out"] = evaluate_prm(model, tokenizer, held, max_length=cfg.max_length)
     elif held and isinstance(held[0], PointExample):
         summary["held_out"] = evaluate_orm(model, tokenizer, held, max_length=cfg.max_length)
+    elif held:
+        summary["held_out"] = evaluate_pairs(model, tokenizer, held, max_length=cfg.max_length)
     (out / "train_rm.json").write_text(json.dumps({**summary, "losses": losses}, indent=1))
     return summary

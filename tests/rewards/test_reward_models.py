@@ -156,6 +156,12 @@ def test_train_rm_cli_smoke(tmp_path, capsys):
     assert main(["train-rm", "kind=prm", "steps=2", "n_train=8", "n_eval=8", "batch_size=2", f"out={tmp_path}"]) == 0
     summary = json.loads((tmp_path / "train_rm.json").read_text())
     assert len(summary["losses"]) == 2 and 0.0 <= summary["held_out"]["auroc"] <= 1.0
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(json.dumps({"prompt": "q", "chosen": "yes", "rejected": "no"}) for _ in range(4)))
+    out = tmp_path / "orm"
+    assert main(["train-rm", "kind=orm", f"data={pairs}", "data_kind=pairs", f"eval_data={pairs}", "steps=2", f"out={out}"]) == 0
+    assert json.loads((out / "train_rm.json").read_text())["held_out"]["n_pairs"] == 4
+    assert main(["train-rm", "kind=prm", f"data={pairs}", "data_kind=pairs"]) == 2
     assert main(["train-rm", "kinds=prm"]) == 2
     assert "unknown train-rm key 'kinds'; did you mean 'kind'?" in capsys.readouterr().err
 
