@@ -127,8 +127,9 @@ def _result_span(line: str) -> tuple[int, int]:
     return match.span(1)
 
 
-def _quotes(line: str, value: str) -> bool:
-    return re.search(rf"(?<![\d.]){re.escape(value)}(?![\d.])", line) is not None
+def _quoted(value: str) -> re.Pattern:
+    """``value`` as a whole number in a line: 46 matches in "92 + 46" but not in "146" or "4.6"."""
+    return re.compile(rf"(?<![\d.]){re.escape(value)}(?![\d.])")
 
 
 def response_steps(family, sample, completion: str) -> StepExample:
@@ -163,7 +164,7 @@ def _recompute(line: str, old: str, new: str, rng: random.Random) -> str:
     a, b = _result_span(line)
     head, result_text, tail = line[:a], line[a:b], line[b:]
     cut = head.index("=") + 1  # the key stays as it is; only the expression quotes values
-    head = head[:cut] + re.sub(rf"(?<![\d.]){re.escape(old)}(?![\d.])", new, head[cut:])
+    head = head[:cut] + _quoted(old).sub(new, head[cut:])
     exact = evaluate(head[cut:].rsplit("=", 1)[0])
     if exact is not None:
         value = exact[0]
@@ -204,7 +205,7 @@ def perturb_reference(family, sample, rng: random.Random) -> tuple[str, int]:
     for n in range(line_of_step[k] + 1, len(lines)):
         for old, new in list(replaced.items()):
             line = lines[n]
-            if not _quotes(line, old):
+            if not _quoted(old).search(line):
                 continue
             if n in step_lines and line.count("=") >= 2:
                 a, b = _result_span(line)
@@ -213,7 +214,7 @@ def perturb_reference(family, sample, rng: random.Random) -> tuple[str, int]:
                 if lines[n][a2:b2] != line[a:b]:
                     replaced[line[a:b]] = lines[n][a2:b2]
             else:  # the ANSWER line, or a step stated without an expression: it quotes the value itself
-                lines[n] = re.sub(rf"(?<![\d.]){re.escape(old)}(?![\d.])", new, line)
+                lines[n] = _quoted(old).sub(new, line)
     return "\n".join(lines), k
 
 
