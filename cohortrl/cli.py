@@ -1,4 +1,4 @@
-"""The ``cohortrl`` command line: train, eval, models, tasks, plot, plan, demo."""
+"""The ``cohortrl`` command line: train, eval, train-rm, models, tasks, plot, plan, demo."""
 
 from __future__ import annotations
 
@@ -93,6 +93,19 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_train_rm(args) -> int:
+    """Train an outcome (ORM) or process (PRM) reward model; see cohortrl.trainers.reward_model."""
+    from cohortrl.trainers.reward_model import load_rm_config, train_reward_model
+
+    items = list(args.items)
+    source = items.pop(0) if items and "=" not in items[0] else None
+    cfg = load_rm_config(source, items + list(getattr(args, "overrides", []) or []))
+    summary = train_reward_model(cfg)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
+    print(f"saved the {cfg.kind.upper()} to {cfg.out}")
+    return 0
+
+
 def cmd_plot(args) -> int:
     from cohortrl.trainers.metrics import plot_curves
 
@@ -153,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", metavar="TEXT", help="with --load: answer TEXT greedily")
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("train-rm", help="train an outcome or process reward model",
+                       description=cmd_train_rm.__doc__ + " Example: cohortrl train-rm kind=prm data=task:arithmetic out=runs/prm")
+    p.add_argument("items", nargs="*", metavar="CONFIG_OR_FLAGS", help="an optional YAML file, then key=value flags (kind, model, data, steps, out, ...)")
+    p.set_defaults(func=cmd_train_rm)
+
     p = sub.add_parser("plot", help="write RUN_DIR/curves.png", description="Plot a run's training curves to RUN_DIR/curves.png.")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_plot)
@@ -200,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[Exception], ...]:
     from cohortrl.data import DataError
     from cohortrl.models import ModelLoadError
+    from cohortrl.rewards.labels import LabelDataError
     from cohortrl.rewards.scoring import RewardFunctionError
     from cohortrl.rollout.hf import PromptTooLongError
     from cohortrl.trainers.checkpoint import CheckpointError
@@ -208,7 +227,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
     return (
         DataError, ModelLoadError, RewardFunctionError, PromptTooLongError, RunStateError, CheckpointError,
-        NonfiniteError, FileNotFoundError,
+        NonfiniteError, FileNotFoundError, LabelDataError,
     )
 
 
