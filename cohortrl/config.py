@@ -301,6 +301,10 @@ class TrainConfig:
     wandb: bool = False
     """Also log to Weights & Biases (needs the ``wandb`` package; project from ``WANDB_PROJECT``, else
     ``cohortrl``)."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Under torchrun: ``ddp`` (a full replica of the policy per process, gradients all-reduced) or ``fsdp``
+    (FSDP2: parameters, gradients and optimiser state sharded over processes, for models that do not fit one
+    device). Ignored in a single process."""
     device: str = "auto"
     """Where the models run: ``auto`` (a GPU if PyTorch sees one, under torchrun ``cuda:LOCAL_RANK``),
     ``cpu``, ``cuda`` or ``cuda:N``."""

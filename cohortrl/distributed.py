@@ -33,6 +33,11 @@ class Dist:
     rank: int = 0
     world: int = 1
     launched: bool = False  # started by torchrun (even with one process): the distributed code path
+    strategy: str = "ddp"  # ddp: a replica per rank; fsdp: FSDP2, parameters sharded over ranks
+
+    @property
+    def sharded(self) -> bool:
+        return self.launched and self.strategy == "fsdp"
 
     @property
     def is_main(self) -> bool:
@@ -97,6 +102,16 @@ class Dist:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def max_int(self, n: int) -> int:
+        """The largest ``n`` over ranks."""
+        if not self.launched or self.world == 1:
+            return n
+        import torch.distributed as dist
+
+        t = torch.tensor([n])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
+
     def barrier(self) -> None:
         if self.launched and self.world > 1:
             import torch.distributed as dist
@@ -105,8 +120,12 @@ class Dist:
 
     # ------------------------------------------------------------------ the model
     def wrap(self, model):
-        """The module the update runs forward/backward through: ``model`` itself on one process, else DDP.
-        Generation, the reference and saving keep using the plain ``model`` (it shares its parameters)."""
+        """The module the update runs forward/backward through: ``model`` itself on one process; DDP around it
+        (generation, the reference and saving keep using the plain ``model``, which shares its parameters);
+        or, with FSDP2, ``model`` itself, sharded in place (each decoder layer, then the root)."""
+        if self.sharded:
+            shard(model)
+            return model
         if not self.launched or self.world == 1:
             return model
         from torch.nn.parallel import DistributedDataParallel
@@ -119,11 +138,74 @@ class Dist:
     @contextlib.contextmanager
     def no_sync(self, module, sync: bool):
         """Accumulate gradients locally unless ``sync`` (the last micro-batch before an optimiser step)."""
-        if sync or not hasattr(module, "no_sync"):
+        if self.sharded:
+            for m in _fsdp_modules(module):
+                m.set_requires_gradient_sync(sync, recurse=False)
+            yield
+        elif sync or not hasattr(module, "no_sync"):
             yield
         else:
             with module.no_sync():
                 yield
+
+    @contextlib.contextmanager
+    def gathered(self, model):
+        """With FSDP2: every shard all-gathered once, and kept, for work that runs a different number of forward
+        passes on each rank (generation stops when a rank's groups are done; rank 0 alone evaluates)."""
+        if not self.sharded:
+            yield
+            return
+        modules = _fsdp_modules(model)
+        for m in modules:
+            m.unshard()
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.reshard()
+                m.set_reshard_after_forward(True, recurse=False)
+
+    # ------------------------------------------------------------------ state, whole on every rank
+    def full_state(self, model, trainable_only: bool) -> dict[str, torch.Tensor]:
+        """Parameters by name as plain CPU tensors (all-gathered from the shards with FSDP2: call on every rank)."""
+        out = {}
+        for name, p in model.named_parameters():
+            if trainable_only and not p.requires_grad:
+                continue
+            value = p.detach()
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            out[name] = value.cpu().clone()
+        return out
+
+    def optimizer_state(self, model, optimizer) -> dict:
+        if not self.sharded:
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        if not self.sharded:
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+    def load_parameters(self, model, saved: dict[str, torch.Tensor]) -> None:
+        """Copy whole tensors into the (possibly sharded) parameters of the same names."""
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in saved.items():
+                p = params[name]
+                if hasattr(p, "full_tensor"):  # a DTensor: keep this rank's shard of the whole tensor
+                    from torch.distributed.tensor import distribute_tensor
+
+                    p.copy_(distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements))
+                else:
+                    p.copy_(value)
 
     def close(self) -> None:
         if self.launched:
@@ -133,7 +215,30 @@ class Dist:
                 dist.destroy_process_group()
 
 
-def from_env() -> Dist:
+def shard(model) -> None:
+    """FSDP2 (``fully_shard``) on each decoder layer, then on the whole (base) model: a layer's parameters are
+    gathered just before it runs and freed after, so no rank ever holds every layer at once."""
+    from torch.distributed.fsdp import fully_shard
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layer_types = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
+    if not layers:
+        raise ValueError(f"train.strategy=fsdp: no decoder layers ({sorted(layer_types) or 'none declared'}) found in {type(base).__name__}")
+    for layer in layers:
+        fully_shard(layer)
+    # The root is the transformers model itself, not a PEFT wrapper around it: generation calls it directly,
+    # and FSDP2 takes the first sharded module that runs as the root of its lazy initialisation.
+    fully_shard(base)
+
+
+def _fsdp_modules(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def from_env(strategy: str = "ddp") -> Dist:
     """A ``Dist`` for this process: torchrun's (initialising the process group, gloo on CPU, NCCL on GPU) when
     ``WORLD_SIZE`` is set, else the single-process identity."""
     if "WORLD_SIZE" not in os.environ:
@@ -145,7 +250,7 @@ def from_env() -> Dist:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
-    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), launched=True)
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), launched=True, strategy=strategy)
 
 
 def resolve_device(setting: str, dist: Dist) -> torch.device:

@@ -64,6 +64,7 @@ def runs(tmp_path_factory, addition_jsonl):
     path.write_text(yaml.safe_dump(config))
     torchrun(1, path, root / "one")
     torchrun(2, path, root / "two", "--steps", "2")
+    torchrun(2, path, root / "fsdp", "--steps", "2", "train.strategy=fsdp")
     return root, path
 
 
@@ -81,6 +82,17 @@ def test_two_processes_compute_the_same_update_as_one(runs):
             assert rows_two[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
 
 
+def test_fsdp2_sharded_over_two_processes_computes_the_same_update(runs, tmp_path):
+    root, path = runs
+    assert_same_weights(root / "one" / "checkpoints" / "step_000002", root / "fsdp" / "checkpoints" / "step_000002")
+    resumed = tmp_path / "fsdp"
+    import shutil
+
+    shutil.copytree(root / "fsdp", resumed)
+    torchrun(2, path, resumed, "--resume", "train.strategy=fsdp")
+    assert_same_weights(root / "one" / "final", resumed / "final")
+
+
 @pytest.mark.parametrize("nproc", [2, 1])
 def test_a_two_process_checkpoint_resumes_under_two_or_one(runs, nproc, tmp_path):
     root, path = runs
@@ -92,3 +104,11 @@ def test_a_two_process_checkpoint_resumes_under_two_or_one(runs, nproc, tmp_path
     assert_same_weights(root / "one" / "final", resumed / "final")
     steps = [r["step"] for r in read_metrics(resumed) if "loss" in r]
     assert steps == [1, 2, 3, 4]
+
+
+def test_fsdp2_with_a_lora_adapter_matches_one_process(runs, tmp_path):
+    _, path = runs
+    lora = ("model.lora.enabled=true", "model.lora.r=4", "--steps", "1")
+    torchrun(1, path, tmp_path / "one", *lora)
+    torchrun(2, path, tmp_path / "fsdp", *lora, "train.strategy=fsdp")
+    assert_same_weights(tmp_path / "one" / "final", tmp_path / "fsdp" / "final")

@@ -89,6 +89,9 @@ def generate(
     greedy = sampling.temperature == 0
     eos_ids = _eos_ids(model, tokenizer)
     kwargs = dict(
+        # transformers turns on per-token all-reduces for FSDP-managed models; cohortrl gathers the shards
+        # before generating (``Dist.gathered``), so each rank decodes on its own, as far as it needs.
+        synced_gpus=False,
         do_sample=not greedy,
         max_new_tokens=sampling.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,

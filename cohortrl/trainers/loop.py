@@ -153,7 +153,7 @@ class RLTrainer:
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.policy_loss = get_policy_loss(a.policy_loss)  # names already checked by config.validate
-        self.dist = distributed.from_env()  # the single-process identity unless started by torchrun
+        self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
         if self.dist.launched:
             _check_distributed(cfg, self.name, self.dist)
@@ -182,8 +182,11 @@ class RLTrainer:
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer)
         self.model.to(self.device)
         guards.check_run_fits(cfg, self.model, len(train_rows))
-        self.train_model = self.dist.wrap(self.model)  # DDP under torchrun; the update's forward/backward go through it
         self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
+        # Under torchrun: DDP around the policy, or FSDP2 sharding it in place (and the reference's own copy).
+        self.train_model = self.dist.wrap(self.model)
+        if self.dist.sharded and self.reference is not None and self.reference.model is not None:
+            distributed.shard(self.reference.model)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.updates_per_step = a.epochs * a.minibatches
         policy_updates = max(0, cfg.train.steps - self.policy_frozen_steps) * self.updates_per_step
@@ -424,17 +427,19 @@ class RLTrainer:
             with timer("weight_sync"):
                 self.generator.sync_weights(self.model)
             self._engine_stale = False
-        parts, jobs, n_truncated = [], [], 0
-        for chunk, seed in chunks:
-            with timer("generate"), torch.random.fork_rng(devices=[], enabled=seed is not None):
-                if seed is not None:
-                    torch.manual_seed(seed)
-                rollout, n_trunc = self._generate(chunk, seed)
-            parts.append(rollout)
-            n_truncated += n_trunc
-            if self.pool is not None:
-                cols = rollout_columns(rollout, self.sampling.max_new_tokens)
-                jobs.append(self.pool.submit([r["prompt"] for r in rollout.rows], rollout.completions, cols))
+        parts, jobs = [], []
+        with self.dist.gathered(self.model):  # FSDP2: ranks run different numbers of decoding steps
+            for chunk, seed in chunks:
+                with timer("generate"), torch.random.fork_rng(devices=[], enabled=seed is not None):
+                    if seed is not None:
+                        torch.manual_seed(seed)
+                    rollout, n_trunc = self._generate(chunk, seed)
+                parts.append((rollout, n_trunc))
+                if self.pool is not None:
+                    cols = rollout_columns(rollout, self.sampling.max_new_tokens)
+                    jobs.append(self.pool.submit([r["prompt"] for r in rollout.rows], rollout.completions, cols))
+        n_truncated = sum(n for _, n in parts)
+        parts = [r for r, _ in parts]
         if n_truncated:
             log.warning("%d prompt(s) truncated to data.max_prompt_tokens=%d", n_truncated, cfg.data.max_prompt_tokens)
         rollout = parts[0] if len(parts) == 1 else Rollout.concat(parts, self.tokenizer.pad_token_id)
@@ -540,6 +545,8 @@ class RLTrainer:
                 mb_loss = 0.0
                 # A rank with no rows in this minibatch still joins the gradient all-reduce, with a zero-weight row.
                 micro_batches = self._micro_batches(len(rows)) if len(rows) else [None]
+                # FSDP2 gathers each layer in every forward: all ranks must run as many micro-batches.
+                micro_batches += [None] * (d.max_int(len(micro_batches)) - len(micro_batches)) if d.sharded else []
                 for i, pos in enumerate(micro_batches):
                     if pos is None:
                         micro, w = torch.tensor([0]), torch.zeros(1, T)
@@ -581,7 +588,7 @@ class RLTrainer:
                     mb_loss += loss.item()
                     token_count += int(response_mask.sum())
                 max_norm = self.cfg.optim.max_grad_norm or float("inf")
-                norms = {o.metric: float(torch.nn.utils.clip_grad_norm_(o.params, max_norm)) for o in trained}
+                norms = {o.metric: _as_float(torch.nn.utils.clip_grad_norm_(o.params, max_norm)) for o in trained}
                 faults.point("update")
                 n_updates += 1
                 if not guards.finite(d.sum({"loss": mb_loss})["loss"], norms):  # every rank decides alike  # no optimiser or scheduler step: their state stays as it was
@@ -652,8 +659,10 @@ class RLTrainer:
         return rows
 
     def _save_final(self) -> None:
+        # FSDP2: the whole weights are gathered from every rank first; rank 0 writes them.
+        state = self.dist.full_state(self.model, trainable_only=False) if self.dist.sharded else None
         if self.dist.is_main:
-            self._fire("on_save", self.save(self.run_dir / "final"))
+            self._fire("on_save", self.save(self.run_dir / "final", state_dict=state))
             plot_curves(self.run_dir)
 
     def _finish_or_refuse(self, total: int) -> list[dict]:
@@ -677,7 +686,8 @@ class RLTrainer:
 
     def evaluate(self) -> dict:
         """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers."""
-        metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg) if self.dist.is_main else None
+        with self.dist.gathered(self.model):  # FSDP2: rank 0 runs forward passes the others do not
+            metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg) if self.dist.is_main else None
         return self.dist.broadcast(metrics)
 
     def _log(self, row: dict) -> dict:
@@ -686,13 +696,13 @@ class RLTrainer:
         return row
 
     # ------------------------------------------------------------------------------------------ persistence
-    def save(self, directory: str | Path | None = None) -> Path:
+    def save(self, directory: str | Path | None = None, state_dict: dict | None = None) -> Path:
         """The trained model (or adapter) and tokenizer, loadable by ``cohortrl eval`` (default ``RUN_DIR/final``);
         written atomically, with the step it was saved at in ``FINAL_MARKER``."""
         directory = Path(directory) if directory is not None else self.run_dir / "final"
 
         def write(tmp: Path) -> None:
-            self.model.save_pretrained(tmp)
+            self.model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
             self.tokenizer.save_pretrained(tmp)
             (tmp / FINAL_MARKER).write_text(json.dumps({"step": self.step_count}))
 
@@ -700,9 +710,10 @@ class RLTrainer:
         return directory
 
     def save_checkpoint(self) -> Path:
-        state = {
-            "model": checkpoint.trainable_state(self.model),
-            **{f"{name}_optimizer": o.optimizer.state_dict() for name, o in self.optimised.items()},
+        state = {  # whole tensors (gathered from the shards with FSDP2: every rank takes part)
+            "model": self.dist.full_state(self.model, trainable_only=True),
+            **{f"{name}_optimizer": self.dist.optimizer_state(self.model, o.optimizer) if name == "policy"
+               else o.optimizer.state_dict() for name, o in self.optimised.items()},
             **{f"{name}_scheduler": o.scheduler.state_dict() for name, o in self.optimised.items()},
             "rng": checkpoint.rng_state(),
             "data": self.stream.state_dict(),
@@ -723,9 +734,12 @@ class RLTrainer:
                 "checkpoint); start it again without --resume"
             )
         state = checkpoint.load(path)
-        load_trainable_state(self.model, state["model"], f"checkpoint {path}")
+        load_trainable_state(self.model, state["model"], f"checkpoint {path}", self.dist)
         for name, o in self.optimised.items():
-            o.optimizer.load_state_dict(state[f"{name}_optimizer"])
+            if name == "policy":
+                self.dist.load_optimizer_state(self.model, o.optimizer, state[f"{name}_optimizer"])
+            else:
+                o.optimizer.load_state_dict(state[f"{name}_optimizer"])
             o.scheduler.load_state_dict(state[f"{name}_scheduler"])
         self.stream.load_state_dict(state["data"])
         self.guard.load_state_dict(state.get("guard", {}))  # absent in checkpoints written before the guard
@@ -766,15 +780,18 @@ def _check_distributed(cfg: Config, algorithm: str, dist: distributed.Dist) -> N
         )
 
 
-def load_trainable_state(model, saved: dict[str, torch.Tensor], what: str) -> None:
+def load_trainable_state(model, saved: dict[str, torch.Tensor], what: str, dist: distributed.Dist | None = None) -> None:
     """Copy a checkpoint's ``trainable_state`` back into ``model``, refusing one taken of another model."""
-    missing = set(checkpoint.trainable_state(model)) ^ set(saved)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing = trainable ^ set(saved)
     if missing:
         raise RunStateError(f"{what} does not match the model: differing parameters {sorted(missing)[:5]}")
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        for name, value in saved.items():
-            params[name].copy_(value)
+    (dist or distributed.Dist()).load_parameters(model, saved)
+
+
+def _as_float(x) -> float:
+    """A scalar tensor (a DTensor under FSDP2) as a Python float."""
+    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
