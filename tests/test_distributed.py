@@ -112,3 +112,17 @@ def test_fsdp2_with_a_lora_adapter_matches_one_process(runs, tmp_path):
     torchrun(1, path, tmp_path / "one", *lora)
     torchrun(2, path, tmp_path / "fsdp", *lora, "train.strategy=fsdp")
     assert_same_weights(tmp_path / "one" / "final", tmp_path / "fsdp" / "final")
+
+
+def test_resampling_chooses_the_same_groups_under_two_processes(runs, tmp_path):
+    _, path = runs
+    # Rarer successes (a response starting with a vowel): many groups are all-wrong, so the step resamples.
+    vowel = "tests.trainers.reward_fns:starts_with_vowel"
+    resample = ("algorithm.zero_variance=resample", "algorithm.max_resample_draws=12", "algorithm.group_size=2", "--steps", "1",
+                f"reward.functions=[{{name: '{vowel}'}}]", f"reward.correctness={vowel}")
+    torchrun(1, path, tmp_path / "one", *resample)
+    torchrun(2, path, tmp_path / "two", *resample)
+    assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
+    one, two = (read_metrics(tmp_path / run)[0] for run in ("one", "two"))
+    assert one["resample_draws"] == two["resample_draws"] >= 1
+    assert one["reward_mean"] == pytest.approx(two["reward_mean"]) and one["trained_responses"] == two["trained_responses"]

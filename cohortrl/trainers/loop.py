@@ -223,10 +223,13 @@ class RLTrainer:
         return cls(config if config is not None else Path(run_dir) / "config.yaml", run_dir, resume=True, **inputs)
 
     def close(self) -> None:
-        """Stop the reward workers (if any); the trainer can still be saved and evaluated."""
+        """Stop the reward workers (if any) and, under torchrun, leave the process group (after every rank got
+        here: a rank that exits while another still talks to it aborts the run)."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        self.dist.barrier()
+        self.dist.close()
 
     def stop(self, reason: str) -> None:
         """Ask the loop to stop after the current step (from a callback); it checkpoints before returning."""
@@ -340,8 +343,7 @@ class RLTrainer:
             **{f"reward/{k}_std": _std(v) for k, v in per_fn.items()},
             "accuracy": _mean(per_fn[self.correctness.name]),
             # A group of one response has no variance to speak of (PPO with G = 1): None, not a misleading 1.
-            "zero_variance_frac": (zero_variance.float().mean().item() if d.launched else batch.zero_variance_first_draw)
-            if G > 1 else None,
+            "zero_variance_frac": batch.zero_variance_first_draw if G > 1 else None,
             "zero_variance_groups": int(zero_variance.sum()) if G > 1 else None,
             "resample_draws": batch.draws - 1,
             "prompts_truncated": int(counts["prompts_truncated"]),
@@ -366,7 +368,7 @@ class RLTrainer:
         a = self.cfg.algorithm
         P, G = a.prompts_per_step, a.group_size
         if self.dist.launched:
-            return self._sample_and_score_shard(self.stream.take(P), timer)
+            return self._sample_and_score_sharded(timer)
         parts, first_frac, n_truncated = [], None, 0
         while True:
             rows = self.stream.take(P)
@@ -399,14 +401,60 @@ class RLTrainer:
         zero_var = torch.zeros(len(groups), dtype=torch.bool)
         return ScoredBatch(rollout, rewards, per_fn, zero_var, first_frac, len(parts), n_truncated)
 
-    def _sample_and_score_shard(self, rows: list[dict], timer: PhaseTimer) -> ScoredBatch:
-        """Under torchrun: this rank's share of the step's groups."""
-        faults.point("generate")
-        local = self.dist.local_groups(len(rows))
-        rollout, rewards, per_fn, n_truncated = self._rollout_and_score([rows[g] for g in local], timer, group_ids=local)
-        correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, self.cfg.algorithm.group_size)
-        zero_var_P = (correct_PG == correct_PG[:, :1]).all(-1)
-        return ScoredBatch(rollout, rewards, per_fn, zero_var_P, zero_var_P.float().mean().item(), 1, n_truncated)
+    def _sample_and_score_sharded(self, timer: PhaseTimer) -> ScoredBatch:
+        """Under torchrun: each rank generates and scores its share of each draw's groups, each group seeded by
+        its global index (``distributed.group_seed``), so sampling does not depend on the number of processes.
+        With ``resample`` the informative groups are chosen over the whole batch in draw order, as in one
+        process, then dealt out again so that every rank trains on an equal share."""
+        a, d = self.cfg.algorithm, self.dist
+        P, G = a.prompts_per_step, a.group_size
+        local = d.local_groups(P)
+        draws: list[tuple[ScoredBatch, torch.Tensor]] = []  # this rank's groups, and every group's zero-variance flag
+        while True:
+            rows = self.stream.take(P)
+            faults.point("generate")
+            k = len(draws)
+            rollout, rewards, per_fn, n_trunc = self._rollout_and_score(
+                [rows[g] for g in local], timer, group_ids=range(k * P + local.start, k * P + local.stop)
+            )
+            correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, G)
+            zero_local = (correct_PG == correct_PG[:, :1]).all(-1)
+            zero_all = d.gather_rows(zero_local.long()).bool()
+            first_frac = zero_all.float().mean().item() if k == 0 else draws[0][0].zero_variance_first_draw
+            draws.append((ScoredBatch(rollout, rewards, per_fn, zero_local, first_frac, k + 1, n_trunc), zero_all))
+            if a.zero_variance != "resample":
+                return draws[0][0]
+            informative = sum(int((~z).sum()) for _, z in draws)
+            if informative >= P:
+                break
+            if len(draws) > a.max_resample_draws:
+                log.warning(
+                    "resample: only %d informative group(s) of %d after %d extra draws (algorithm.max_resample_draws); "
+                    "training on what there is", informative, P, a.max_resample_draws,
+                )
+                if informative == 0:  # nothing informative anywhere: train on the first draw (only KL acts)
+                    return dataclasses.replace(draws[0][0], draws=len(draws), prompts_truncated=sum(b.prompts_truncated for b, _ in draws))
+                break
+        chosen = [(k, g) for k, (_, z) in enumerate(draws) for g in range(P) if not z[g]][:P]
+        if len(chosen) % d.world:
+            log.warning("resample: %d informative group(s) do not split over %d processes; the last %d are not trained on",
+                        len(chosen), d.world, len(chosen) % d.world)
+            chosen = chosen[: len(chosen) - len(chosen) % d.world]
+            if not chosen:  # as with no informative group at all: the first draw, where only KL acts
+                return dataclasses.replace(draws[0][0], draws=len(draws), prompts_truncated=sum(b.prompts_truncated for b, _ in draws))
+        mine = []  # the chosen groups this rank generated
+        for k, g in chosen:
+            if g in local:
+                part, idx = draws[k][0], list(range((g - local.start) * G, (g - local.start + 1) * G))
+                mine.append(((k, g), part.rollout.select(idx), [part.rewards[i] for i in idx],
+                             {name: [v[i] for i in idx] for name, v in part.per_fn.items()}))
+        everything = sorted(d.gather_list(mine), key=lambda item: item[0])  # every chosen group, in draw order
+        share = everything[d.local_groups(len(everything)).start : d.local_groups(len(everything)).stop]
+        rollout = Rollout.concat([r for _, r, _, _ in share], self.tokenizer.pad_token_id)
+        rewards = [x for _, _, rs, _ in share for x in rs]
+        per_fn = {name: [x for _, _, _, fn in share for x in fn[name]] for name in draws[0][0].per_fn}
+        return ScoredBatch(rollout, rewards, per_fn, torch.zeros(len(share), dtype=torch.bool), draws[0][0].zero_variance_first_draw,
+                           len(draws), sum(b.prompts_truncated for b, _ in draws))
 
     def _rollout_and_score(self, rows: list[dict], timer: PhaseTimer, group_ids: range | None = None):
         """G responses for each row, scored: (rollout, total rewards, each function's values, prompts truncated).
@@ -530,10 +578,11 @@ class RLTrainer:
         token_sums: dict[str, float] = defaultdict(float)  # the algorithm's per-token metrics
         grad_norms: dict[str, list[float]] = defaultdict(list)
         n_updates, token_count, skipped = 0, 0, 0
-        groups_per_mb = n_groups // a.minibatches
+        # Resampling can leave fewer groups than minibatches: then one minibatch per group.
+        n_minibatches = min(a.minibatches, n_groups)
         for _ in range(a.epochs):
             order = torch.randperm(n_groups) if a.minibatches > 1 else torch.arange(n_groups)
-            for mb_groups in order.split(groups_per_mb):
+            for mb_groups in order.tensor_split(n_minibatches):
                 rows_all = (mb_groups.unsqueeze(-1) * G + torch.arange(G)).flatten()
                 weights_all = token_weights(loss_mask_all[rows_all], a.aggregation, self.norm_length)
                 mine = (rows_all >= first_row) & (rows_all < first_row + rollout.batch_size)
@@ -768,11 +817,6 @@ def _check_distributed(cfg: Config, algorithm: str, dist: distributed.Dist) -> N
         raise ConfigError(
             f"config key 'algorithm.prompts_per_step' = {a.prompts_per_step}: must be divisible by the number of "
             f"processes ({dist.world}) so that every rank gets whole groups; use a multiple of {dist.world}"
-        )
-    if a.zero_variance == "resample":
-        raise ConfigError(
-            "config key 'algorithm.zero_variance' = 'resample': not supported under torchrun yet (the informative "
-            "groups found would have to move between ranks); use filter"
         )
     if algorithm != "grpo":
         raise ConfigError(

@@ -40,3 +40,8 @@ def hangs(prompts, completions, **columns):
 
     time.sleep(3)  # far past the test's reward.timeout_s; the abandoned thread ends soon after
     return [0.0] * len(completions)
+
+
+def starts_with_vowel(prompts, completions, **columns):
+    """Rarer than a letter: many groups of 4 are all-wrong, so resampling has work to do."""
+    return [1.0 if c[:1].lower() in "aeiou" else 0.0 for c in completions]
