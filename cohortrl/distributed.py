@@ -136,17 +136,17 @@ class Dist:
         return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
     @contextlib.contextmanager
-    def no_sync(self, module, sync: bool):
-        """Accumulate gradients locally unless ``sync`` (the last micro-batch before an optimiser step)."""
-        if self.sharded:
-            for m in _fsdp_modules(module):
-                m.set_requires_gradient_sync(sync, recurse=False)
+    def no_sync(self, modules: list, sync: bool):
+        """Accumulate gradients locally unless ``sync`` (the last micro-batch before an optimiser step); the
+        forward passes must run inside too (DDP prepares its all-reduce in the forward)."""
+        with contextlib.ExitStack() as stack:
+            for module in modules if self.launched else []:
+                if self.sharded:
+                    for m in _fsdp_modules(module):
+                        m.set_requires_gradient_sync(sync, recurse=False)
+                elif not sync and hasattr(module, "no_sync"):
+                    stack.enter_context(module.no_sync())
             yield
-        elif sync or not hasattr(module, "no_sync"):
-            yield
-        else:
-            with module.no_sync():
-                yield
 
     @contextlib.contextmanager
     def gathered(self, model):

@@ -126,3 +126,17 @@ def test_resampling_chooses_the_same_groups_under_two_processes(runs, tmp_path):
     one, two = (read_metrics(tmp_path / run)[0] for run in ("one", "two"))
     assert one["resample_draws"] == two["resample_draws"] >= 1
     assert one["reward_mean"] == pytest.approx(two["reward_mean"]) and one["trained_responses"] == two["trained_responses"]
+
+
+def test_ppo_with_its_critic_matches_one_process(runs, tmp_path):
+    _, path = runs
+    ppo = ("algorithm.name=ppo", "algorithm.group_size=1", "algorithm.estimator=reinforce_pp", "--steps", "2")
+    torchrun(1, path, tmp_path / "one", *ppo)
+    torchrun(2, path, tmp_path / "two", *ppo)
+    step = ("checkpoints", "step_000002")
+    assert_same_weights(tmp_path / "one" / Path(*step), tmp_path / "two" / Path(*step))  # policy and critic
+    one, two = (read_metrics(tmp_path / run) for run in ("one", "two"))
+    for a, b in zip(one, two):
+        for key in ("kl_coef", "value_loss", "explained_variance", "reward_mean"):
+            if a.get(key) is not None:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

@@ -552,6 +552,11 @@ class RLTrainer:
             return None
         return RewardPool(specs, self.cfg.reward.workers, self.cfg.reward.timeout_s)
 
+    def _synced_modules(self, train_policy: bool) -> list:
+        """The data-parallel modules whose gradients this update's backward produces (the algorithm may add
+        its own, e.g. PPO's critic)."""
+        return [self.train_model] if train_policy else []
+
     def _micro_batches(self, n: int) -> list[torch.Tensor]:
         """Positions 0..n-1 split into micro-batches of ``algorithm.micro_batch_size`` (0: one batch)."""
         return list(torch.arange(n).split(self.cfg.algorithm.micro_batch_size or n))
@@ -607,31 +612,31 @@ class RLTrainer:
                         mask, response_mask = torch.zeros_like(mask), torch.zeros_like(response_mask)
                     dev = self.device  # a no-op on the CPU
                     mask, response_mask, w = mask.to(dev), response_mask.to(dev), w.to(dev)
-                    logp, loss_BT = None, torch.zeros(mask.shape, device=dev)
-                    if train_policy:
-                        with d.no_sync(self.train_model, sync):
+                    # DDP / FSDP2 sync gradients on the last micro-batch only; the forwards belong inside too.
+                    with d.no_sync(self._synced_modules(train_policy), sync):
+                        logp, loss_BT = None, torch.zeros(mask.shape, device=dev)
+                        if train_policy:
                             logp, entropy = response_logprobs(
                                 self.train_model, input_ids[micro], attention_mask[micro], rollout.response_ids[micro],
                                 temperature=self.sampling.temperature, with_entropy=True,
                             )
-                        old = targets.old_logp[micro].to(dev) if targets.old_logp is not None else logp.detach()
-                        loss_BT, pg_metrics = self.policy_loss(
-                            logp=logp, old_logp=old, advantages=targets.advantages[micro].to(dev), response_mask=mask,
-                            clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
-                        )
-                        if targets.is_weights is not None:  # vLLM sampled: w_t = min(π_old / π_vLLM, C) per token
-                            loss_BT = loss_BT * targets.is_weights[micro].to(dev)
-                        sums["policy_loss"] += torch.where(w != 0, w * loss_BT.detach(), 0.0).sum().item()
-                        sums["entropy"] += _masked_total(entropy, response_mask)
-                        sums["clip_frac_low"] += pg_metrics["clip_frac_low"] * int(mask.sum())
-                        sums["clip_frac_high"] += pg_metrics["clip_frac_high"] * int(mask.sum())
-                    extra_BT, extra_metrics = self._extra_loss(micro, mask, logp, input_ids, attention_mask, targets)
-                    if extra_BT is not None:
-                        loss_BT = loss_BT + extra_BT
-                    for name, value_BT in extra_metrics.items():
-                        token_sums[name] += _masked_total(value_BT.detach(), response_mask)
-                    loss = torch.where(w != 0, w * loss_BT, 0.0).sum()
-                    with d.no_sync(self.train_model, sync):
+                            old = targets.old_logp[micro].to(dev) if targets.old_logp is not None else logp.detach()
+                            loss_BT, pg_metrics = self.policy_loss(
+                                logp=logp, old_logp=old, advantages=targets.advantages[micro].to(dev), response_mask=mask,
+                                clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+                            )
+                            if targets.is_weights is not None:  # vLLM sampled: w_t = min(π_old / π_vLLM, C) per token
+                                loss_BT = loss_BT * targets.is_weights[micro].to(dev)
+                            sums["policy_loss"] += torch.where(w != 0, w * loss_BT.detach(), 0.0).sum().item()
+                            sums["entropy"] += _masked_total(entropy, response_mask)
+                            sums["clip_frac_low"] += pg_metrics["clip_frac_low"] * int(mask.sum())
+                            sums["clip_frac_high"] += pg_metrics["clip_frac_high"] * int(mask.sum())
+                        extra_BT, extra_metrics = self._extra_loss(micro, mask, logp, input_ids, attention_mask, targets)
+                        if extra_BT is not None:
+                            loss_BT = loss_BT + extra_BT
+                        for name, value_BT in extra_metrics.items():
+                            token_sums[name] += _masked_total(value_BT.detach(), response_mask)
+                        loss = torch.where(w != 0, w * loss_BT, 0.0).sum()
                         loss.backward()
                     sums["loss"] += loss.item()
                     mb_loss += loss.item()
@@ -640,7 +645,8 @@ class RLTrainer:
                 norms = {o.metric: _as_float(torch.nn.utils.clip_grad_norm_(o.params, max_norm)) for o in trained}
                 faults.point("update")
                 n_updates += 1
-                if not guards.finite(d.sum({"loss": mb_loss})["loss"], norms):  # every rank decides alike  # no optimiser or scheduler step: their state stays as it was
+                # No optimiser or scheduler step on a non-finite update; every rank decides alike.
+                if not guards.finite(d.sum({"loss": mb_loss})["loss"], norms):
                     skipped += 1
                     continue
                 for o in trained:
@@ -818,9 +824,9 @@ def _check_distributed(cfg: Config, algorithm: str, dist: distributed.Dist) -> N
             f"config key 'algorithm.prompts_per_step' = {a.prompts_per_step}: must be divisible by the number of "
             f"processes ({dist.world}) so that every rank gets whole groups; use a multiple of {dist.world}"
         )
-    if algorithm != "grpo":
+    if algorithm != "grpo" and cfg.train.strategy == "fsdp":
         raise ConfigError(
-            f"config key 'algorithm.name' = {algorithm!r}: only GRPO runs under torchrun so far; run PPO in one process"
+            "config key 'train.strategy' = 'fsdp': PPO's critic is not sharded yet; use train.strategy=ddp for PPO"
         )
 
 

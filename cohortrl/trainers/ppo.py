@@ -59,6 +59,11 @@ class PPOTrainer(RLTrainer):
         else:
             self.kl_controller = FixedKLController(a.beta)
         self.policy_frozen_steps = p.critic_warmup_steps
+        # Under torchrun the critic is data-parallel like the policy (DDP); its value targets stay local.
+        self.train_critic = self.dist.wrap(self.critic)
+
+    def _synced_modules(self, train_policy: bool) -> list:
+        return [*super()._synced_modules(train_policy), self.train_critic]
 
     def _needs_old_logp(self) -> bool:
         # The KL in the reward is measured on the policy that sampled, so β > 0 needs log π_old.
@@ -82,20 +87,24 @@ class PPOTrainer(RLTrainer):
 
         # GAE: δ_t = r_t + γV_{t+1} − V_t, A_t = Σ_l (γλ)^l δ_{t+l}, R_t = A_t + V_t (arXiv 1506.02438, eq. 16).
         advantages_BT, returns_BT = gae_advantages(token_rewards_BT, old_values_BT, response_mask, p.gamma, p.lam)
-        if p.whiten_advantages:
-            advantages_BT = masked_whiten(advantages_BT, loss_mask)
+        d, T = self.dist, response_mask.shape[1]
+        if p.whiten_advantages:  # over the whole batch (every rank's rows under torchrun)
+            whitened = masked_whiten(d.gather_rows(advantages_BT), d.gather_rows(loss_mask))
+            advantages_BT = d.local_rows(whitened, self.cfg.algorithm.group_size, T)
 
         # The controller sees the KL per response of this batch and sets β for the next one (Ziegler et al.).
-        kl_per_response = masked_sum(kl_BT, response_mask, dim=-1).mean().item()
-        self.kl_controller.update(kl_per_response, n_steps=rollout.batch_size)
+        kl_all, mask_all = d.gather_rows(kl_BT), d.gather_rows(response_mask)
+        values_all, returns_all = d.gather_rows(old_values_BT), d.gather_rows(returns_BT)
+        kl_per_response = masked_sum(kl_all, mask_all, dim=-1).mean().item()
+        self.kl_controller.update(kl_per_response, n_steps=kl_all.shape[0])
         metrics = {
             # The KL the reward penalised: sampling policy vs reference, per token (GRPO logs its loss term's KL).
-            "kl": masked_mean(kl_BT, response_mask).item(),
+            "kl": masked_mean(kl_all, mask_all).item(),
             "kl_per_response": kl_per_response,
             "kl_coef": beta,
-            "value_mean": masked_mean(old_values_BT, response_mask).item(),
-            "return_mean": masked_mean(returns_BT, response_mask).item(),
-            "explained_variance": _explained_variance(old_values_BT, returns_BT, response_mask),
+            "value_mean": masked_mean(values_all, mask_all).item(),
+            "return_mean": masked_mean(returns_all, mask_all).item(),
+            "explained_variance": _explained_variance(values_all, returns_all, mask_all),
             "critic_lr": self.optimised["critic"].scheduler.get_last_lr()[0],
         }
         return Targets(advantages_BT, old_logp, ref_logp, old_values_BT, returns_BT, metrics)
@@ -114,16 +123,17 @@ class PPOTrainer(RLTrainer):
     def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
         """vf_coef · clipped value loss per token (Ziegler et al.; ``value_loss``): the critic's share."""
         p = self.cfg.algorithm.ppo
-        values_BT = self._values(input_ids[rows], attention_mask[rows], targets.returns.shape[1])
+        values_BT = self._values(input_ids[rows], attention_mask[rows], targets.returns.shape[1], self.train_critic)
         dev = values_BT.device  # the batch lives on the CPU, the critic where train.device puts it
         loss_BT = value_loss(values_BT, targets.old_values[rows].to(dev), targets.returns[rows].to(dev), loss_mask.to(dev),
                              clip=p.value_clip)
         return p.vf_coef * loss_BT, {"value_loss": loss_BT}
 
-    def _values(self, input_ids, attention_mask, response_len: int) -> torch.Tensor:
-        """The critic's V on response tokens, (B, T), in the update's micro-batches."""
+    def _values(self, input_ids, attention_mask, response_len: int, critic=None) -> torch.Tensor:
+        """The critic's V on response tokens, (B, T), in the update's micro-batches (through ``critic``, the
+        data-parallel wrapper, when gradients must be synced)."""
         parts = [
-            response_values(self.critic, input_ids[idx], attention_mask[idx], response_len)
+            response_values(critic or self.critic, input_ids[idx], attention_mask[idx], response_len)
             for idx in self._micro_batches(len(input_ids))
         ]
         return torch.cat(parts)
