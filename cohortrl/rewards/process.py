@@ -46,21 +46,9 @@ BUILTIN_PROCESS_REWARDS: dict[str, Callable[..., Callable]] = {"task_steps": mak
 
 def resolve_process(name: str, kwargs: dict | None = None) -> Callable[..., list[StepScores]]:
     """A built-in process reward by name, or user code as ``module:function`` / ``file.py:function``."""
-    from cohortrl.rewards.scoring import RewardFunctionError
-    from cohortrl.user_code import check_reward_signature, load_object
+    from cohortrl.rewards.scoring import resolve_named
 
-    kwargs = kwargs or {}
-    if name in BUILTIN_PROCESS_REWARDS:
-        return BUILTIN_PROCESS_REWARDS[name](**kwargs)
-    if ":" not in name:
-        raise RewardFunctionError(
-            f"unknown process reward '{name}': use a built-in ({', '.join(BUILTIN_PROCESS_REWARDS)}) or "
-            "'module:function' / 'path/to/file.py:function'"
-        )
-    fn = load_object(name, "process reward", RewardFunctionError)
-    fn = fn(**kwargs) if kwargs else fn
-    check_reward_signature(fn, name, RewardFunctionError)
-    return fn
+    return resolve_named(name, kwargs, BUILTIN_PROCESS_REWARDS, "process reward")
 
 
 def _normalised(text: str) -> str:

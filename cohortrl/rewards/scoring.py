@@ -37,23 +37,29 @@ class WeightedReward:
 def resolve(name: str, kwargs: dict | None = None) -> Callable[..., list]:
     """A built-in or registered reward by name (its factory gets ``kwargs``), or user code as ``module:function``
     / ``path/to/file.py:function`` (a plain reward function, or a factory when ``kwargs`` are given)."""
+    return resolve_named(name, kwargs, BUILTIN_REWARDS, "reward function")
+
+
+def resolve_named(name: str, kwargs: dict | None, registry: dict[str, Callable], what: str) -> Callable:
+    """``registry[name](**kwargs)``, or the user function ``name`` names (called as a factory when ``kwargs``
+    are given), checked for the reward signature. ``what`` names the kind in errors."""
     kwargs = kwargs or {}
-    if name in BUILTIN_REWARDS:
-        fn = BUILTIN_REWARDS[name](**kwargs)
+    if name in registry:
+        fn = registry[name](**kwargs)
     elif ":" not in name:
         raise RewardFunctionError(
-            f"unknown reward function '{name}': use a registered one ({', '.join(BUILTIN_REWARDS)}), "
+            f"unknown {what} '{name}': use a registered one ({', '.join(registry)}), "
             "'module:function' or 'path/to/file.py:function'"
         )
     else:
-        fn = load_object(name, "reward function", RewardFunctionError)
+        fn = load_object(name, what, RewardFunctionError)
         if not callable(fn):
-            raise RewardFunctionError(f"reward function '{name}' is a {type(fn).__name__}, not a function")
-        if kwargs:  # a factory: its kwargs come from the config, it returns the reward function
+            raise RewardFunctionError(f"{what} '{name}' is a {type(fn).__name__}, not a function")
+        if kwargs:  # a factory: its kwargs come from the config, it returns the function
             try:
                 fn = fn(**kwargs)
             except TypeError as e:
-                raise RewardFunctionError(f"reward function factory '{name}' does not take kwargs {sorted(kwargs)}: {e}") from None
+                raise RewardFunctionError(f"{what} factory '{name}' does not take kwargs {sorted(kwargs)}: {e}") from None
     check_reward_signature(fn, name, RewardFunctionError)
     return fn
 
