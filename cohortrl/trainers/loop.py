@@ -364,59 +364,26 @@ class RLTrainer:
 
     def _sample_and_score(self, timer: PhaseTimer) -> ScoredBatch:
         """Generate and score P groups; with ``resample``, draw more prompt batches (at most
-        ``max_resample_draws`` extra) until P informative groups are found (DAPO dynamic sampling)."""
-        a = self.cfg.algorithm
-        P, G = a.prompts_per_step, a.group_size
-        if self.dist.launched:
-            return self._sample_and_score_sharded(timer)
-        parts, first_frac, n_truncated = [], None, 0
-        while True:
-            rows = self.stream.take(P)
-            faults.point("generate")
-            rollout, rewards, per_fn, n_trunc = self._rollout_and_score(rows, timer)
-            n_truncated += n_trunc
-            correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(P, G)
-            zero_var_P = (correct_PG == correct_PG[:, :1]).all(-1)
-            first_frac = zero_var_P.float().mean().item() if first_frac is None else first_frac
-            parts.append(ScoredBatch(rollout, rewards, per_fn, zero_var_P, first_frac, len(parts) + 1, n_truncated))
-            if a.zero_variance != "resample":
-                return parts[0]
-            informative = sum(int((~p.zero_variance).sum()) for p in parts)
-            if informative >= P:
-                break
-            if len(parts) > a.max_resample_draws:
-                log.warning(
-                    "resample: only %d informative group(s) of %d after %d extra draws (algorithm.max_resample_draws); "
-                    "training on what there is", informative, P, a.max_resample_draws,
-                )
-                if informative == 0:  # nothing informative anywhere: train on the first draw (only KL acts)
-                    return dataclasses.replace(parts[0], draws=len(parts), prompts_truncated=n_truncated)
-                break
-        # Keep the first P informative groups, in draw order.
-        groups = [(p, g) for p in parts for g in range(P) if not p.zero_variance[g]][:P]
-        keep = [(p, list(range(g * G, (g + 1) * G))) for p, g in groups]
-        rollout = Rollout.concat([p.rollout.select(idx) for p, idx in keep], self.tokenizer.pad_token_id)
-        rewards = [p.rewards[i] for p, idx in keep for i in idx]
-        per_fn = {k: [p.per_fn[k][i] for p, idx in keep for i in idx] for k in parts[0].per_fn}
-        zero_var = torch.zeros(len(groups), dtype=torch.bool)
-        return ScoredBatch(rollout, rewards, per_fn, zero_var, first_frac, len(parts), n_truncated)
+        ``max_resample_draws`` extra) until P informative groups are found (DAPO dynamic sampling).
 
-    def _sample_and_score_sharded(self, timer: PhaseTimer) -> ScoredBatch:
-        """Under torchrun: each rank generates and scores its share of each draw's groups, each group seeded by
-        its global index (``distributed.group_seed``), so sampling does not depend on the number of processes.
-        With ``resample`` the informative groups are chosen over the whole batch in draw order, as in one
-        process, then dealt out again so that every rank trains on an equal share."""
+        Each rank generates and scores its share of each draw's groups (one process: all of them). Under
+        torchrun each group is seeded by its global index (``distributed.group_seed``), so sampling does not
+        depend on the number of processes; informative groups are chosen over the whole batch in draw order,
+        then dealt out again so that every rank trains on an equal share."""
         a, d = self.cfg.algorithm, self.dist
         P, G = a.prompts_per_step, a.group_size
         local = d.local_groups(P)
         draws: list[tuple[ScoredBatch, torch.Tensor]] = []  # this rank's groups, and every group's zero-variance flag
+
+        def first_draw_only() -> ScoredBatch:  # nothing informative to train on: the first draw, where only KL acts
+            return dataclasses.replace(draws[0][0], draws=len(draws), prompts_truncated=sum(b.prompts_truncated for b, _ in draws))
+
         while True:
             rows = self.stream.take(P)
             faults.point("generate")
             k = len(draws)
-            rollout, rewards, per_fn, n_trunc = self._rollout_and_score(
-                [rows[g] for g in local], timer, group_ids=range(k * P + local.start, k * P + local.stop)
-            )
+            group_ids = range(k * P + local.start, k * P + local.stop) if d.launched else None  # one process: batched
+            rollout, rewards, per_fn, n_trunc = self._rollout_and_score([rows[g] for g in local], timer, group_ids)
             correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, G)
             zero_local = (correct_PG == correct_PG[:, :1]).all(-1)
             zero_all = d.gather_rows(zero_local.long()).bool()
@@ -432,16 +399,16 @@ class RLTrainer:
                     "resample: only %d informative group(s) of %d after %d extra draws (algorithm.max_resample_draws); "
                     "training on what there is", informative, P, a.max_resample_draws,
                 )
-                if informative == 0:  # nothing informative anywhere: train on the first draw (only KL acts)
-                    return dataclasses.replace(draws[0][0], draws=len(draws), prompts_truncated=sum(b.prompts_truncated for b, _ in draws))
+                if informative == 0:
+                    return first_draw_only()
                 break
         chosen = [(k, g) for k, (_, z) in enumerate(draws) for g in range(P) if not z[g]][:P]
         if len(chosen) % d.world:
             log.warning("resample: %d informative group(s) do not split over %d processes; the last %d are not trained on",
                         len(chosen), d.world, len(chosen) % d.world)
             chosen = chosen[: len(chosen) - len(chosen) % d.world]
-            if not chosen:  # as with no informative group at all: the first draw, where only KL acts
-                return dataclasses.replace(draws[0][0], draws=len(draws), prompts_truncated=sum(b.prompts_truncated for b, _ in draws))
+            if not chosen:
+                return first_draw_only()
         mine = []  # the chosen groups this rank generated
         for k, g in chosen:
             if g in local:
@@ -449,7 +416,8 @@ class RLTrainer:
                 mine.append(((k, g), part.rollout.select(idx), [part.rewards[i] for i in idx],
                              {name: [v[i] for i in idx] for name, v in part.per_fn.items()}))
         everything = sorted(d.gather_list(mine), key=lambda item: item[0])  # every chosen group, in draw order
-        share = everything[d.local_groups(len(everything)).start : d.local_groups(len(everything)).stop]
+        mine_now = d.local_groups(len(everything))
+        share = everything[mine_now.start : mine_now.stop]
         rollout = Rollout.concat([r for _, r, _, _ in share], self.tokenizer.pad_token_id)
         rewards = [x for _, _, rs, _ in share for x in rs]
         per_fn = {name: [x for _, _, _, fn in share for x in fn[name]] for name in draws[0][0].per_fn}
