@@ -94,6 +94,9 @@ class SamplingConfig:
     """Top-k sampling (0 disables)."""
     max_new_tokens: int = 64
     """Generation budget per response; a response that hits it is 'truncated'."""
+    min_new_tokens: int = 0
+    """EOS cannot be sampled before this many tokens. Benchmarks set it to ``max_new_tokens`` so
+    every response has the same length (equal work across runs and libraries); 0 for training."""
     stop: list[str] = field(default_factory=list)
     """Strings that end a response (besides the EOS token); the stop string is kept in the response."""
     backend: Literal["hf", "vllm"] = "hf"
@@ -585,6 +588,8 @@ def validate(cfg: Config) -> None:
     _require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
     _require(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 disables top-k)")
     _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "must be at least 1")
+    _require(0 <= s.min_new_tokens <= s.max_new_tokens, "sampling.min_new_tokens", s.min_new_tokens,
+             f"must be between 0 and sampling.max_new_tokens ({s.max_new_tokens})")
     _require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", o.betas, "must be two numbers in [0, 1)")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")

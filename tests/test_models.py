@@ -94,3 +94,20 @@ def test_embedded_default_converts_once_then_loads_from_cache_and_answers(smollm
         system_prompt="Be brief.",
     )
     assert "Paris" in rollout.completions[0]
+
+
+def test_min_new_tokens_suppresses_eos_so_every_response_has_the_same_length():
+    model, tok = load_model("tiny-llama")
+
+    def favour_eos(module, args, logits):  # a policy that wants to stop at once
+        logits[..., tok.eos_token_id] += 100.0
+        return logits
+
+    model.lm_head.register_forward_hook(favour_eos)
+    rows = [{"prompt": "What is 1 + 2?"}, {"prompt": "What is 3 * 3? Answer briefly."}]
+    torch.manual_seed(0)
+    free, _ = generate(model, tok, rows, 2, Sampling(temperature=1.0, max_new_tokens=6))
+    assert free.response_mask.sum(-1).tolist() == [1, 1, 1, 1]  # EOS first
+    forced, _ = generate(model, tok, rows, 2, Sampling(temperature=1.0, max_new_tokens=6, min_new_tokens=6))
+    assert forced.response_mask.sum(-1).tolist() == [6, 6, 6, 6]
+    assert not (forced.response_ids == tok.eos_token_id).any() and forced.truncated.all()

@@ -94,6 +94,7 @@ def generate(
         synced_gpus=False,
         do_sample=not greedy,
         max_new_tokens=sampling.max_new_tokens,
+        min_new_tokens=sampling.min_new_tokens or None,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos_ids,
     )

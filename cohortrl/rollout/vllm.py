@@ -122,6 +122,7 @@ class VLLMGenerator:
         params = self.vllm.SamplingParams(
             n=group_size, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+            min_tokens=sampling.min_new_tokens,
             stop=list(sampling.stop) or None, include_stop_str_in_output=True, logprobs=0, seed=seed,
         )
         prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids, prompt_mask)]

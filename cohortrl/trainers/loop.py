@@ -321,7 +321,7 @@ class RLTrainer:
 
         # 5. μ epochs over minibatches of whole groups
         with timer("train"):
-            stats = self._update(rollout, input_ids, attention_mask, loss_mask, targets)
+            stats = self._update(rollout, input_ids, attention_mask, loss_mask, targets, timer)
         self.guard.after_step(self.step_count + 1, stats, batch)  # saves skipped steps' samples; may stop the run
 
         # 6. metrics, over the whole batch (every rank's rows, under torchrun)
@@ -538,7 +538,7 @@ class RLTrainer:
             parts.append(logp.cpu())  # the batch and its targets live on the CPU; micro-batches move to the device
         return torch.cat(parts)
 
-    def _update(self, rollout, input_ids, attention_mask, loss_mask, targets: Targets) -> dict:
+    def _update(self, rollout, input_ids, attention_mask, loss_mask, targets: Targets, timer: PhaseTimer) -> dict:
         a, d = self.cfg.algorithm, self.dist
         # Token weights come from the whole batch's loss mask (every rank's rows under torchrun), so an
         # aggregation over the batch (token-mean) divides by the global token count.
@@ -609,18 +609,19 @@ class RLTrainer:
                     sums["loss"] += loss.item()
                     mb_loss += loss.item()
                     token_count += int(response_mask.sum())
-                max_norm = self.cfg.optim.max_grad_norm or float("inf")
-                norms = {o.metric: _as_float(torch.nn.utils.clip_grad_norm_(o.params, max_norm)) for o in trained}
-                faults.point("update")
-                n_updates += 1
-                # No optimiser or scheduler step on a non-finite update; every rank decides alike.
-                if not guards.finite(d.sum({"loss": mb_loss})["loss"], norms):
-                    skipped += 1
-                    continue
-                for o in trained:
-                    grad_norms[o.metric].append(norms[o.metric])
-                    o.optimizer.step()
-                    o.scheduler.step()
+                with timer("optimizer"):  # part of the "train" phase: clipping and the AdamW step
+                    max_norm = self.cfg.optim.max_grad_norm or float("inf")
+                    norms = {o.metric: _as_float(torch.nn.utils.clip_grad_norm_(o.params, max_norm)) for o in trained}
+                    faults.point("update")
+                    n_updates += 1
+                    # No optimiser or scheduler step on a non-finite update; every rank decides alike.
+                    if not guards.finite(d.sum({"loss": mb_loss})["loss"], norms):
+                        skipped += 1
+                        continue
+                    for o in trained:
+                        grad_norms[o.metric].append(norms[o.metric])
+                        o.optimizer.step()
+                        o.scheduler.step()
                 self._engine_stale = self.generator is not None and train_policy
         sums = d.sum(sums)
         for key in ("loss", "policy_loss"):  # weighted by world-scaled weights: back to the global aggregate
