@@ -1,13 +1,22 @@
 """Generation and log-probabilities with Hugging Face transformers (the CPU / single-process backend).
 
-``generate`` turns P dataset rows into a :class:`Rollout` of P·G responses: the chat template is applied, every
-prompt is repeated G times (groups contiguous), and one left-padded batched ``model.generate`` call with the KV
-cache samples them; generation ends when every sequence has produced EOS or a stop string, or at the budget.
+``generate`` turns P dataset rows into a :class:`Rollout` of P·G responses: the chat template is applied, each
+prompt is prefilled once and its KV cache shared by its G responses (groups contiguous), and one left-padded
+batched ``model.generate`` call samples them; generation ends when every sequence has produced EOS or a stop
+string, or at the budget.
+
+``response_logprobs`` scores responses the same way: the G responses of a group share one prompt, so the
+prompt goes through the model once per group and its keys and values are indexed out to the G rows (gradients
+flow back through the index). The numbers are the ones a full forward of each [prompt | response] gives; the
+prompt's share of the compute drops by a factor of G.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from transformers import DynamicCache
 
 from cohortrl.config import SamplingConfig
 from cohortrl.rollout.types import Rollout
@@ -107,6 +116,8 @@ def generate(
     was_training = model.training
     model.eval()
     device = model_device(model)
+    if group_size > 1 and prompt_ids.shape[1] > 1:
+        kwargs[cache_argument(model)] = _prefilled_cache(model, prompt_ids.to(device), prompt_mask.to(device))
     out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), **kwargs).cpu()
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
@@ -123,6 +134,37 @@ def generate(
         rows=[row for row in rows for _ in range(group_size)],
     )
     return rollout, n_truncated
+
+
+def cache_argument(model) -> str:
+    """The name a model's forward (and ``generate``) takes its KV cache under: ``cache`` from transformers 5,
+    ``past_key_values`` before."""
+    inner = model.module if hasattr(model, "module") else model  # DDP
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
+def _unique_prompts(ids_BT: torch.Tensor, mask_BT: torch.Tensor):
+    """The distinct (ids, mask) rows and, per row, the index of its distinct row: (ids_UT, mask_UT, index_B)."""
+    rows = torch.cat([ids_BT, mask_BT.to(ids_BT.dtype)], dim=-1)
+    unique, index_B = torch.unique(rows, dim=0, return_inverse=True)
+    return unique[:, : ids_BT.shape[1]], unique[:, ids_BT.shape[1] :].to(mask_BT.dtype), index_B
+
+
+def _positions(mask_BT: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: real tokens count from 0 (padding gets 0; it is masked anyway)."""
+    return (mask_BT.cumsum(-1) - 1).clamp(min=0)
+
+
+def _prefilled_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """A KV cache holding each distinct prompt's first Tp − 1 tokens, computed once and indexed out to every row
+    of its group; ``generate`` then runs only the last prompt token per row before it starts decoding."""
+    ids_U, mask_U, index_B = _unique_prompts(prompt_ids, prompt_mask)
+    cache = DynamicCache()
+    model(input_ids=ids_U[:, :-1], attention_mask=mask_U[:, :-1], position_ids=_positions(mask_U[:, :-1]),
+          use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+    cache.batch_select_indices(index_B.to(prompt_ids.device))
+    return cache
 
 
 def _finish(response_ids: torch.Tensor, tokenizer, eos_ids: list[int], sampling: Sampling):
@@ -151,6 +193,7 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    share_prompts: bool = True,
 ):
     """Log-probabilities of the response tokens under ``model``: (B, T), plus per-token entropy (B, T) if asked,
     on the model's device.
@@ -159,15 +202,23 @@ def response_logprobs(
     LM head (``logits_to_keep``), which matters when V is large. Position ids are rebuilt from the mask so a
     left-padded row sees the same positions as during generation. Logits are divided by the sampling
     temperature so the ratio compares the distribution that was actually sampled from.
+
+    ``share_prompts``: rows with the same prompt (a group) run it through the model once (see the module
+    docstring); it needs two forward calls per backward, which DDP does not allow, so the trainer turns it off
+    for the gradient forward under torchrun.
     """
     T = response_ids.shape[1]
     device = model_device(model)  # the batch lives on the CPU; the forward runs where the model is
     input_ids, attention_mask, response_ids = input_ids.to(device), attention_mask.to(device), response_ids.to(device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False
-    )
-    logits_BTV = out.logits[:, :-1].float()
+    Tp = input_ids.shape[1] - T
+    prompts = _unique_prompts(input_ids[:, :Tp], attention_mask[:, :Tp]) if share_prompts and Tp > 0 else None
+    if prompts is not None and len(prompts[0]) < len(input_ids):
+        logits_BTV = _logits_sharing_prompts(model, input_ids, attention_mask, T, *prompts)
+    else:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
+                    logits_to_keep=T + 1, use_cache=False)
+        logits_BTV = out.logits[:, :-1]
+    logits_BTV = logits_BTV.float()
     if temperature not in (0, 1):
         logits_BTV = logits_BTV / temperature
     logz_BT = logits_BTV.logsumexp(-1)
@@ -178,3 +229,22 @@ def response_logprobs(
         probs = (logits_BTV - logz_BT.unsqueeze(-1)).exp()
         entropy_BT = logz_BT - (probs * logits_BTV).sum(-1)
     return logp_BT, entropy_BT
+
+
+def _logits_sharing_prompts(model, input_ids, attention_mask, T: int, ids_UT, mask_UT, index_B) -> torch.Tensor:
+    """The logits that predict each response token, (B, T, V), with each distinct prompt run once.
+
+    Call 1: the U distinct prompts; their last position predicts response token 0, and their keys and values
+    fill a cache. The cache is indexed out to the B rows. Call 2: response tokens 0 … T−2 of every row against
+    that cache predict tokens 1 … T−1. Positions and the attention mask are those of the full sequence."""
+    Tp = input_ids.shape[1] - T
+    cache, name = DynamicCache(), cache_argument(model)
+    first_U = model(input_ids=ids_UT, attention_mask=mask_UT, position_ids=_positions(mask_UT), use_cache=True,
+                    logits_to_keep=1, **{name: cache}).logits
+    first_B = first_U[index_B]  # (B, 1, V)
+    if T == 1:
+        return first_B
+    cache.batch_select_indices(index_B)
+    rest = model(input_ids=input_ids[:, Tp:-1], attention_mask=attention_mask[:, :-1],
+                 position_ids=_positions(attention_mask)[:, Tp:-1], use_cache=True, **{name: cache}).logits
+    return torch.cat([first_B, rest], dim=1)

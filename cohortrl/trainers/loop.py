@@ -587,6 +587,8 @@ class RLTrainer:
                             logp, entropy = response_logprobs(
                                 self.train_model, input_ids[micro], attention_mask[micro], rollout.response_ids[micro],
                                 temperature=self.sampling.temperature, with_entropy=True,
+                                # a group's prompt runs once (two forward calls; DDP takes one per backward)
+                                share_prompts=d.world == 1,
                             )
                             old = targets.old_logp[micro].to(dev) if targets.old_logp is not None else logp.detach()
                             loss_BT, pg_metrics = self.policy_loss(
