@@ -22,16 +22,18 @@ import torch
 
 
 def generate(model, tokenizer, prompts: list[str], *, system: str | None, max_new_tokens: int,
-             temperature: float, batch_size: int) -> list[str]:
-    """Completions for ``prompts`` through the trainer's own rollout code; greedy when ``temperature`` is 0."""
-    from cohortrl.rollout.hf import Sampling, generate as rollout
+             temperatures: dict[str, float], batch_size: int) -> dict[str, list[str]]:
+    """Completions for ``prompts`` under each named temperature (0: greedy), through the trainer's own rollout
+    code; each batch of prompts is prefilled once for all the modes."""
+    from cohortrl.rollout.hf import Sampling, generate_modes
 
-    out: list[str] = []
+    samplings = {mode: Sampling(temperature=t, max_new_tokens=max_new_tokens) for mode, t in temperatures.items()}
+    out: dict[str, list[str]] = {mode: [] for mode in temperatures}
     for start in range(0, len(prompts), batch_size):
-        rows = [{"prompt": p} for p in prompts[start : start + batch_size]]
-        batch, _ = rollout(model, tokenizer, rows, 1, Sampling(temperature=temperature, max_new_tokens=max_new_tokens),
-                           system_prompt=system, max_prompt_tokens=4096)
-        out += batch.completions
+        batch = generate_modes(model, tokenizer, prompts[start : start + batch_size], samplings,
+                               system_prompt=system, max_prompt_tokens=4096)
+        for mode, completions in batch.items():
+            out[mode] += completions
     return out
 
 
@@ -80,11 +82,11 @@ def main() -> None:
                 continue
             samples = family.sample(args.n, seed=args.seed, level=level)
             cells, started = [], time.perf_counter()
+            temperatures = {mode: 0.0 if mode == "greedy" else args.temperature for mode in args.modes}
+            by_mode = generate(model, tokenizer, [s.prompt for s in samples], system=args.system,
+                               max_new_tokens=args.max_new_tokens, temperatures=temperatures, batch_size=args.batch_size)
             for mode in args.modes:
-                completions = generate(model, tokenizer, [s.prompt for s in samples], system=args.system,
-                                       max_new_tokens=args.max_new_tokens,
-                                       temperature=0.0 if mode == "greedy" else args.temperature,
-                                       batch_size=args.batch_size)
+                completions = by_mode[mode]
                 grades = [family.grade(s, c) for s, c in zip(samples, completions)]
                 n = len(grades)
                 cells += [f"{sum(g.outcome for g in grades) / n:.3f}", f"{sum(g.score for g in grades) / n:.3f}",

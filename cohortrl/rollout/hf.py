@@ -13,6 +13,7 @@ prompt's share of the compute drops by a factor of G.
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -95,8 +96,33 @@ def generate(
     )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Tp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    greedy = sampling.temperature == 0
     eos_ids = _eos_ids(model, tokenizer)
+    was_training = model.training
+    model.eval()
+    # each prompt prefilled once for its group (nothing to share with one response per prompt)
+    cache = prefill_cache(model, prompt_ids, prompt_mask) if group_size > 1 and prompt_ids.shape[1] > 1 else None
+    out = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache)
+    model.train(was_training)
+    response_ids = out[:, prompt_ids.shape[1] :]
+    response_mask, truncated, completions = _finish(response_ids, tokenizer, eos_ids, sampling)
+    response_ids = response_ids.masked_fill(response_mask == 0, tokenizer.pad_token_id)
+    rollout = Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        truncated=truncated,
+        completions=completions,
+        group_size=group_size,
+        rows=[row for row in rows for _ in range(group_size)],
+    )
+    return rollout, n_truncated
+
+
+def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None):
+    """``model.generate`` on a left-padded batch (the model in eval mode), from ``cache`` (``prefill_cache``)
+    if given: ids (B, Tp + T) on the CPU."""
+    greedy = sampling.temperature == 0
     kwargs = dict(
         # transformers turns on per-token all-reduces for FSDP-managed models; cohortrl gathers the shards
         # before generating (``Dist.gathered``), so each rank decodes on its own, as far as it needs.
@@ -113,27 +139,29 @@ def generate(
         kwargs.update(temperature=None, top_p=None, top_k=None)
     if sampling.stop:
         kwargs.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
+    if cache is not None:
+        kwargs[cache_argument(model)] = cache
+    device = model_device(model)
+    return model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), **kwargs).cpu()
+
+
+@torch.no_grad()
+def generate_modes(model, tokenizer, prompts: list[str], samplings: dict[str, Sampling], *,
+                   system_prompt: str | None = None, max_prompt_tokens: int = 512) -> dict[str, list[str]]:
+    """One completion per prompt under each of several samplings (say greedy and sampled), the prompts
+    prefilled once for all of them: {name: completions}. For evaluations that compare decoding modes."""
+    prompt_ids, prompt_mask, _ = encode_prompts(tokenizer, prompts, system_prompt, max_prompt_tokens, "reject")
+    eos_ids = _eos_ids(model, tokenizer)
     was_training = model.training
     model.eval()
-    device = model_device(model)
-    if group_size > 1 and prompt_ids.shape[1] > 1:
-        kwargs[cache_argument(model)] = _prefilled_cache(model, prompt_ids.to(device), prompt_mask.to(device))
-    out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), **kwargs).cpu()
+    cache = prefill_cache(model, prompt_ids, prompt_mask) if prompt_ids.shape[1] > 1 else None
+    out = {}
+    for name, sampling in samplings.items():
+        ids = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids,
+                            copy.deepcopy(cache) if cache is not None else None)  # generate appends to its cache
+        out[name] = _finish(ids[:, prompt_ids.shape[1] :], tokenizer, eos_ids, sampling)[2]
     model.train(was_training)
-    response_ids = out[:, prompt_ids.shape[1] :]
-    response_mask, truncated, completions = _finish(response_ids, tokenizer, eos_ids, sampling)
-    response_ids = response_ids.masked_fill(response_mask == 0, tokenizer.pad_token_id)
-    rollout = Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        truncated=truncated,
-        completions=completions,
-        group_size=group_size,
-        rows=[row for row in rows for _ in range(group_size)],
-    )
-    return rollout, n_truncated
+    return out
 
 
 def cache_argument(model) -> str:
@@ -156,14 +184,15 @@ def _positions(mask_BT: torch.Tensor) -> torch.Tensor:
     return (mask_BT.cumsum(-1) - 1).clamp(min=0)
 
 
-def _prefilled_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+def prefill_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     """A KV cache holding each distinct prompt's first Tp − 1 tokens, computed once and indexed out to every row
-    of its group; ``generate`` then runs only the last prompt token per row before it starts decoding."""
-    ids_U, mask_U, index_B = _unique_prompts(prompt_ids, prompt_mask)
+    that has it (a group); ``model.generate`` then runs only the last prompt token per row before decoding."""
+    device = model_device(model)
+    ids_U, mask_U, index_B = _unique_prompts(prompt_ids.to(device), prompt_mask.to(device))
     cache = DynamicCache()
     model(input_ids=ids_U[:, :-1], attention_mask=mask_U[:, :-1], position_ids=_positions(mask_U[:, :-1]),
           use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
-    cache.batch_select_indices(index_B.to(prompt_ids.device))
+    cache.batch_select_indices(index_B)
     return cache
 
 

@@ -58,3 +58,17 @@ def test_shared_prompt_logprobs_and_gradients_equal_the_full_forward(case):
     torch.testing.assert_close(shared[1][m], full[1][m], rtol=0, atol=1e-5)
     assert full[2].norm() > 0
     assert ((shared[2] - full[2]).norm() / full[2].norm()).item() < 1e-5
+
+
+def test_generate_modes_prefills_once_and_matches_one_call_per_mode():
+    from cohortrl.rollout.hf import generate_modes
+
+    model, tok = load_model("tiny-llama", seed=1)
+    prompts = [r["prompt"] for r in ROWS]
+    greedy, sampled = Sampling(temperature=0.0, max_new_tokens=10), Sampling(temperature=1.0, max_new_tokens=10)
+    torch.manual_seed(0)
+    both = generate_modes(model, tok, prompts, {"greedy": greedy, "sampled": sampled})
+    torch.manual_seed(0)  # greedy decoding draws no random numbers, so the sampled call sees the same stream
+    one_by_one = {name: generate(model, tok, ROWS, 1, s)[0].completions for name, s in (("greedy", greedy), ("sampled", sampled))}
+    assert both == one_by_one
+    assert both["greedy"] != both["sampled"]
