@@ -1,4 +1,4 @@
-"""The ``cohortrl`` command line: train, eval, train-rm, models, tasks, plot, plan, demo."""
+"""The ``cohortrl`` command line: train, eval, train-rm, models, tasks, plot, report, plan, demo."""
 
 from __future__ import annotations
 
@@ -113,6 +113,16 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    """Several runs side by side: held-out accuracy, reward and step-reward hacking detectors per step
+    (OUT.png) and a summary table (OUT.md)."""
+    from cohortrl.trainers.report import write_report
+
+    for path in write_report([Path(d) for d in args.run_dirs], Path(args.out), last_k=args.last_k):
+        print(path)
+    return 0
+
+
 def cmd_plan(args) -> int:
     """Memory per device and time per step of a PPO / GRPO / RLOO step (``cohortrl.planner``)."""
     from cohortrl.planner import DEVICE_PEAK_FLOPS, PlanError, RunSpec, format_plan, plan
@@ -174,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="write RUN_DIR/curves.png", description="Plot a run's training curves to RUN_DIR/curves.png.")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("report", help="compare runs: OUT.png curves and OUT.md summary", description=cmd_report.__doc__)
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
+    p.add_argument("--out", required=True, help="output path without suffix, e.g. docs/process_rewards_smollm2")
+    p.add_argument("--last-k", type=int, default=5, help="mean reward over the last K training steps (default 5)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("plan", help="memory per GPU and time per step of PPO vs GRPO",
                        description="Per-device memory by component and FLOPs / time per step by phase (docs/planner.md).")

@@ -125,8 +125,10 @@ class ProcessRewardConfig:
     """Step-level (process) rewards: see cohortrl/rewards/process.py and docs/algorithms.md."""
 
     name: str = "task_steps"
-    """The process reward function: ``task_steps`` (the gym's step graders) or ``module:function`` returning,
-    per completion, a list of (score, (start, end) or None)."""
+    """The step source: ``task_steps`` (the gym's step graders), ``learned_prm`` (a PRM from ``cohortrl
+    train-rm``, ``kwargs: {model: DIR}``), ``implicit_prm`` (PRIME: β·log π_φ/π_ref per token, φ learned
+    online from the outcome; not under torchrun) or ``module:function`` returning, per completion, a
+    list of (score, (start, end) or None). See docs/process_rewards.md."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for its factory."""
     coef: float = 1.0

@@ -142,6 +142,19 @@ def test_every_shipped_config_is_valid():
         Config.from_yaml(path)
 
 
+def test_the_process_reward_experiment_configs_differ_only_in_the_step_source():
+    """configs/process_*.yaml are matched runs: same model, data, budget and outcome reward."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "configs"
+    runs = {name: Config.from_yaml(root / f"process_{name}.yaml").to_dict() for name in ("outcome", "sum", "min", "prm")}
+    processes = {name: d["reward"].pop("process") for name, d in runs.items()}
+    assert all(d == runs["outcome"] for d in runs.values())
+    assert processes["outcome"]["coef"] == 0.0  # a probe: plain GRPO advantages, detectors logged
+    assert {(p["name"], p["credit"]) for name, p in processes.items() if name != "outcome"} == {
+        ("task_steps", "sum"), ("task_steps", "min"), ("learned_prm", "min")}
+
+
 # PPO (algorithm.name=ppo): its own section, validated only when PPO is chosen; G = 1 is allowed.
 PPO_ERRORS = [
     ({"gamma": 1.5}, "config key 'algorithm.ppo.gamma' = 1.5: must be in [0, 1]"),

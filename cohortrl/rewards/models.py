@@ -102,14 +102,34 @@ def load_prm(path: str | Path, dtype: torch.dtype = torch.float32):
 
 
 @torch.no_grad()
+def prm_step_logits(model, tokenizer, prompts: list[str], steps: list[list[str]], batch_size: int = 16,
+                    max_length: int | None = None) -> list[list[float]]:
+    """The PRM's logit at each step's last token, for many exchanges at once: ``steps[i]`` are the steps of
+    the response to ``prompts[i]``. Exchanges are right-padded into batches of ``batch_size`` (a causal
+    model's logit at a real token does not see the padding after it). A step cut off by ``max_length``
+    gets NaN (unseen, so unjudged); an exchange without steps gets ``[]`` and costs no forward pass."""
+    device = next(model.parameters()).device
+    out: list[list[float]] = [[] for _ in prompts]
+    todo = [i for i, s in enumerate(steps) if s]
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        encoded = [encode_steps(tokenizer, prompts[i], steps[i], max_length) for i in chunk]
+        L = max(len(ids) for ids, _ in encoded)
+        input_ids = torch.full((len(chunk), L), tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros(len(chunk), L, dtype=torch.long)
+        for b, (ids, _) in enumerate(encoded):
+            input_ids[b, : len(ids)], attention_mask[b, : len(ids)] = torch.tensor(ids), 1
+        logits_BL = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits[..., 0].float().cpu()
+        for b, (i, (_, where)) in enumerate(zip(chunk, encoded)):
+            out[i] = [logits_BL[b, t].item() if t is not None else float("nan") for t in where]
+    return out
+
+
 def prm_step_scores(model, tokenizer, prompt: str, steps: list[str], max_length: int | None = None) -> list[float]:
     """σ(logit) at each step's last token: the PRM's probability that each step is right.
     A step cut off by ``max_length`` scores NaN (unseen, so unjudged)."""
-    ids, where = encode_steps(tokenizer, prompt, steps, max_length)
-    device = next(model.parameters()).device
-    logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, :, 0].float()  # (L,)
-    probs = torch.sigmoid(logits).tolist()
-    return [probs[t] if t is not None else float("nan") for t in where]
+    (logits,) = prm_step_logits(model, tokenizer, [prompt], [steps], max_length=max_length)
+    return torch.sigmoid(torch.tensor(logits, dtype=torch.float32)).tolist()  # NaN stays NaN
 
 
 @torch.no_grad()

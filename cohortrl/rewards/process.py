@@ -7,7 +7,9 @@ response of a group carries the same number of step rewards and a missing step c
 
 Built in: ``task_steps``, the gym's own step graders (a required step is worth 1 when stated correctly, once,
 and only if the response commits to an answer; 0 otherwise) — for GSM8K these are its checked arithmetic
-statements. Learned PRMs plug in through the same signature.
+statements; ``learned_prm``, a PRM trained by ``cohortrl train-rm``, on the steps `split_steps` finds;
+``implicit_prm``, PRIME's implicit PRM (`cohortrl.rewards.implicit_prm`), which reads the rollout's tokens
+and learns online, so it is a `StepSource` of its own rather than a function.
 
 Every source goes through the same guards before a step reward reaches the advantages (``guard_steps``):
 a per-step cap, nothing positive beyond a bounded number of steps, nothing for a step whose text repeats an
@@ -17,6 +19,8 @@ numbers that make step-reward hacking visible in the curves.
 
 from __future__ import annotations
 
+import inspect
+import math
 import re
 from collections.abc import Callable, Sequence
 
@@ -26,8 +30,13 @@ from cohortrl.rewards.steps import Span, split_steps
 StepScores = list[tuple[float, Span | None]]
 
 
-def make_task_steps() -> Callable[..., list[StepScores]]:
-    """The gym family's step grades, one entry per required step (in the sample's order)."""
+def make_task_steps(require_commit: bool = True) -> Callable[..., list[StepScores]]:
+    """The gym family's step grades, one entry per required step (in the sample's order).
+
+    ``require_commit`` (the gym's rule): a step counts only in a response with an ``ANSWER:`` line. Off, a
+    step counts when stated correctly, answer or not: for a policy that never writes the line (SmolLM2-135M
+    on the gym), whose step rewards would otherwise all be 0. ``reward.process.require_answer`` is the same
+    gate as a guard, for every source."""
     from cohortrl import tasks
 
     def task_steps(prompts, completions, sample, **columns) -> list[StepScores]:
@@ -35,13 +44,49 @@ def make_task_steps() -> Callable[..., list[StepScores]]:
         for completion, s in zip(completions, sample):
             family = tasks.get(s["family"])
             grade = family.grade(family.sample_from_dict(s), completion)
-            out.append([(1.0 if step.correct else 0.0, step.span) for step in grade.steps])
+            steps = grade.steps if require_commit else grade.stated
+            out.append([(1.0 if step.correct else 0.0, step.span) for step in steps])
         return out
 
     return task_steps
 
 
-BUILTIN_PROCESS_REWARDS: dict[str, Callable[..., Callable]] = {"task_steps": make_task_steps}
+def make_learned_prm(model: str, delimiter: str = "\n", regex: str | None = None, batch_size: int = 16,
+                     max_length: int = 1024, score: str = "prob", threshold: float | None = None,
+                     device: str = "cpu") -> Callable[..., list[StepScores]]:
+    """A learned PRM (a directory written by ``cohortrl train-rm kind=prm``) as a step source: each completion
+    is split into steps with `split_steps` (``delimiter`` / ``regex``), the PRM reads the prompt and those
+    steps (joined by newlines, as it was trained) and scores each at its last token.
+
+    ``score``: ``prob`` gives σ(logit), the probability the step is right (Lightman et al., arXiv 2305.20050);
+    ``logit`` the raw logit. ``threshold``: 1.0 when σ(logit) ≥ threshold, else 0.0 (a hard verdict, like the
+    gym's). A step past ``max_length`` tokens is unseen and earns 0. The model is loaded once, in eval mode,
+    on ``device``, and runs without gradients in the trainer's process, ``batch_size`` exchanges a forward."""
+    from cohortrl.rewards.models import load_prm, prm_step_logits
+
+    if score not in ("prob", "logit"):
+        raise ValueError(f"learned_prm score must be 'prob' or 'logit', got {score!r}")
+    if threshold is not None and not 0.0 < threshold < 1.0:
+        raise ValueError(f"learned_prm threshold must be in (0, 1), got {threshold}")
+    prm, tokenizer = load_prm(model)
+    prm.to(device)
+
+    def read(logit: float) -> float:
+        if math.isnan(logit):
+            return 0.0
+        p = 1.0 / (1.0 + math.exp(-logit)) if score == "prob" or threshold is not None else logit
+        return float(p >= threshold) if threshold is not None else p
+
+    def learned_prm(prompts, completions, **columns) -> list[StepScores]:
+        spans = [split_steps(c, delimiter, regex) for c in completions]
+        steps = [[c[a:b] for a, b in s] for c, s in zip(completions, spans)]
+        logits = prm_step_logits(prm, tokenizer, list(prompts), steps, batch_size=batch_size, max_length=max_length)
+        return [[(read(x), span) for x, span in zip(xs, s)] for xs, s in zip(logits, spans)]
+
+    return learned_prm
+
+
+BUILTIN_PROCESS_REWARDS: dict[str, Callable[..., Callable]] = {"task_steps": make_task_steps, "learned_prm": make_learned_prm}
 
 
 def resolve_process(name: str, kwargs: dict | None = None) -> Callable[..., list[StepScores]]:
@@ -49,6 +94,61 @@ def resolve_process(name: str, kwargs: dict | None = None) -> Callable[..., list
     from cohortrl.rewards.scoring import resolve_named
 
     return resolve_named(name, kwargs, BUILTIN_PROCESS_REWARDS, "process reward")
+
+
+# ---------------------------------------------------------------------------------------------------- sources
+class StepSource:
+    """A process reward as the trainer calls it. ``score`` gives each response of the rollout its
+    ``(score, span)`` list; ``update`` shows a source that learns online (the implicit PRM) the batch's
+    outcome labels after scoring and returns metrics for the log; ``state_dict`` / ``load_state_dict`` carry
+    what it learned through a checkpoint. A process reward *function* (text in, steps out) is wrapped by
+    `FunctionSteps`; only sources that need the rollout's token ids or the policy's weights subclass this."""
+
+    name: str = "process"
+
+    def score(self, rollout, columns: dict[str, list]) -> list[StepScores]:
+        raise NotImplementedError
+
+    def update(self, rollout, outcomes: Sequence[float | None]) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class FunctionSteps(StepSource):
+    """A process reward function called on the prompts and completions, within the reward timeout."""
+
+    def __init__(self, name: str, fn: Callable[..., list[StepScores]], timeout_s: float | None = None):
+        self.name, self.fn, self.timeout_s = name, fn, timeout_s
+
+    def score(self, rollout, columns: dict[str, list]) -> list[StepScores]:
+        from cohortrl.rewards.scoring import _call
+
+        prompts = [r["prompt"] for r in rollout.rows]
+        return _call(self.fn, self.name, prompts, rollout.completions, columns, self.timeout_s)
+
+
+def build_step_source(name: str, kwargs: dict | None, *, timeout_s: float | None = None, policy=None,
+                      tokenizer=None, reference=None) -> StepSource:
+    """The step source ``reward.process`` names: a source built from the trainer's policy (``implicit_prm``:
+    ``policy`` is its initial weights, ``reference`` the frozen π_ref or None to copy the policy), else a
+    process reward function (`resolve_process`)."""
+    from cohortrl.rewards.implicit_prm import ImplicitPRM
+    from cohortrl.rewards.scoring import RewardFunctionError
+
+    policy_sources = {"implicit_prm": ImplicitPRM}
+    if name in policy_sources:
+        cls, kwargs = policy_sources[name], dict(kwargs or {})
+        try:
+            inspect.signature(cls).bind(policy, tokenizer, reference=reference, **kwargs)
+        except TypeError as e:
+            raise RewardFunctionError(f"process reward '{name}' does not take kwargs {sorted(kwargs)}: {e}") from None
+        return cls(policy, tokenizer, reference=reference, **kwargs)
+    return FunctionSteps(name, resolve_process(name, kwargs), timeout_s)
 
 
 def _normalised(text: str) -> str:

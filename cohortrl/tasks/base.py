@@ -95,6 +95,9 @@ class Grade:
     steps: list[StepResult]  # one per required step, in the sample's order
     score: float  # the default reward: (1 - w) * outcome + w * step_credit; just outcome if no steps
     committed: bool  # exactly one readable ANSWER (and VERDICT) line
+    # The step verdicts before the commitment gate: what the response stated, answer or not (process rewards
+    # with reward.process.require_answer off read these; the gym's own score never does).
+    stated: list[StepResult] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def step_credit(self) -> float:
@@ -102,11 +105,12 @@ class Grade:
 
 
 def make_grade(outcome: float, steps: list[StepResult], committed: bool, step_weight: float) -> Grade:
+    stated = steps
     if not committed:
         steps = [dataclasses.replace(s, correct=False) for s in steps]
     credit = sum(s.correct for s in steps) / len(steps) if steps else 0.0
     score = outcome if not steps else (1.0 - step_weight) * outcome + step_weight * credit
-    return Grade(outcome, steps, score, committed)
+    return Grade(outcome, steps, score, committed, stated)
 
 
 def grade_keyed(sample: Sample, completion: str, rel_tol: float, step_weight: float, answer_ok) -> Grade:

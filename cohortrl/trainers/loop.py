@@ -42,8 +42,8 @@ from cohortrl.algorithms import aggregate, get_policy_loss, masked_mean, truncat
 from cohortrl.config import Config, ConfigError
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.models import load_model
-from cohortrl.rewards.process import guard_steps, resolve_process, step_detectors
-from cohortrl.rewards.scoring import RewardFunctionError, WeightedReward, _call, resolve
+from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
+from cohortrl.rewards.scoring import RewardFunctionError, WeightedReward, resolve
 from cohortrl.rewards.steps import step_end_tokens, token_char_ends
 from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.types import Rollout
@@ -196,7 +196,10 @@ class RLTrainer:
         self.sampling = cfg.sampling
         self.pool = self._reward_pool(inputs.reward_fns)
         p = cfg.reward.process
-        self.process = resolve_process(p.name, p.kwargs) if p is not None else None
+        self.process = None if p is None else build_step_source(  # the implicit PRM starts from the initial policy
+            p.name, p.kwargs, timeout_s=cfg.reward.timeout_s, policy=self.model, tokenizer=self.tokenizer,
+            reference=self.reference.model if self.reference is not None else None,
+        )
         self.generator = None  # the vLLM engine, when sampling.backend is vllm
         if cfg.sampling.backend == "vllm":
             from cohortrl.rollout.vllm import VLLMGenerator
@@ -473,7 +476,7 @@ class RLTrainer:
         p, rollout = self.cfg.reward.process, batch.rollout
         prompts = [r["prompt"] for r in rollout.rows]
         cols = rollout_columns(rollout, self.sampling.max_new_tokens)
-        raw = _call(self.process, p.name, prompts, rollout.completions, cols, self.cfg.reward.timeout_s)
+        raw = self.process.score(rollout, cols)
         if not isinstance(raw, (list, tuple)) or len(raw) != rollout.batch_size:
             raise RewardFunctionError(
                 f"process reward '{p.name}' must return one list of (score, span) per completion "
@@ -495,11 +498,12 @@ class RLTrainer:
             step_rewards.append([score for score, _ in guarded])
             step_ends.append([next(stated) if span is not None else last for _, span in guarded])
         batch.step_rewards, batch.step_ends = step_rewards, step_ends
+        learned = self.process.update(rollout, batch.per_fn[self.correctness.name])  # a PRM that learns online
         d = self.dist
-        return step_detectors(
+        return {**step_detectors(
             d.gather_list(rollout.completions), d.gather_list(step_rewards),
             d.gather_list(batch.per_fn[self.correctness.name]), p.coef,
-        )
+        ), **learned}
 
     def _generate(self, rows: list[dict], seed: int | None):
         cfg = self.cfg
@@ -744,6 +748,7 @@ class RLTrainer:
             "rng": checkpoint.rng_state(),
             "data": self.stream.state_dict(),
             "guard": self.guard.state_dict(),
+            "process": self.process.state_dict() if self.process is not None else {},
             **self._algorithm_state(),
         }
         path = checkpoint.checkpoint_dir(self.run_dir) / f"step_{self.step_count:06d}"
@@ -769,6 +774,8 @@ class RLTrainer:
             o.scheduler.load_state_dict(state[f"{name}_scheduler"])
         self.stream.load_state_dict(state["data"])
         self.guard.load_state_dict(state.get("guard", {}))  # absent in checkpoints written before the guard
+        if self.process is not None:
+            self.process.load_state_dict(state.get("process", {}))
         self._load_algorithm_state(state)
         checkpoint.set_rng_state(state["rng"])
         self.step_count = state["step"]
@@ -794,6 +801,11 @@ def _check_distributed(cfg: Config, algorithm: str, dist: distributed.Dist) -> N
         raise ConfigError(
             f"config key 'algorithm.prompts_per_step' = {a.prompts_per_step}: must be divisible by the number of "
             f"processes ({dist.world}) so that every rank gets whole groups; use a multiple of {dist.world}"
+        )
+    if cfg.reward.process is not None and cfg.reward.process.name == "implicit_prm":
+        raise ConfigError(
+            "config key 'reward.process.name' = 'implicit_prm': not supported under torchrun yet (each rank would "
+            "train its own implicit PRM); run it in one process"
         )
     if algorithm != "grpo" and cfg.train.strategy == "fsdp":
         raise ConfigError(

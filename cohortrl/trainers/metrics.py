@@ -83,6 +83,18 @@ CURVES = [
 ]
 
 
+def plot_accuracy(ax, evals: list[dict], key: str, label: str, **style) -> None:
+    """Held-out ``key`` per step on ``ax``, with its 95% interval as error bars where logged (``style``: more
+    keyword arguments for ``errorbar``, e.g. a colour)."""
+    pts = [r for r in evals if key in r]
+    if not pts:
+        return
+    yerr = None
+    if all(f"{key}_ci_low" in r and f"{key}_ci_high" in r for r in pts):
+        yerr = [[r[key] - r[f"{key}_ci_low"] for r in pts], [r[f"{key}_ci_high"] - r[key] for r in pts]]
+    ax.errorbar([r["step"] for r in pts], [r[key] for r in pts], yerr=yerr, marker="o", capsize=3, label=label, **style)
+
+
 def plot_curves(run_dir: Path) -> Path:
     """Write ``RUN_DIR/curves.png``: training curves over steps, with held-out accuracy where evaluated."""
     import matplotlib
@@ -102,11 +114,7 @@ def plot_curves(run_dir: Path) -> Path:
         ax.set_xlabel("step")
     ax = axes.flat[-1]
     for key, label in (("eval/accuracy", "greedy"), ("eval/sampled_accuracy", "sampled")):
-        pts = [r for r in evals if key in r]
-        if pts:
-            lo = [r[key] - r[f"{key}_ci_low"] for r in pts]
-            hi = [r[f"{key}_ci_high"] - r[key] for r in pts]
-            ax.errorbar([r["step"] for r in pts], [r[key] for r in pts], yerr=[lo, hi], marker="o", capsize=3, label=label)
+        plot_accuracy(ax, evals, key, label)
     if evals:
         ax.legend()
     ax.set_title("held-out accuracy (95% CI)")
