@@ -72,3 +72,67 @@ def test_generate_modes_prefills_once_and_matches_one_call_per_mode():
     one_by_one = {name: generate(model, tok, ROWS, 1, s)[0].completions for name, s in (("greedy", greedy), ("sampled", sampled))}
     assert both == one_by_one
     assert both["greedy"] != both["sampled"]
+
+
+@pytest.mark.parametrize("lora_model", [False, True])
+def test_greedy_decoding_matches_transformers_generate(lora_model):
+    """The decoding loop is ours (see ``_generate_ids``); greedy, it must pick what ``model.generate`` picks."""
+    from cohortrl.rollout.hf import encode_prompts
+
+    model, tok = load_model("tiny-llama", seed=3)
+    model = lora(model) if lora_model else model
+    model.eval()
+    ours, _ = generate(model, tok, ROWS, 2, Sampling(temperature=0.0, max_new_tokens=16, min_new_tokens=3))
+    ids, mask, _ = encode_prompts(tok, [r["prompt"] for r in ROWS], None, 512, "reject")
+    theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, min_new_tokens=3,
+                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1] :]
+    for row in range(len(ROWS)):
+        n = int(ours.response_mask[2 * row].sum())
+        assert torch.equal(ours.response_ids[2 * row, :n], theirs[row, :n])
+        assert n == 16 or ours.response_ids[2 * row, n - 1] == tok.eos_token_id
+
+
+def _first_token_frequencies(logits_V: torch.Tensor, sampling: Sampling, n: int) -> torch.Tensor:
+    from cohortrl.rollout.hf import _sample
+
+    torch.manual_seed(0)
+    draws = _sample(logits_V.expand(n, -1).clone(), sampling)
+    return torch.bincount(draws, minlength=logits_V.shape[-1]).float() / n
+
+
+def test_sampling_draws_from_the_tempered_truncated_distribution():
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+    n = 200_000
+    # temperature only: the frequencies are softmax(logits / T)
+    freq = _first_token_frequencies(logits, Sampling(temperature=0.7), n)
+    torch.testing.assert_close(freq, (logits / 0.7).softmax(-1), rtol=0, atol=0.005)
+    # top-k 2: only the two best, renormalised
+    freq = _first_token_frequencies(logits, Sampling(temperature=1.0, top_k=2), n)
+    expect = torch.zeros(6)
+    expect[:2] = logits[:2].softmax(-1)
+    torch.testing.assert_close(freq, expect, rtol=0, atol=0.005)
+    # top-p 0.8: the smallest set reaching 0.8 — probabilities .462 .280 .170 ...: the first three (.911)
+    p = logits.softmax(-1)
+    assert p[:2].sum() < 0.8 < p[:3].sum()
+    freq = _first_token_frequencies(logits, Sampling(temperature=1.0, top_p=0.8), n)
+    expect = torch.zeros(6)
+    expect[:3] = p[:3] / p[:3].sum()
+    torch.testing.assert_close(freq, expect, rtol=0, atol=0.005)
+    # temperature 0: always the argmax
+    assert _first_token_frequencies(logits, Sampling(temperature=0.0), 10)[0] == 1.0
+
+
+def test_stop_strings_end_a_response_and_are_kept():
+    model, tok = load_model("tiny-llama", seed=1)
+    torch.manual_seed(0)
+    free, _ = generate(model, tok, ROWS, 4, Sampling(temperature=1.0, max_new_tokens=24))
+    # a stop string that some free responses contain: the first 2-character piece of the first response
+    stop = free.completions[0][2:4]
+    assert stop.strip()
+    torch.manual_seed(0)
+    stopped, _ = generate(model, tok, ROWS, 4, Sampling(temperature=1.0, max_new_tokens=24, stop=[stop]))
+    assert stop in stopped.completions[0]  # the token that completes it may run past it ("51" for " 5")
+    for text, ids, mask in zip(stopped.completions, stopped.response_ids, stopped.response_mask):
+        n = int(mask.sum())
+        if stop in text:  # ends at the first token that completes the stop string
+            assert stop not in tok.decode(ids[: n - 1], skip_special_tokens=True)
