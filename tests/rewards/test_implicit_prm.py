@@ -158,8 +158,10 @@ def test_grpo_with_the_implicit_prm_learns_it_online_and_checkpoints_it(tmp_path
     phi_before = params_of(source.phi)
     rows = [r for r in trainer.train() if "loss" in r]
     assert len(rows) == 2
-    assert rows[0]["step_reward_mean"] == 0.0  # φ = π_ref before its first update
-    assert rows[1]["step_reward_mean"] != 0.0  # and not after it
+    # φ = π_ref before its first update: 0 up to float noise (equal weights in two tensors can take different
+    # BLAS paths for a one-position product)
+    assert abs(rows[0]["step_reward_mean"]) < 1e-6
+    assert abs(rows[1]["step_reward_mean"]) > 1e-5  # and not after it
     for r in rows:
         assert math.isfinite(r["implicit_prm/loss"]) and 0 <= r["implicit_prm/accuracy"] <= 1
     assert any(not torch.equal(phi_before[n], p) for n, p in params_of(source.phi).items())
