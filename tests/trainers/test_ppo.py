@@ -151,7 +151,7 @@ def test_learns_a_trivially_learnable_reward(tmp_path, addition_jsonl):
     """Reward 1 when the response starts with a digit (about 3% of the random model's responses), one
     response per prompt: only the critic's baseline and GAE tell good tokens from bad."""
     cfg = ppo_config(
-        addition_jsonl, fn="starts_with_digit", algorithm={"prompts_per_step": 32, "beta": 0.0}, train={"steps": 40},
+        addition_jsonl, fn="starts_with_digit", algorithm={"prompts_per_step": 32, "beta": 0.0}, train={"steps": 50},
     )
     rewards = [r["reward_mean"] for r in PPOTrainer(cfg, tmp_path).train()]
     assert sum(rewards[:5]) / 5 < 0.15
