@@ -65,7 +65,7 @@ PHASE_NOTES = """\
 | phase | TRL 1.16 (wrapped in the worker) | cohortrl (its own step metrics) |
 |---|---|---|
 | step | `on_step_begin` → `on_step_end` callbacks: `training_step` (generation included, through `_prepare_inputs`), clipping, `optimizer.step`, LR scheduler, `zero_grad`; not the dataloader fetch or logging | `trainer.step()` wall time (`time/step`); not the metrics log (the worker calls `step()`, not `train()`) |
-| generate | `_generate`: chat template + tokenise, `model.generate`, decode | `time/generate`: chat template + tokenise, `model.generate`, decode |
+| generate | `_generate`: chat template + tokenise, `model.generate`, decode | `time/generate`: chat template + tokenise, prefill, its own decoding loop, decode |
 | score rewards | `_calculate_rewards` | `time/score` |
 | reference log-probs | `_get_per_token_logps_and_entropies` called with the reference model | `time/reference` |
 | forward + backward | `compute_loss` + `accelerator.backward` | `time/train` − `time/optimizer` (token weights, forward, loss, backward) |
@@ -297,7 +297,7 @@ def cohortrl_bench(job: dict) -> dict:
     return {
         "library": "cohortrl", "setup_s": setup_s, "steps": steps, "peak_rss_mb": peak_rss_mb(),
         "probe_prompt_ids": probe_ids[0].tolist(), "threads": torch.get_num_threads(),
-        "optimizer": type(trainer.optimizer).__name__,
+        "optimizer": type(trainer.optimizer).__name__ + (" (fused)" if trainer.optimizer.defaults.get("fused") else ""),
         "params": {"total": sum(p.numel() for p in model.parameters()), "embedding": embedding.numel(),
                    "head": head.numel(), "tied": head.data_ptr() == embedding.data_ptr()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -576,7 +576,7 @@ SETTINGS = """\
 | weights | the same directory: `from_pretrained` (fp32) | the same directory (`model.name`, fp32) |
 | precision | `bf16=False` (TRL's default is bf16 when fp16 is off), `fp16=False` | `model.dtype: float32` |
 | gradient checkpointing | `gradient_checkpointing=False` (TRL's default is True) | none |
-| generation | `model.generate` (no vLLM, no continuous batching), `use_cpu=True` | `model.generate` (`sampling.backend: hf`), `train.device: cpu` |
+| generation | `model.generate` (no vLLM, no continuous batching), `use_cpu=True` | its own KV-cache decoding loop, each prompt prefilled once per group (`sampling.backend: hf`, docs/performance.md), `train.device: cpu` |
 | fine-tuning | full (no PEFT) | full (`model.lora.enabled: false`) |
 | prompts | 81 × "What is a * b?" (single digits), system prompt "Be brief.", chat template of the model | the same rows, `model.system_prompt: "Be brief."` |
 | sampling | temperature 1.0, top_p 1.0, top_k 0, `generation_kwargs={{"min_new_tokens": T}}` | temperature 1.0, top_p 1.0, top_k 0, `min_new_tokens` = `max_new_tokens` = T |
@@ -587,7 +587,7 @@ SETTINGS = """\
 | clipping | `epsilon=0.2` (`epsilon_high` = epsilon) | `clip_low = clip_high = 0.2` |
 | KL | `beta={beta}`, k3 in the loss, `use_bias_correction_kl=False` (TRL's default multiplies it by the ratio) | `beta: {beta}`, `kl_estimator: k3` |
 | updates | `num_iterations=1` (μ = 1, on-policy) | `epochs: 1`, `minibatches: 1` |
-| optimiser | AdamW (transformers' default `adamw_torch_fused`), lr {lr}, betas (0.9, 0.999), eps 1e-8, weight decay 0, `lr_scheduler_type="constant"` (TRL's default is linear decay), max grad norm 1.0 | `torch.optim.AdamW`, lr {lr}, betas (0.9, 0.999), eps 1e-8, weight decay 0, constant schedule, max grad norm 1.0 |
+| optimiser | AdamW (transformers' default `adamw_torch_fused`), lr {lr}, betas (0.9, 0.999), eps 1e-8, weight decay 0, `lr_scheduler_type="constant"` (TRL's default is linear decay), max grad norm 1.0 | `torch.optim.AdamW` (fused), lr {lr}, betas (0.9, 0.999), eps 1e-8, weight decay 0, constant schedule, max grad norm 1.0 |
 | seed, threads | seed {seed}, {threads} torch thread(s), one process | seed {seed}, {threads} torch thread(s), one process |
 """
 
