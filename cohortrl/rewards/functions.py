@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from typing import Callable
 
 RewardFn = Callable[..., list]
@@ -62,7 +63,11 @@ def answers_match(predicted: str, gold, rel_tol: float = 1e-6, abs_tol: float = 
         return math.isclose(p, g, rel_tol=rel_tol, abs_tol=abs_tol)
     from math_verify import parse, verify  # imported lazily: it pulls in sympy
 
-    return bool(verify(parse(str(gold)), parse(predicted)))
+    # math-verify bounds its own time with signal.alarm, which only the main thread may set. Off the main thread
+    # (reward.timeout_s runs reward functions in a thread) it would raise, so there the thread's timeout bounds it.
+    main = threading.current_thread() is threading.main_thread()
+    parse_kw, verify_kw = ({}, {}) if main else ({"parsing_timeout": None}, {"timeout_seconds": None})
+    return bool(verify(parse(str(gold), **parse_kw), parse(predicted, **parse_kw), **verify_kw))
 
 
 def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_column: str = "answer") -> RewardFn:

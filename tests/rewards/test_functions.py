@@ -92,3 +92,26 @@ def test_resolve_user_code_and_unknown_names(tmp_path):
         resolve(f"{path}:missing")
     with pytest.raises(RewardFunctionError, match="cannot import module 'no_such_mod_xyz'"):
         resolve("no_such_mod_xyz:f")
+
+
+def test_symbolic_answers_are_checked_off_the_main_thread():
+    """reward.timeout_s runs reward functions in a thread; math-verify's own timeout (signal.alarm) cannot run
+    there, and used to raise on the first answer that was not a plain number (found by a demo run, seed 1)."""
+    import threading
+
+    from cohortrl.rewards.functions import answers_match
+
+    out = {}
+
+    def check():
+        try:
+            out["value"] = (answers_match("1/2", "0.5"), answers_match("1/3", "0.5"))
+        except Exception as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+
+    thread = threading.Thread(target=check)
+    thread.start()
+    thread.join()
+    assert "error" not in out, out.get("error")
+    assert out["value"] == (True, False)
+    assert answers_match("1/2", "0.5") and not answers_match("1/3", "0.5")  # and on the main thread, as before
