@@ -72,7 +72,9 @@ class RewardPool:
         args = (self.specs, list(prompts), list(completions), columns)
         try:
             future = self._pool.submit(_score_in_worker, *args)
-        except BrokenProcessPool:  # a worker died since the last submit: replace the pool (re-running its jobs)
+        # A worker died since the last submit: replace the pool (re-running its jobs). Before the executor has
+        # noticed the death, its attempt to spawn a replacement can fail on the dead worker's closed pipe (OSError).
+        except (BrokenProcessPool, OSError):
             self._restart()
             future = self._pool.submit(_score_in_worker, *args)
         job = _Job(args, future)
