@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -436,6 +437,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_YAML11_EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
+
+
 def _fail_type(path: str, value: Any, tp: Any) -> ConfigError:
     return ConfigError(f"config key '{path}': expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
@@ -482,6 +486,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise _fail_type(path, value, tp)
         return value
     if tp is float:
+        # YAML 1.1 (PyYAML) reads 1e-4 as a string: it wants a dot (1.0e-4). Take the number the user meant.
+        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _fail_type(path, value, tp)
         return float(value)

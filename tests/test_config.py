@@ -95,6 +95,17 @@ def test_overrides_parse_values_as_yaml(tmp_path):
     assert cfg.sampling.stop == ["\n\n"]
 
 
+def test_exponent_floats_without_a_dot_are_numbers_as_meant():
+    # PyYAML follows YAML 1.1 and reads `lr: 1e-4` as the string '1e-4'; users mean 0.0001.
+    cfg = Config.from_dict(apply_overrides({"optim": {"lr": "3E-5"}}, ["algorithm.beta=1e-3", "algorithm.clip_low=+2e-1"]))
+    assert (cfg.optim.lr, cfg.algorithm.beta, cfg.algorithm.clip_low) == (3e-5, 1e-3, 0.2)
+    # Only numbers: other strings still fail with the key named, and ints still want an int.
+    with pytest.raises(ConfigError, match=r"config key 'optim.lr': expected float, got 'e-4' \(str\)"):
+        Config.from_dict({"optim": {"lr": "e-4"}})
+    with pytest.raises(ConfigError, match=r"config key 'algorithm.group_size': expected int, got '1e1' \(str\)"):
+        Config.from_dict({"algorithm": {"group_size": "1e1"}})
+
+
 def test_override_errors():
     with pytest.raises(ConfigError, match=r"override 'algorithm.group_size' must look like key.path=value"):
         apply_overrides({}, ["algorithm.group_size"])
