@@ -269,10 +269,16 @@ def activation_elements_per_token(m: ModelShape, checkpointing: bool) -> float:
     return L * h + per_layer if checkpointing else L * per_layer
 
 
-# How many (b, T+1, V) fp32 logit tensors are alive at once in the update: the LM head's output, the
-# temperature-scaled copy log-softmax keeps for backward, and the entropy's probabilities and product
-# (``rollout/hf.response_logprobs``); backward then replaces two of them with gradients of the same size.
+# How many (b, T+1, V) fp32 logit tensors are alive at once in the update when the model's own head runs
+# (DDP or FSDP2, several processes): the LM head's output, the temperature-scaled copy log-softmax keeps for
+# backward, and the entropy's probabilities and product (``rollout/hf._logprobs_from_logits``); backward then
+# replaces two of them with gradients of the same size.
 LOGIT_COPIES = 4
+# One process: ``rollout/hf._HeadLogProbs`` applies the head in chunks of LOGPROB_CHUNK_BYTES of fp32 logits
+# and keeps none between forward and backward; at most two chunks exist at once (the logits and the entropy's
+# probabilities in forward; the recomputed logits, turned into their gradient in place, in backward).
+CHUNKED_LOGIT_COPIES = 2
+LOGPROB_CHUNK_BYTES = 32 * 2**20  # = rollout.hf.LOGPROB_CHUNK_BYTES (a test keeps them equal)
 
 
 @dataclass(frozen=True)
@@ -324,7 +330,11 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
     models_backpropagated = 2 if run.algorithm == "ppo" else 1  # cohortrl backpropagates policy and critic together
     no_ckpt = models_backpropagated * tokens * activation_elements_per_token(m, False) * act_bytes
     ckpt = models_backpropagated * tokens * activation_elements_per_token(m, True) * act_bytes
-    logits = LOGIT_COPIES * run.micro_batch_size * (run.response_len + 1) * m.vocab_size * 4
+    full_logits = run.micro_batch_size * (run.response_len + 1) * m.vocab_size * 4
+    if run.gpus == 1:  # one process: the chunked head (rollout/hf._HeadLogProbs)
+        logits = CHUNKED_LOGIT_COPIES * min(LOGPROB_CHUNK_BYTES, full_logits)
+    else:
+        logits = LOGIT_COPIES * full_logits
     kv = kv_cache_bytes(m, run.sequences // n * run.seq_len, dt)
     return Memory(
         policy=policy, critic=critic, reference=reference, reward_model=reward_model,

@@ -99,6 +99,20 @@ def test_lora_has_no_reference_copy():
     assert m.policy.gradients == LLAMA2_7B.lora_params(16) * 2
 
 
+def test_logits_are_chunk_bounded_on_one_process_and_four_full_copies_under_ddp():
+    from cohortrl.planner import LOGPROB_CHUNK_BYTES
+    from cohortrl.rollout.hf import LOGPROB_CHUNK_BYTES as used_by_the_trainer
+
+    assert LOGPROB_CHUNK_BYTES == used_by_the_trainer == 32 * 2**20
+    # Llama-2-7B, b = 4, T = 1024: one (b, T+1, V) fp32 tensor is 4·1025·32000·4 = 524,800,000 bytes.
+    one = plan("7b", RunSpec(micro_batch_size=4, response_len=1024)).memory
+    assert one.logits == 2 * 32 * 2**20  # two 32 MiB chunks: the full tensor never exists
+    ddp = plan("7b", RunSpec(gpus=8, micro_batch_size=4, response_len=1024)).memory
+    assert ddp.logits == 4 * 524_800_000  # the model's own head: output, scaled copy, entropy's two temporaries
+    # fewer logits than one chunk: two copies of what there is (1·3·32000·4 = 384,000 bytes)
+    assert plan("7b", RunSpec(micro_batch_size=1, response_len=2)).memory.logits == 2 * 384_000
+
+
 def test_cpu_plan_adds_the_baseline():
     spec = dict(device="cpu", dtype="fp32", prompt_len=52, response_len=16, group_size=4, prompts_per_step=2,
                 micro_batch_size=8)

@@ -101,10 +101,10 @@ def generate(
     model.eval()
     # each prompt prefilled once for its group (nothing to share with one response per prompt)
     cache = prefill_cache(model, prompt_ids, prompt_mask) if group_size > 1 and prompt_ids.shape[1] > 1 else None
-    out = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache)
+    out, lengths = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache)
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
-    response_mask, truncated, completions = _finish(response_ids, tokenizer, eos_ids, sampling)
+    response_mask, truncated, completions = _finish(response_ids, lengths, tokenizer, eos_ids, sampling)
     response_ids = response_ids.masked_fill(response_mask == 0, tokenizer.pad_token_id)
     rollout = Rollout(
         prompt_ids=prompt_ids,
@@ -121,7 +121,9 @@ def generate(
 
 def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None):
     """Autoregressive sampling with the KV cache, from ``cache`` (``prefill_cache``) if given: ids (B, Tp + T)
-    on the CPU, each row padded after its EOS or stop string; the loop ends when every row has ended.
+    on the CPU, each row padded after its EOS or stop string, and each row's response length (B,), its ending
+    token included. The loop ends when every row has ended. The lengths are recorded, not read back from the
+    padding: a model may sample the pad token inside a response (SmolLM2 pads with ``<|endoftext|>``).
 
     Our own loop rather than ``model.generate``: on a CPU, transformers' sampler (``torch.multinomial``) draws an
     exponential variate for every vocabulary entry at every step, half the decoding time of a small model with
@@ -136,6 +138,7 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
     next_position = mask.sum(-1, keepdim=True)  # the first response token's position
     eos = torch.tensor(eos_ids, device=device)
     ended = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.full((B,), sampling.max_new_tokens, dtype=torch.long, device=device)
     stop_window = max((len(s) for s in sampling.stop), default=0) + 2  # tokens enough to hold any stop string
     tokens: list[torch.Tensor] = []
     for t in range(sampling.max_new_tokens):
@@ -152,11 +155,12 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
             for i in (~ended).nonzero().flatten().tolist():
                 text = tokenizer.decode(recent[i], skip_special_tokens=True)
                 ended[i] = any(stop in text for stop in sampling.stop)
+        lengths = torch.where(ended & (lengths == sampling.max_new_tokens), t + 1, lengths)
         if ended.all():
             break
         feed, positions = token.unsqueeze(-1), next_position + t
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-    return torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1)
+    return torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1), lengths.clamp(max=len(tokens)).cpu()
 
 
 def _sample(logits_BV: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -192,9 +196,9 @@ def generate_modes(model, tokenizer, prompts: list[str], samplings: dict[str, Sa
     cache = prefill_cache(model, prompt_ids, prompt_mask) if prompt_ids.shape[1] > 1 else None
     out = {}
     for name, sampling in samplings.items():
-        ids = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids,
-                            copy.deepcopy(cache) if cache is not None else None)  # generate appends to its cache
-        out[name] = _finish(ids[:, prompt_ids.shape[1] :], tokenizer, eos_ids, sampling)[2]
+        ids, lengths = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids,
+                                     copy.deepcopy(cache) if cache is not None else None)  # generate appends to its cache
+        out[name] = _finish(ids[:, prompt_ids.shape[1] :], lengths, tokenizer, eos_ids, sampling)[2]
     model.train(was_training)
     return out
 
@@ -231,15 +235,11 @@ def prefill_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     return cache
 
 
-def _finish(response_ids: torch.Tensor, tokenizer, eos_ids: list[int], sampling: Sampling):
-    """Response mask (through the first EOS, inclusive; padding after a stop string excluded), truncation flags
-    and decoded texts."""
+def _finish(response_ids: torch.Tensor, lengths_B: torch.Tensor, tokenizer, eos_ids: list[int], sampling: Sampling):
+    """Response mask (each row's first ``length`` tokens: through its EOS or stop string), truncation flags and
+    decoded texts."""
     is_eos = torch.isin(response_ids, torch.tensor(eos_ids))
-    is_pad = response_ids == tokenizer.pad_token_id
-    # A token belongs to the response if no EOS came strictly before it and it is not post-stop padding.
-    eos_before = (is_eos.cumsum(-1) - is_eos.long()) > 0
-    pad_from = (is_pad & ~is_eos).cumsum(-1) > 0
-    response_mask = (~eos_before & ~pad_from).long()
+    response_mask = (torch.arange(response_ids.shape[1]) < lengths_B[:, None]).long()
     completions = [
         tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(response_ids, response_mask)
     ]
@@ -258,14 +258,21 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     share_prompts: bool = True,
+    chunk_bytes: int | None = None,
 ):
     """Log-probabilities of the response tokens under ``model``: (B, T), plus per-token entropy (B, T) if asked,
-    on the model's device.
+    on the model's device. Positions outside the response part of ``attention_mask`` (padding after EOS) get 0.
 
-    ``input_ids`` is [left-padded prompt | right-padded response]; only the last T+1 positions go through the
-    LM head (``logits_to_keep``), which matters when V is large. Position ids are rebuilt from the mask so a
+    ``input_ids`` is [left-padded prompt | right-padded response]. Position ids are rebuilt from the mask so a
     left-padded row sees the same positions as during generation. Logits are divided by the sampling
     temperature so the ratio compares the distribution that was actually sampled from.
+
+    The LM head runs only on real response tokens, ``chunk_bytes`` of logits at a time (default
+    ``LOGPROB_CHUNK_BYTES``), in :class:`_HeadLogProbs`, which recomputes each chunk in backward instead of keeping
+    it: the (B, T, V) logits tensor (V = 49,152 for SmolLM2) never exists. Where the head cannot be applied
+    outside the model (DDP or FSDP2 wrappers, heads that are not a plain ``nn.Linear``, logit soft-capping or
+    scaling), the model's own head computes the full logits of the last T + 1 positions instead; the numbers
+    are the same.
 
     ``share_prompts``: rows with the same prompt (a group) run it through the model once (see the module
     docstring); it needs two forward calls per backward, which DDP does not allow, so the trainer turns it off
@@ -276,12 +283,41 @@ def response_logprobs(
     input_ids, attention_mask, response_ids = input_ids.to(device), attention_mask.to(device), response_ids.to(device)
     Tp = input_ids.shape[1] - T
     prompts = _unique_prompts(input_ids[:, :Tp], attention_mask[:, :Tp]) if share_prompts and Tp > 0 else None
-    if prompts is not None and len(prompts[0]) < len(input_ids):
-        logits_BTV = _logits_sharing_prompts(model, input_ids, attention_mask, T, *prompts)
+    shared = prompts is not None and len(prompts[0]) < len(input_ids)
+    head = _plain_lm_head(model)
+    if head is None:
+        if shared:
+            logits_BTV = _states_sharing_prompts(model, input_ids, attention_mask, T, *prompts, logits=True)
+        else:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
+                        logits_to_keep=T + 1, use_cache=False)
+            logits_BTV = out.logits[:, :-1]
+        return _logprobs_from_logits(logits_BTV, response_ids, temperature, with_entropy)
+
+    decoder, linear = head
+    if shared:
+        hidden_BTH = _states_sharing_prompts(decoder, input_ids, attention_mask, T, *prompts, logits=False)
     else:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
-                    logits_to_keep=T + 1, use_cache=False)
-        logits_BTV = out.logits[:, :-1]
+        hidden_BTH = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
+                             use_cache=False).last_hidden_state[:, Tp - 1:-1]
+    real_N = attention_mask[:, Tp:].reshape(-1).nonzero().squeeze(-1)  # response tokens, not the padding after EOS
+    chunk = max(1, (chunk_bytes or LOGPROB_CHUNK_BYTES) // (4 * linear.weight.shape[0]))
+    logp_N, entropy_N = _HeadLogProbs.apply(hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[real_N], linear.weight,
+                                           linear.bias, response_ids.reshape(-1)[real_N], float(temperature or 1.0),
+                                           chunk, with_entropy)
+    logp_BT = torch.zeros(response_ids.numel(), device=device).index_put((real_N,), logp_N).view(response_ids.shape)
+    entropy_BT = None
+    if with_entropy:
+        entropy_BT = torch.zeros(response_ids.numel(), device=device).index_put((real_N,), entropy_N).view(response_ids.shape)
+    return logp_BT, entropy_BT
+
+
+# Logits of at most this many bytes (fp32) exist at once in the chunked LM head: 32 MiB is 170 positions of
+# SmolLM2's 49,152-entry vocabulary, big enough for efficient matrix products, small next to the model.
+LOGPROB_CHUNK_BYTES = 32 * 2**20
+
+
+def _logprobs_from_logits(logits_BTV, response_ids, temperature, with_entropy):
     logits_BTV = logits_BTV.float()
     if temperature not in (0, 1):
         logits_BTV = logits_BTV / temperature
@@ -295,20 +331,108 @@ def response_logprobs(
     return logp_BT, entropy_BT
 
 
-def _logits_sharing_prompts(model, input_ids, attention_mask, T: int, ids_UT, mask_UT, index_B) -> torch.Tensor:
-    """The logits that predict each response token, (B, T, V), with each distinct prompt run once.
+def _plain_lm_head(model):
+    """(decoder, head) when the head is a plain ``nn.Linear`` on the decoder's last hidden state that we may
+    apply ourselves; None under DDP or FSDP2 (their hooks belong to the wrapped model's own forward) or when the
+    model changes its logits after the head (Gemma-2's soft-capping, Cohere's logit scale)."""
+    if hasattr(model, "module") or not hasattr(model, "get_decoder"):
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            return None
+    except ImportError:  # torch built without distributed
+        pass
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return None
+    return model.get_decoder(), head
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """log softmax((h Wᵀ + b) / temperature)[target] for N hidden states, ``chunk`` rows of logits at a time.
+
+    Forward keeps only the log-normaliser log Z per row; backward recomputes each chunk's logits and uses
+    d log p / d logits = (onehot(target) − softmax) / temperature. Under LoRA the head is frozen and backward
+    costs what autograd's would (one product for the logits, one for the hidden-state gradient); with a
+    trainable head it adds one product, the recomputed logits. The logits are made in the model's dtype
+    and cast to fp32, as ``model(...).logits.float()`` would be."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, bias_V, target_N, temperature, chunk, with_entropy):
+        N = hidden_NH.shape[0]
+        logp_N = torch.empty(N, device=hidden_NH.device)
+        logz_N = torch.empty(N, device=hidden_NH.device)
+        entropy_N = torch.empty(N, device=hidden_NH.device) if with_entropy else None
+        for s in range(0, N, chunk):
+            logits = _chunk_logits(hidden_NH[s:s + chunk], weight_VH, bias_V, temperature)
+            logz = logits.logsumexp(-1)
+            logz_N[s:s + chunk] = logz
+            logp_N[s:s + chunk] = logits.gather(-1, target_N[s:s + chunk, None]).squeeze(-1) - logz
+            if with_entropy:  # H = log Z − Σ p·logits
+                entropy_N[s:s + chunk] = logz - ((logits - logz[:, None]).exp_() * logits).sum(-1)
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, target_N, logz_N)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy_N)
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logp_N, _grad_entropy):
+        hidden_NH, weight_VH, bias_V, target_N, logz_N = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden_NH) if need_h else None
+        grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias_V, dtype=torch.float32) if need_b else None
+        for s in range(0, hidden_NH.shape[0], ctx.chunk):
+            h = hidden_NH[s:s + ctx.chunk]
+            g = grad_logp_N[s:s + ctx.chunk].float()
+            # d logp / d logits_v = (onehot_v − p_v) / temperature, times the upstream gradient g
+            grad_logits = _chunk_logits(h, weight_VH, bias_V, ctx.temperature).sub_(logz_N[s:s + ctx.chunk, None]).exp_()
+            grad_logits.mul_(-g[:, None]).scatter_add_(-1, target_N[s:s + ctx.chunk, None], g[:, None])
+            if ctx.temperature not in (0, 1):
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(hidden_NH.dtype)
+            if need_h:
+                grad_h[s:s + ctx.chunk] = grad_logits @ weight_VH
+            if need_w:
+                grad_w.addmm_(grad_logits.t().float(), h.float())
+            if need_b:
+                grad_b += grad_logits.float().sum(0)
+        grad_w = grad_w.to(weight_VH.dtype) if need_w else None
+        grad_b = grad_b.to(bias_V.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _chunk_logits(h_NH, weight_VH, bias_V, temperature: float) -> torch.Tensor:
+    logits = torch.nn.functional.linear(h_NH, weight_VH, bias_V).float()
+    return logits.div_(temperature) if temperature not in (0, 1) else logits
+
+
+def _states_sharing_prompts(model, input_ids, attention_mask, T: int, ids_UT, mask_UT, index_B, *, logits: bool):
+    """The states that predict each response token, (B, T, ·), with each distinct prompt run once: logits from
+    the causal LM (``logits=True``) or last hidden states from its decoder.
 
     Call 1: the U distinct prompts; their last position predicts response token 0, and their keys and values
     fill a cache. The cache is indexed out to the B rows. Call 2: response tokens 0 … T−2 of every row against
     that cache predict tokens 1 … T−1. Positions and the attention mask are those of the full sequence."""
     Tp = input_ids.shape[1] - T
     cache, name = DynamicCache(), cache_argument(model)
-    first_U = model(input_ids=ids_UT, attention_mask=mask_UT, position_ids=_positions(mask_UT), use_cache=True,
-                    logits_to_keep=1, **{name: cache}).logits
-    first_B = first_U[index_B]  # (B, 1, V)
+    last = {"logits_to_keep": 1} if logits else {}
+    out = model(input_ids=ids_UT, attention_mask=mask_UT, position_ids=_positions(mask_UT), use_cache=True,
+                **last, **{name: cache})
+    first_B = _states(out, logits)[:, -1:][index_B]  # (B, 1, ·)
     if T == 1:
         return first_B
     cache.batch_select_indices(index_B)
-    rest = model(input_ids=input_ids[:, Tp:-1], attention_mask=attention_mask[:, :-1],
-                 position_ids=_positions(attention_mask)[:, Tp:-1], use_cache=True, **{name: cache}).logits
-    return torch.cat([first_B, rest], dim=1)
+    out = model(input_ids=input_ids[:, Tp:-1], attention_mask=attention_mask[:, :-1],
+                position_ids=_positions(attention_mask)[:, Tp:-1], use_cache=True, **{name: cache})
+    return torch.cat([first_B, _states(out, logits)], dim=1)
+
+
+def _states(out, logits: bool) -> torch.Tensor:
+    return out.logits if logits else out.last_hidden_state

@@ -136,3 +136,94 @@ def test_stop_strings_end_a_response_and_are_kept():
         n = int(mask.sum())
         if stop in text:  # ends at the first token that completes the stop string
             assert stop not in tok.decode(ids[: n - 1], skip_special_tokens=True)
+
+
+def _plain_logprobs(model, ids, mask, response_ids, temperature):
+    """The textbook computation, nothing shared or chunked: every position's full-vocabulary logits."""
+    T = response_ids.shape[1]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -T - 1:-1].float() / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize("case", ["full", "lora", "untied_with_bias", "shared_prompts"])
+def test_chunked_head_equals_full_vocabulary_logits_in_value_and_gradient(case):
+    model, tok = load_model("tiny-llama", seed=3)
+    if case == "untied_with_bias":  # a trainable head with a bias of its own, not the embedding matrix
+        head = model.get_output_embeddings()
+        new = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+        with torch.no_grad():
+            new.weight.copy_(head.weight + 0.01 * torch.randn_like(head.weight))
+            new.bias.normal_(0, 0.5)
+        model.lm_head = new
+        model.config.tie_word_embeddings = False
+    if case == "lora":
+        model = lora(model)
+    torch.manual_seed(0)
+    rollout, _ = generate(model, tok, ROWS, 3, Sampling(temperature=1.0, max_new_tokens=9))
+    # rows that ended early (a random tiny model rarely samples EOS): padding after the end is in the batch
+    for row, end in ((0, 5), (4, 1)):
+        rollout.response_mask[row, end:] = 0
+        rollout.response_ids[row, end:] = tok.pad_token_id
+    ids, mask, resp = rollout.input_ids(), rollout.attention_mask(), rollout.response_ids
+    m = rollout.response_mask.bool()
+    weights = torch.linspace(-1.0, 2.0, resp.numel()).view_as(resp) * m
+
+    def grads():
+        out = torch.cat([p.grad.flatten().clone() for p in model.parameters() if p.grad is not None])
+        model.zero_grad()
+        return out
+
+    model.train()
+    model.zero_grad()
+    want_logp, want_entropy = _plain_logprobs(model, ids, mask, resp, 0.7)
+    (want_logp * weights).sum().backward()
+    want_grads = grads()
+    # 3 KiB of logits per chunk is one position of the tiny vocabulary at a time: many chunks, ragged last one
+    logp, entropy = response_logprobs(model, ids, mask, resp, temperature=0.7, with_entropy=True,
+                                      share_prompts=case == "shared_prompts", chunk_bytes=3 * 4 * 1024)
+    (logp * weights).sum().backward()
+    got_grads = grads()
+    torch.testing.assert_close(logp[m], want_logp.detach()[m], rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy[m], want_entropy.detach()[m], rtol=0, atol=1e-5)
+    assert (logp[~m] == 0).all() and (entropy[~m] == 0).all()  # padding: no head computed, zeros, masked later
+    assert want_grads.norm() > 0 and got_grads.shape == want_grads.shape
+    assert ((got_grads - want_grads).norm() / want_grads.norm()).item() < 1e-5
+    if case == "untied_with_bias":
+        assert model.lm_head.bias.grad is None  # grads() cleared it; it was part of the comparison above
+
+
+def test_the_chunked_head_is_used_and_bounds_the_logits_it_makes(monkeypatch):
+    """The head runs in chunks of ``chunk_bytes``; the model's own full-logits path is not called."""
+    import cohortrl.rollout.hf as hf
+
+    model, tok = load_model("tiny-llama", seed=3)
+    rollout, _ = generate(model, tok, ROWS, 2, Sampling(temperature=1.0, max_new_tokens=6))
+    V = model.get_output_embeddings().weight.shape[0]
+    sizes = []
+    real = hf._chunk_logits
+    monkeypatch.setattr(hf, "_chunk_logits", lambda h, *a: sizes.append(h.shape[0]) or real(h, *a))
+    monkeypatch.setattr(type(model), "forward", lambda *a, **k: pytest.fail("the full-logits forward ran"))
+    logp, _ = response_logprobs(model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids,
+                                chunk_bytes=4 * V * 5)
+    assert max(sizes) == 5 and sum(sizes) == int(rollout.attention_mask()[:, -rollout.response_ids.shape[1]:].sum())
+    assert torch.isfinite(logp).all()
+
+
+def test_a_pad_token_sampled_inside_a_response_does_not_end_it(monkeypatch):
+    """SmolLM2 pads with <|endoftext|>, a token it can sample: the response runs on to its EOS, all of it
+    scored and trained on, instead of being cut at the sampled pad."""
+    import cohortrl.rollout.hf as hf
+
+    model, tok = load_model("tiny-llama", seed=1)
+    eos = hf._eos_ids(model, tok)[0]
+    a, b = 40, 41
+    script = iter([a, tok.pad_token_id, b, eos])
+    monkeypatch.setattr(hf, "_sample", lambda logits, sampling: torch.full((logits.shape[0],), next(script)))
+    rollout, _ = generate(model, tok, ROWS[:1], 1, Sampling(temperature=1.0, max_new_tokens=6))
+    assert rollout.response_ids[0, :4].tolist() == [a, tok.pad_token_id, b, eos]
+    assert rollout.response_mask[0].tolist() == [1, 1, 1, 1]  # through the EOS; the loop stopped there
+    assert rollout.completions[0] == tok.decode([a, tok.pad_token_id, b], skip_special_tokens=True)
+    assert not bool(rollout.truncated[0])
