@@ -19,6 +19,7 @@ numbers that make step-reward hacking visible in the curves.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import re
@@ -30,21 +31,32 @@ from cohortrl.rewards.steps import Span, split_steps
 StepScores = list[tuple[float, Span | None]]
 
 
-def make_task_steps(require_commit: bool = True) -> Callable[..., list[StepScores]]:
+def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callable[..., list[StepScores]]:
     """The gym family's step grades, one entry per required step (in the sample's order).
 
     ``require_commit`` (the gym's rule): a step counts only in a response with an ``ANSWER:`` line. Off, a
     step counts when stated correctly, answer or not: for a policy that never writes the line (SmolLM2-135M
     on the gym), whose step rewards would otherwise all be 0. ``reward.process.require_answer`` is the same
-    gate as a guard, for every source."""
+    gate as a guard, for every source.
+
+    ``read``: ``keyed``, the family's own ``KEY = expression = value`` lines; ``statements``, arithmetic
+    statements such as "2 + 8 = 10" anywhere in the text (`TaskFamily.grade_statements`: arithmetic and
+    gsm8k), for a policy that computes the steps but does not write the keys, with gsm8k's guards against
+    farming (grounded operands, no contradictions, at most 2R + 2 statements read)."""
     from cohortrl import tasks
+
+    if read not in ("keyed", "statements"):
+        raise ValueError(f"task_steps: read must be 'keyed' or 'statements', not {read!r}")
 
     def task_steps(prompts, completions, sample, **columns) -> list[StepScores]:
         out = []
         for completion, s in zip(completions, sample):
             family = tasks.get(s["family"])
-            grade = family.grade(family.sample_from_dict(s), completion)
-            steps = grade.steps if require_commit else grade.stated
+            problem = family.sample_from_dict(s)
+            grade = family.grade(problem, completion)
+            steps = grade.stated if read == "keyed" else family.grade_statements(problem, completion)
+            if require_commit and not grade.committed:
+                steps = [dataclasses.replace(step, correct=False) for step in steps]
             out.append([(1.0 if step.correct else 0.0, step.span) for step in steps])
         return out
 

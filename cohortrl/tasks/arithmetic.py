@@ -19,8 +19,8 @@ import random
 from dataclasses import dataclass
 from fractions import Fraction
 
-from cohortrl.tasks.answer_format import format_exact
-from cohortrl.tasks.base import Sample, Step, TaskFamily, register, rng_for
+from cohortrl.tasks.answer_format import evaluate, format_exact
+from cohortrl.tasks.base import Sample, Step, StepResult, TaskFamily, credit_statements, register, rng_for
 
 
 @dataclass(frozen=True)
@@ -143,4 +143,13 @@ class Arithmetic(TaskFamily):
         )
         lines = [f"s{i} = {expr} = {format_exact(value)}" for i, (expr, value) in enumerate(ops, start=1)]
         reference = "\n".join(lines + [f"ANSWER: {answer}"])
-        return Sample(self.name, level, seed, index, prompt, answer, reference, target=steps[-1], steps=steps)
+        return Sample(self.name, level, seed, index, prompt, answer, reference, target=steps[-1], steps=steps,
+                      extra={"expression": text, "calculations": [expr for expr, _ in ops]})
+
+    def grade_statements(self, sample: Sample, completion: str) -> list[StepResult]:
+        """Steps read from statements such as "2 + 8 = 10" wherever the response writes them, with or without
+        the ``s1 =`` key; the grounding numbers are the expression's."""
+        if "calculations" not in sample.extra:  # a sample saved before they were recorded: regenerate it
+            sample = self.make_sample(sample.seed, sample.level, sample.index)
+        known = set(evaluate(sample.extra["expression"])[1])
+        return credit_statements(completion, sample.steps, sample.extra["calculations"], known)

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from cohortrl.tasks.answer_format import commitment, normalize_key, parse_response
+from cohortrl.tasks.answer_format import (
+    commitment,
+    find_statements,
+    normalize_key,
+    normalize_lhs,
+    parse_response,
+    rounds_to,
+)
 from cohortrl.tasks.units import quantity_matches
 
 
@@ -208,6 +215,13 @@ class TaskFamily:
     def answer_ok(self, sample: Sample, value: Fraction | None, unit: str) -> bool:
         return sample.target.matches(value, unit, self.rel_tol)
 
+    def grade_statements(self, sample: Sample, completion: str) -> list[StepResult]:
+        """The required steps read from free-text statements ``a op b = c`` (`credit_statements`), for families
+        whose steps are plain arithmetic; before the commitment gate. Others have units and named quantities
+        that a bare statement cannot carry."""
+        raise ValueError(f"the {self.name} family's steps are KEY = value unit lines, not free-text statements: "
+                         "read them with the default (keyed) step reading")
+
     def sample_from_dict(self, d: dict[str, Any]) -> Sample:
         if d.get("family") != self.name:
             raise ValueError(f"a {d.get('family')!r} sample given to the {self.name!r} family")
@@ -245,3 +259,38 @@ def get(name: str, **knobs: Any) -> TaskFamily:
 
 def names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def credit_statements(completion: str, steps: list[Step], calculations: list[str], known: set[Fraction]) -> list[StepResult]:
+    """Required steps credited from free-text arithmetic statements ``a op b = c`` instead of ``KEY = …`` lines
+    (the rules are gsm8k's, module docstring of `cohortrl.tasks.gsm8k`): a statement counts if it is right,
+    grounded (each operand is in ``known`` or a result the response derived earlier), not an identity, not
+    contradicted (one left-hand side, one result) and among the first 2R + 2; each required step is matched
+    to a distinct statement, first one writing the same calculation (``calculations[i]``), then any with the
+    step's value. The verdicts before the commitment gate: callers apply it (``make_grade``) or not."""
+    statements = find_statements(completion)[: 2 * len(steps) + 2]
+    results_by_lhs: dict[str, set[Fraction]] = {}
+    for s in statements:
+        results_by_lhs.setdefault(s.lhs, set()).add(s.written)
+    known = set(known)
+    usable, seen = [], set()
+    for s in statements:
+        grounded = all(o in known for o in s.operands)
+        if s.correct and grounded:
+            known |= {s.written, abs(s.written)}  # operands are read without their sign
+        if s.correct and grounded and not s.trivial and len(results_by_lhs[s.lhs]) == 1 and s.lhs not in seen:
+            usable.append(s)
+            seen.add(s.lhs)
+    matched: dict[int, object] = {}
+    for same_calculation in (True, False):
+        for i, step in enumerate(steps):
+            if i in matched:
+                continue
+            lhs = normalize_lhs(calculations[i])
+            match = next((s for s in usable if (s.lhs == lhs or not same_calculation) and rounds_to(s.exact, step.value)),
+                         None)
+            if match is not None:
+                matched[i] = match
+                usable.remove(match)
+    return [StepResult(step.key, i in matched, matched[i].span if i in matched else None,
+                       matched[i].written_text if i in matched else None) for i, step in enumerate(steps)]

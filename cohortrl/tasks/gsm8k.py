@@ -47,15 +47,13 @@ from pathlib import Path
 from cohortrl.tasks.answer_format import (
     commitment,
     evaluate,
-    find_statements,
     format_exact,
     is_identity,
-    normalize_lhs,
     parse_number,
     parse_response,
     rounds_to,
 )
-from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, make_grade, register
+from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, credit_statements, make_grade, register
 
 LEVELS = {1: ("train", 0, 2), 2: ("train", 3, 4), 3: ("train", 5, 10**9),
           4: ("test", 0, 2), 5: ("test", 3, 4), 6: ("test", 5, 10**9)}
@@ -156,36 +154,11 @@ class GSM8K(TaskFamily):
         answer_ok = commit.committed and not any(c.isdigit() for c in commit.answer.unit)
         outcome = 1.0 if answer_ok and commit.answer.value == Fraction(sample.target.value) else 0.0
 
-        statements = find_statements(completion)[: 2 * len(sample.steps) + 2]
-        results_by_lhs: dict[str, set[Fraction]] = {}
-        for s in statements:
-            results_by_lhs.setdefault(s.lhs, set()).add(s.written)
+        return make_grade(outcome, self.grade_statements(sample, completion), commit.committed, self.step_weight)
+
+    def grade_statements(self, sample: Sample, completion: str) -> list[StepResult]:
         # Numbers a statement may use: the question's, the constants the dataset's own calculations use
         # (2 for "twice", 60, 100, ...), and results the response has already derived.
         known = {parse_number(g) for g in sample.givens}
         known |= {o for step in sample.steps for o in evaluate(step.key.rsplit("=", 1)[0])[1]}
-        usable, seen = [], set()
-        for s in statements:
-            grounded = all(o in known for o in s.operands)
-            if s.correct and grounded:
-                known.add(s.written)
-            if s.correct and grounded and not s.trivial and len(results_by_lhs[s.lhs]) == 1 and s.lhs not in seen:
-                usable.append(s)
-                seen.add(s.lhs)
-
-        # Match each required step to a distinct statement: first the statements that write the same
-        # calculation, then any other statement with the same value (the response may compute it its own way).
-        matched: dict[int, object] = {}
-        for same_calculation in (True, False):
-            for i, step in enumerate(sample.steps):
-                if i in matched:
-                    continue
-                lhs = normalize_lhs(step.key.rsplit("=", 1)[0])
-                match = next((s for s in usable
-                              if (s.lhs == lhs or not same_calculation) and rounds_to(s.exact, step.value)), None)
-                if match is not None:
-                    matched[i] = match
-                    usable.remove(match)
-        results = [StepResult(step.key, i in matched, matched[i].span if i in matched else None,
-                              matched[i].written_text if i in matched else None) for i, step in enumerate(sample.steps)]
-        return make_grade(outcome, results, commit.committed, self.step_weight)
+        return credit_statements(completion, sample.steps, [step.key.rsplit("=", 1)[0] for step in sample.steps], known)

@@ -128,3 +128,36 @@ def test_ppo_places_step_rewards_on_step_end_tokens(tmp_path):
     batch.step_ends = [[0, 1] for _ in range(batch.rollout.batch_size)]
     rewards = trainer._token_rewards(batch, torch.zeros(batch.rollout.batch_size))
     assert rewards[:, 0].tolist() == [2.0] * batch.rollout.batch_size and rewards[:, 1].tolist() == [1.0] * batch.rollout.batch_size
+
+
+def test_statement_reading_credits_free_text_steps_and_resists_farming():
+    """read=statements: "2 + 8 = 10" counts for s1 with or without the key; the gsm8k guards hold."""
+    family = tasks.get("arithmetic")
+    sample = family.sample(1, seed=0, level=2)[0]
+    assert sample.prompt.startswith("Compute 2 + 8 - 6.")  # s1 = 2 + 8 = 10, s2 = 10 - 6 = 4
+    rows = [sample.to_dict()]
+    read = make_task_steps(require_commit=False, read="statements")
+
+    def credit(c):
+        return [s for s, _ in read([sample.prompt], [c], sample=rows)[0]]
+
+    assert credit("First 2 + 8 = 10, then 10 - 6 = 4.") == [1.0, 1.0]
+    assert credit(sample.reference_solution) == [1.0, 1.0]
+    assert credit("2 + 8 = 10\n10 - 6 = 5") == [1.0, 0.0]  # a wrong statement credits nothing
+    assert credit("10 - 6 = 4") == [0.0, 0.0]  # 10 is not a number of the question nor derived yet
+    assert credit("2 + 8 = 10\n2 + 8 = 11\n10 - 6 = 4") == [0.0, 1.0]  # a contradicted statement earns nothing
+    assert credit("3 + 7 = 10\n4 + 0 = 4") == [0.0, 0.0]  # ungrounded operands, an identity
+    # Farming: repeats count once, and only the first 2R + 2 = 6 statements are read
+    honest = "2 + 8 = 10\n10 - 6 = 4"
+    farmed = "\n".join(["2 + 8 = 10"] * 5 + ["8 - 6 = 2", "2 + 6 = 8", "10 - 6 = 4"])
+    assert sum(credit(farmed)) <= sum(credit(honest)) == 2
+    # With the commitment gate on, nothing counts until the ANSWER line is there
+    gated = make_task_steps(read="statements")
+    assert [s for s, _ in gated([sample.prompt], [honest], sample=rows)[0]] == [0.0, 0.0]
+    assert [s for s, _ in gated([sample.prompt], [honest + "\nANSWER: 4"], sample=rows)[0]] == [1.0, 1.0]
+    # Families whose steps carry units have no statement reading: a clear error, not zeros
+    beam = tasks.get("beam_bending").sample(1, seed=0, level=1)[0]
+    with pytest.raises(ValueError, match="not free-text statements"):
+        read([beam.prompt], ["1 + 1 = 2"], sample=[beam.to_dict()])
+    with pytest.raises(ValueError, match="read must be 'keyed' or 'statements'"):
+        make_task_steps(read="lines")
