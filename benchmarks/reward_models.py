@@ -83,8 +83,14 @@ def main() -> int:
     parser.add_argument("--shepherd-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--label-cost-only", action="store_true",
+                        help="only the label costs (no reward-model training): for a backbone too slow to train here")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
+    if args.label_cost_only:
+        print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
+        print("label_cost", json.dumps(label_costs(args)), flush=True)
+        return 0
 
     from cohortrl.rewards.labels import as_pointwise, gym_step_examples
     from cohortrl.rewards.rm_eval import best_of_n, evaluate_orm, evaluate_prm

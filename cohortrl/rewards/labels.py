@@ -280,15 +280,19 @@ def policy_completer(model, tokenizer, prompt: str, max_new_tokens: int = 64, te
 
     @torch.no_grad()
     def complete(prefix: str, n: int) -> list[str]:
+        from cohortrl.rollout.hf import Sampling, _eos_ids, _generate_ids, prefill_cache
+
         head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
-        ids = tokenizer(head + prefix, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        ids = ids.to(next(model.parameters()).device)
+        ids = tokenizer(head + prefix, add_special_tokens=False, return_tensors="pt")["input_ids"].expand(n, -1)
+        mask = torch.ones_like(ids)
         torch.manual_seed(generator_seed[0])
         generator_seed[0] += 1
-        out = model.generate(ids.expand(n, -1), attention_mask=torch.ones_like(ids).expand(n, -1),
-                             do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id)
-        return tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+        # cohortrl's decoding loop: the prefix is prefilled once for the n continuations
+        cache = prefill_cache(model, ids, mask) if ids.shape[1] > 1 else None
+        out, lengths = _generate_ids(model, tokenizer, ids, mask, Sampling(temperature=temperature, max_new_tokens=max_new_tokens),
+                                     _eos_ids(model, tokenizer), cache)
+        return [tokenizer.decode(row[ids.shape[1]:ids.shape[1] + k], skip_special_tokens=True)
+                for row, k in zip(out, lengths.tolist())]
 
     return complete

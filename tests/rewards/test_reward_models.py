@@ -193,3 +193,18 @@ def test_bad_rows_give_exact_errors(tmp_path, kind, line, message):
         assert str(info.value).startswith(expected + " (")
     else:
         assert str(info.value) == expected
+
+
+def test_policy_completer_samples_n_continuations_of_the_prefix_reproducibly():
+    from cohortrl.models import load_model
+    from cohortrl.rewards.labels import policy_completer
+
+    model, tok = load_model("tiny-llama", seed=0)
+    model.eval()
+    first = policy_completer(model, tok, "What is 2 + 8?", max_new_tokens=5, seed=3)
+    again = policy_completer(model, tok, "What is 2 + 8?", max_new_tokens=5, seed=3)
+    outs = first("s1 = 2 + 8 = ", 4)
+    assert len(outs) == 4 and len(set(outs)) > 1  # sampled: the four continuations differ
+    assert outs == again("s1 = 2 + 8 = ", 4)  # seeded: the same four again
+    # continuations only: neither the prompt nor the prefix echoed back
+    assert not any("What is" in o or "s1 = 2 + 8" in o for o in outs)
