@@ -264,8 +264,8 @@ def names() -> list[str]:
 def credit_statements(completion: str, steps: list[Step], calculations: list[str], known: set[Fraction]) -> list[StepResult]:
     """Required steps credited from free-text arithmetic statements ``a op b = c`` instead of ``KEY = …`` lines
     (the rules are gsm8k's, module docstring of `cohortrl.tasks.gsm8k`): a statement counts if it is right,
-    grounded (each operand is in ``known`` or a result the response derived earlier), not an identity, not
-    contradicted (one left-hand side, one result) and among the first 2R + 2; each required step is matched
+    grounded (each operand is in ``known`` or a result the response derived earlier), not an identity (unless
+    the step's own calculation is one, as arithmetic's "0 + 2" can be), not contradicted (one left-hand side, one result) and among the first 2R + 2; each required step is matched
     to a distinct statement, first one writing the same calculation (``calculations[i]``), then any with the
     step's value. The verdicts before the commitment gate: callers apply it (``make_grade``) or not."""
     statements = find_statements(completion)[: 2 * len(steps) + 2]
@@ -278,7 +278,7 @@ def credit_statements(completion: str, steps: list[Step], calculations: list[str
         grounded = all(o in known for o in s.operands)
         if s.correct and grounded:
             known |= {s.written, abs(s.written)}  # operands are read without their sign
-        if s.correct and grounded and not s.trivial and len(results_by_lhs[s.lhs]) == 1 and s.lhs not in seen:
+        if s.correct and grounded and len(results_by_lhs[s.lhs]) == 1 and s.lhs not in seen:
             usable.append(s)
             seen.add(s.lhs)
     matched: dict[int, object] = {}
@@ -287,8 +287,9 @@ def credit_statements(completion: str, steps: list[Step], calculations: list[str
             if i in matched:
                 continue
             lhs = normalize_lhs(calculations[i])
-            match = next((s for s in usable if (s.lhs == lhs or not same_calculation) and rounds_to(s.exact, step.value)),
-                         None)
+            # An identity (0 + 2 = 2) restates a number: it counts only where the step's own calculation is it.
+            match = next((s for s in usable if (s.lhs == lhs if same_calculation else not s.trivial)
+                          and rounds_to(s.exact, step.value)), None)
             if match is not None:
                 matched[i] = match
                 usable.remove(match)

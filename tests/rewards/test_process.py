@@ -155,6 +155,13 @@ def test_statement_reading_credits_free_text_steps_and_resists_farming():
     gated = make_task_steps(read="statements")
     assert [s for s, _ in gated([sample.prompt], [honest], sample=rows)[0]] == [0.0, 0.0]
     assert [s for s, _ in gated([sample.prompt], [honest + "\nANSWER: 4"], sample=rows)[0]] == [1.0, 1.0]
+    # A step whose own calculation is an identity ("0 + 2") is credited by writing it; elsewhere identities earn nothing
+    zero = next(x for x in family.sample(200, seed=11, level=2) if x.extra["calculations"][1].startswith("0 + "))
+    assert [r.correct for r in family.grade_statements(zero, zero.reference_solution)] == [True, True]
+    # Every reference earns full statement credit (arithmetic levels 2-5)
+    for level in (2, 3, 4, 5):
+        for x in family.sample(300, seed=5, level=level):
+            assert all(r.correct for r in family.grade_statements(x, x.reference_solution)), x.reference_solution
     # Families whose steps carry units have no statement reading: a clear error, not zeros
     beam = tasks.get("beam_bending").sample(1, seed=0, level=1)[0]
     with pytest.raises(ValueError, match="not free-text statements"):
