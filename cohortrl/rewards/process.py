@@ -53,10 +53,13 @@ def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callabl
         for completion, s in zip(completions, sample):
             family = tasks.get(s["family"])
             problem = family.sample_from_dict(s)
-            grade = family.grade(problem, completion)
-            steps = grade.stated if read == "keyed" else family.grade_statements(problem, completion)
-            if require_commit and not grade.committed:
-                steps = [dataclasses.replace(step, correct=False) for step in steps]
+            if read == "keyed":
+                grade = family.grade(problem, completion)
+                steps = grade.steps if require_commit else grade.stated
+            else:  # the full grade only for its commitment flag, and only when the gate is on
+                steps = family.grade_statements(problem, completion)
+                if require_commit and not family.grade(problem, completion).committed:
+                    steps = [dataclasses.replace(step, correct=False) for step in steps]
             out.append([(1.0 if step.correct else 0.0, step.span) for step in steps])
         return out
 

@@ -160,7 +160,7 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
             break
         feed, positions = token.unsqueeze(-1), next_position + t
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-    return torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1), lengths.clamp(max=len(tokens)).cpu()
+    return torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1), lengths.cpu()
 
 
 def _sample(logits_BV: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -305,11 +305,11 @@ def response_logprobs(
     logp_N, entropy_N = _HeadLogProbs.apply(hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[real_N], linear.weight,
                                            linear.bias, response_ids.reshape(-1)[real_N], float(temperature or 1.0),
                                            chunk, with_entropy)
-    logp_BT = torch.zeros(response_ids.numel(), device=device).index_put((real_N,), logp_N).view(response_ids.shape)
-    entropy_BT = None
-    if with_entropy:
-        entropy_BT = torch.zeros(response_ids.numel(), device=device).index_put((real_N,), entropy_N).view(response_ids.shape)
-    return logp_BT, entropy_BT
+
+    def per_token(values_N):  # back to (B, T), 0 on the padding
+        return torch.zeros(response_ids.numel(), device=device).index_put((real_N,), values_N).view(response_ids.shape)
+
+    return per_token(logp_N), per_token(entropy_N) if with_entropy else None
 
 
 # Logits of at most this many bytes (fp32) exist at once in the chunked LM head: 32 MiB is 170 positions of
@@ -335,15 +335,10 @@ def _plain_lm_head(model):
     """(decoder, head) when the head is a plain ``nn.Linear`` on the decoder's last hidden state that we may
     apply ourselves; None under DDP or FSDP2 (their hooks belong to the wrapped model's own forward) or when the
     model changes its logits after the head (Gemma-2's soft-capping, Cohere's logit scale)."""
-    if hasattr(model, "module") or not hasattr(model, "get_decoder"):
-        return None
-    try:
-        from torch.distributed.fsdp import FSDPModule
+    from cohortrl.distributed import _fsdp_modules
 
-        if any(isinstance(m, FSDPModule) for m in model.modules()):
-            return None
-    except ImportError:  # torch built without distributed
-        pass
+    if hasattr(model, "module") or not hasattr(model, "get_decoder") or _fsdp_modules(model):
+        return None
     config = getattr(model, "config", None)
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
         return None
