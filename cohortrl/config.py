@@ -225,6 +225,10 @@ class AlgorithmConfig:
     PPO: the initial β of −β·KL in the per-token reward (InstructGPT used 0.02)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (Schulman): k3 is unbiased and non-negative."""
+    kl_in_reward: bool = False
+    """GRPO: put β·KL_t (π_old vs π_ref, ``kl_estimator``; k1 is the usual choice there) into the reward
+    instead of the loss, as PPO for RLHF does. Outcome estimators see r − β·Σ_t KL_t per response; token
+    estimators (reinforce_pp, REINFORCE++'s own definition) the per-token rewards. PPO always does this."""
     policy_loss: str = "clip"
     """Policy loss (registry name: clip, gspo)."""
     clip_low: float = 0.2
@@ -549,6 +553,10 @@ def validate(cfg: Config) -> None:
     )
     _require(a.prompts_per_step >= 1, "algorithm.prompts_per_step", a.prompts_per_step, "must be at least 1")
     _require(a.beta >= 0, "algorithm.beta", a.beta, "the KL coefficient must be >= 0 (0 disables the KL term)")
+    _require(not a.kl_in_reward or a.beta > 0, "algorithm.kl_in_reward", a.kl_in_reward,
+             "puts beta x KL into the reward, but algorithm.beta is 0; set beta > 0 or kl_in_reward: false")
+    _require(not a.kl_in_reward or a.name == "grpo", "algorithm.kl_in_reward", a.kl_in_reward,
+             "is GRPO's switch; PPO always puts the KL into its per-token reward (set kl_in_reward: false)")
     _require(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "must be in [0, 1) (the ratio is clipped at 1 - clip_low)")
     _require(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
     _require(

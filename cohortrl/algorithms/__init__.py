@@ -49,7 +49,7 @@ from cohortrl.algorithms.masked import (
     masked_sum,
     masked_whiten,
 )
-from cohortrl.algorithms.shaping import outcome_token_rewards, soft_overlong_penalty
+from cohortrl.algorithms.shaping import kl_shaped_rewards, outcome_token_rewards, soft_overlong_penalty
 
 __all__ = [
     # advantages
@@ -81,6 +81,7 @@ __all__ = [
     "aggregate",
     "AGGREGATION_MODES",
     # reward shaping
+    "kl_shaped_rewards",
     "outcome_token_rewards",
     "soft_overlong_penalty",
     # masked helpers

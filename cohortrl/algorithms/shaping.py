@@ -1,5 +1,5 @@
-"""Reward shaping that is pure tensor math: where an outcome reward sits among the tokens, and DAPO's soft
-overlong punishment.
+"""Reward shaping that is pure tensor math: where an outcome reward sits among the tokens, the KL penalty
+placed in the reward, and DAPO's soft overlong punishment.
 
 Shapes: N responses, T response tokens; ``response_mask`` (N, T).
 """
@@ -12,7 +12,7 @@ import torch
 
 from cohortrl.algorithms.masked import as_bool_mask, last_token_index
 
-__all__ = ["outcome_token_rewards", "soft_overlong_penalty"]
+__all__ = ["kl_shaped_rewards", "outcome_token_rewards", "soft_overlong_penalty"]
 
 
 def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -30,6 +30,22 @@ def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) ->
         rewards = rewards.to(torch.get_default_dtype())
     last_BT = torch.arange(mask.shape[-1], device=mask.device) == last_token_index(mask).unsqueeze(-1)
     return torch.where(last_BT, rewards.unsqueeze(-1), torch.zeros((), dtype=rewards.dtype, device=rewards.device))
+
+
+def kl_shaped_rewards(
+    rewards: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KL penalty placed in the reward rather than the loss. (N,), (N, T) → (N,), (N, T).
+
+    Per token, r_t = [t is the last response token]·r − β·KL_t (Ziegler et al. 2019; the PPO-for-RLHF reward,
+    ALGORITHMS.md); per response, the sum of those, r − β·Σ_t KL_t, which is what an outcome estimator
+    (GRPO's group normalisation) sees. ``kl`` is a per-token estimate from the sampling policy (detached:
+    a reward carries no gradient); padded slots are ignored. Returns (sequence rewards, token rewards).
+    """
+    mask = as_bool_mask(response_mask)
+    kl = torch.where(mask, kl.to(torch.get_default_dtype()), 0.0)
+    token_rewards = outcome_token_rewards(rewards, response_mask) - beta * kl
+    return rewards.to(token_rewards.dtype) - beta * kl.sum(-1), token_rewards
 
 
 def soft_overlong_penalty(

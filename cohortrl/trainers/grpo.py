@@ -5,14 +5,16 @@ What is GRPO's own, against PPO (``ppo.py``):
 * advantages come from the rewards of the G responses to the same prompt, through the registered estimator
   (grpo, grpo_batch, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline) — no critic;
 * the KL to the reference is a term of the loss, β·KL_t per token with the configured estimator (k3 by
-  default, eq. 4 of the paper), not a penalty in the reward.
+  default, eq. 4 of the paper), not a penalty in the reward — unless ``algorithm.kl_in_reward`` moves it
+  into the reward as PPO has it (r − β·Σ_t KL_t per response, measured on the sampling policy), for the
+  comparison of the two placements (docs/kl_placement.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-from cohortrl.algorithms import get_advantage_estimator, kl_penalty
+from cohortrl.algorithms import get_advantage_estimator, kl_penalty, kl_shaped_rewards, masked_mean, masked_sum
 from cohortrl.trainers.loop import RLTrainer, RunStateError, ScoredBatch, Targets, token_weights
 
 __all__ = ["GRPOTrainer", "RunStateError", "token_weights"]
@@ -24,8 +26,23 @@ class GRPOTrainer(RLTrainer):
     def _init_algorithm(self, model) -> None:
         self.estimator = get_advantage_estimator(self.cfg.algorithm.estimator)
 
+    def _needs_old_logp(self) -> bool:
+        # KL in the reward is measured on the policy that sampled, before the update: log π_old is needed.
+        return super()._needs_old_logp() or self._kl_in_reward()
+
+    def _kl_in_reward(self) -> bool:
+        return self.cfg.algorithm.kl_in_reward and self.reference is not None
+
     def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer) -> Targets:
         a, d = self.cfg.algorithm, self.dist
+        metrics, token_rewards = {}, None
+        if self._kl_in_reward():
+            # r_t = [last]·r − β·KL_t: a reward, so no gradient flows through it (π_old and π_ref are constants).
+            kl_BT = kl_penalty(old_logp, ref_logp, a.kl_estimator)
+            rewards_B, token_rewards = kl_shaped_rewards(rewards_B, kl_BT, batch.rollout.response_mask, a.beta)
+            kl_all, mask_all = d.gather_rows(kl_BT), d.gather_rows(batch.rollout.response_mask)
+            metrics = {"kl_reward_per_response": masked_sum(kl_all, mask_all, dim=-1).mean().item(),
+                       "kl_reward_token_mean": masked_mean(kl_all, mask_all).item()}
         # The estimator sees the whole batch (every rank's groups under torchrun): batch-level statistics
         # (grpo_batch's std, REINFORCE++ whitening) are global; each rank keeps its own rows.
         response_mask = batch.rollout.response_mask
@@ -34,16 +51,20 @@ class GRPOTrainer(RLTrainer):
         if batch.step_rewards is not None:  # process supervision: step rewards and where each step ends
             steps = dict(step_rewards=d.gather_list(batch.step_rewards), step_ends=d.gather_list(batch.step_ends),
                          credit=process.credit, process_coef=process.coef)
+        if token_rewards is not None:
+            steps["token_rewards"] = d.gather_rows(token_rewards)
         advantages_all = self.estimator(
             rewards=d.gather_rows(rewards_B), response_mask=d.gather_rows(response_mask), group_size=a.group_size,
             eps=a.eps, **steps,
         )
         advantages_BT = d.local_rows(advantages_all, a.group_size, response_mask.shape[1])
-        return Targets(advantages_BT, old_logp, ref_logp)
+        return Targets(advantages_BT, old_logp, ref_logp, metrics=metrics)
 
     def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
         """β·KL(π_θ ‖ π_ref) per token (arXiv 2402.03300, eq. 3-4); with β = 0 there is no reference and KL is 0."""
         if targets.ref_logp is None:
             return None, {"kl": torch.zeros_like(logp)}
         kl_BT = kl_penalty(logp, targets.ref_logp[rows].to(logp.device), self.cfg.algorithm.kl_estimator)
+        if self._kl_in_reward():  # already in the advantages; logged here as the current policy's KL
+            return None, {"kl": kl_BT.detach()}
         return self.cfg.algorithm.beta * kl_BT, {"kl": kl_BT}

@@ -355,6 +355,9 @@ class RLTrainer:
             **targets.metrics,
             **step_metrics,
             "response_length_mean": lengths.mean().item(),
+            # Split by outcome (correct at >= 1, as evaluation counts it): the length biases of per-sequence
+            # normalisation (Dr. GRPO, arXiv 2503.20783) show as incorrect responses growing longer.
+            **_lengths_by_outcome(lengths, per_fn[self.correctness.name]),
             "response_length_max": lengths.max().item(),
             "truncation_rate": counts["truncated"] / len(lengths),
             **stats,
@@ -846,6 +849,14 @@ def _std(values: list) -> float | None:
     """Sample std of the values a reward function returned (None where it did not apply)."""
     vals = torch.tensor([v for v in values if v is not None])
     return vals.std().item() if len(vals) > 1 else None
+
+
+def _lengths_by_outcome(lengths: torch.Tensor, correctness: list) -> dict:
+    """Mean response length of the correct and of the incorrect responses (None where there are none)."""
+    correct = [c is not None and c >= 1.0 for c in correctness]
+    right = [float(n) for n, c in zip(lengths.tolist(), correct) if c]
+    wrong = [float(n) for n, c in zip(lengths.tolist(), correct) if not c]
+    return {"response_length_correct_mean": _mean(right), "response_length_incorrect_mean": _mean(wrong)}
 
 
 def _masked_total(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:

@@ -1,4 +1,4 @@
-"""DAPO's soft overlong punishment."""
+"""DAPO's soft overlong punishment; the KL penalty placed in the reward."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cohortrl.algorithms import soft_overlong_penalty
+from cohortrl.algorithms import kl_shaped_rewards, soft_overlong_penalty
 
 from .helpers import FAST
 
@@ -33,3 +33,16 @@ def test_soft_overlong_penalty_is_monotone_and_bounded(max_length, data):
     assert ((got <= 0) & (got >= -1)).all()
     assert (got[1:] <= got[:-1]).all()  # longer is never rewarded more
     assert (got[lengths <= max_length - cache_length] == 0).all() and (got[lengths > max_length] == -1).all()
+
+
+def test_kl_shaped_rewards_hand_worked():
+    # β = 0.5; response 0 has three tokens with KL .1 .2 .3, response 1 one token with KL .5 (then padding,
+    # whose KL values are garbage and must be ignored).
+    #   sequence: 1 − .5·(.1 + .2 + .3) = .7;   0 − .5·.5 = −.25
+    #   tokens:   [−.05, −.1, 1 − .15 = .85];   [−.25, 0, 0]
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.5, 99.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    seq, tok = kl_shaped_rewards(torch.tensor([1, 0]), kl, mask, beta=0.5)
+    torch.testing.assert_close(seq, torch.tensor([0.7, -0.25]))
+    torch.testing.assert_close(tok, torch.tensor([[-0.05, -0.1, 0.85], [-0.25, 0.0, 0.0]]))
+    torch.testing.assert_close(tok.sum(-1), seq)  # one reward, two placements

@@ -1,12 +1,17 @@
-"""GRPO options not covered by the estimator matrix: truncation masking, stop strings, the resample bound."""
+"""GRPO options not covered by the estimator matrix: truncation masking, stop strings, the resample bound, the KL
+penalty in the reward."""
 
 import logging
 
+import pytest
 import torch
 
+from cohortrl.algorithms import group_advantages
+from cohortrl.config import ConfigError
 from cohortrl.models import load_model
 from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.trainers.grpo import GRPOTrainer
+from cohortrl.trainers.metrics import PhaseTimer
 from tests.trainers.test_grpo import tiny_config
 
 
@@ -41,3 +46,49 @@ def test_resample_stops_at_its_bound_and_warns(tmp_path, addition_jsonl, caplog)
         row = GRPOTrainer(cfg, tmp_path).train()[0]
     assert row["resample_draws"] == 2 and row["zero_variance_frac"] == 1.0
     assert "only 0 informative group(s) of 2 after 2 extra draws" in caplog.text
+
+
+def test_kl_in_reward_moves_the_penalty_from_the_loss_into_the_group_normalised_reward(tmp_path, addition_jsonl):
+    beta = 0.5
+    cfg = tiny_config(addition_jsonl, algorithm={"beta": beta, "kl_in_reward": True, "kl_estimator": "k1"}, train={"steps": 1})
+    trainer = GRPOTrainer(cfg, tmp_path)
+    trainer.train()  # one update: the policy now differs from the reference, so the KL is not 0
+    batch = trainer._sample_and_score(PhaseTimer())
+    rollout, mask = batch.rollout, batch.rollout.response_mask
+    ids, attn = rollout.input_ids(), rollout.attention_mask()
+    with torch.no_grad(), trainer.reference() as ref_model:
+        ref_logp = trainer._logprobs(ref_model, ids, attn, rollout.response_ids)
+    with torch.no_grad():
+        old_logp = trainer._logprobs(trainer.model, ids, attn, rollout.response_ids)
+    rewards = torch.tensor(batch.rewards)
+    targets = trainer._targets(batch, rewards, mask, ref_logp, old_logp, PhaseTimer())
+
+    # by hand: k1 = log π_old − log π_ref summed over each response, r' = r − β·Σ k1, GRPO over groups of 4
+    kl_sum = ((old_logp - ref_logp) * mask).sum(-1)
+    assert kl_sum.abs().max() > 1e-3, "the update did not move the policy; the test would not see the KL"
+    expected = group_advantages(rewards - beta * kl_sum, 4, "group", cfg.algorithm.eps)
+    torch.testing.assert_close(targets.advantages, expected.unsqueeze(-1) * mask)
+    assert targets.metrics["kl_reward_per_response"] == pytest.approx(kl_sum.mean().item(), rel=1e-5)
+
+    # ... and the loss has no KL term left (the KL is still logged)
+    logp = old_logp.clone().requires_grad_()
+    extra, logged = trainer._extra_loss(torch.arange(len(mask)), mask, logp, ids, attn, targets)
+    assert extra is None and "kl" in logged
+    step = [r for r in trainer.train(2) if "loss" in r][-1]
+    assert step["kl_reward_per_response"] != 0 and torch.isfinite(torch.tensor(step["loss"]))
+
+
+def test_kl_in_reward_is_refused_where_it_means_nothing(addition_jsonl):
+    with pytest.raises(ConfigError, match="kl_in_reward"):
+        tiny_config(addition_jsonl, algorithm={"beta": 0.0, "kl_in_reward": True})
+    with pytest.raises(ConfigError, match="kl_in_reward"):
+        tiny_config(addition_jsonl, algorithm={"name": "ppo", "group_size": 1, "kl_in_reward": True})
+
+
+def test_response_lengths_are_logged_by_outcome(tmp_path, addition_jsonl):
+    row = GRPOTrainer(tiny_config(addition_jsonl, fn="starts_with_letter", train={"steps": 1}), tmp_path).train()[0]
+    right, wrong = row["response_length_correct_mean"], row["response_length_incorrect_mean"]
+    assert right is not None or wrong is not None
+    n_right = round(row["accuracy"] * 8)  # 0/1 reward: the accuracy counts the correct responses
+    parts = [(right or 0.0) * n_right, (wrong or 0.0) * (8 - n_right)]
+    assert sum(parts) / 8 == pytest.approx(row["response_length_mean"])
