@@ -118,7 +118,7 @@ def cmd_report(args) -> int:
     (OUT.png) and a summary table (OUT.md)."""
     from cohortrl.trainers.report import write_report
 
-    for path in write_report([Path(d) for d in args.run_dirs], Path(args.out), last_k=args.last_k):
+    for path in write_report([Path(d) for d in args.run_dirs], Path(args.out), last_k=args.last_k, panels=args.panels):
         print(path)
     return 0
 
@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
     p.add_argument("--out", required=True, help="output path without suffix, e.g. docs/process_rewards_smollm2")
     p.add_argument("--last-k", type=int, default=5, help="mean reward over the last K training steps (default 5)")
+    p.add_argument("--panels", nargs="+", metavar="KEY", help="step metrics to plot and tabulate (first and last K "
+                   "steps) instead of the step-reward detectors, e.g. kl response_length_incorrect_mean")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("plan", help="memory per GPU and time per step of PPO vs GRPO",

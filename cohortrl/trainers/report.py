@@ -3,7 +3,9 @@
 
 Writes ``NAME.png`` (held-out accuracy with its 95% interval, reward, and the step-reward hacking detectors
 per step, one line per run) and ``NAME.md`` (a summary table, one row per run). Every number in the table is
-computed from the files: nothing is estimated.
+computed from the files: nothing is estimated. ``--panels KEY...`` plots other logged step metrics instead of
+the detectors (e.g. ``kl response_length_correct_mean``), and the table then gives each one's mean over the
+first and over the last K steps.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def _mean(values: list) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def summarise(run_dir: Path, last_k: int = 5) -> dict:
-    """The numbers of one run's summary row (None where the run did not log them)."""
+def summarise(run_dir: Path, last_k: int = 5, keys: list[str] | None = None) -> dict:
+    """The numbers of one run's summary row (None where the run did not log them). ``keys``: step metrics
+    summarised as (mean over the first ``last_k`` steps, mean over the last ``last_k``)."""
     rows = read_metrics(run_dir)
     train = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
@@ -43,6 +46,8 @@ def summarise(run_dir: Path, last_k: int = 5) -> dict:
     out["reward_last_k"] = _mean([r["reward_mean"] for r in train[-last_k:]])
     for key in DETECTORS:
         out[key] = _mean([r.get(key) for r in train])
+    for key in keys or []:
+        out[key] = (_mean([r.get(key) for r in train[:last_k]]), _mean([r.get(key) for r in train[-last_k:]]))
     out["wall_s"] = sum(r.get("time/step", 0.0) for r in train)
     config = Path(run_dir) / "config.yaml"
     out["responses"] = None
@@ -65,21 +70,23 @@ def _acc(entry) -> str:
     return f"{acc:.3f}{ci} @{step}"
 
 
-def markdown_table(summaries: list[dict], last_k: int) -> str:
+def markdown_table(summaries: list[dict], last_k: int, keys: list[str] | None = None) -> str:
+    middle = [f"{k}, first → last {last_k} steps" for k in keys] if keys else [
+        "steps/response", "unique-step ratio", "step–outcome r", "step-reward share"]
     head = ["run", "steps", "held-out acc. at start (95% CI) @step", "final", "best", f"reward, last {last_k} steps",
-            "steps/response", "unique-step ratio", "step–outcome r", "step-reward share", "train wall s",
-            "responses sampled"]
+            *middle, "train wall s", "responses sampled"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
+        columns = [f"{_num(s[k][0])} → {_num(s[k][1])}" for k in keys] if keys else [_num(s[k]) for k in DETECTORS]
         cells = [s["name"], str(s["steps"]), _acc(s.get("start")), _acc(s.get("final")), _acc(s.get("best")),
-                 _num(s["reward_last_k"]), *(_num(s[k]) for k in DETECTORS), _num(s["wall_s"], ".1f"),
-                 _num(s["responses"], "d")]
+                 _num(s["reward_last_k"]), *columns, _num(s["wall_s"], ".1f"), _num(s["responses"], "d")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def write_report(run_dirs: list[Path], out: Path, last_k: int = 5) -> tuple[Path, Path]:
-    """``out.png`` and ``out.md`` for ``run_dirs`` (``out`` without its suffix); returns both paths."""
+def write_report(run_dirs: list[Path], out: Path, last_k: int = 5, panels: list[str] | None = None) -> tuple[Path, Path]:
+    """``out.png`` and ``out.md`` for ``run_dirs`` (``out`` without its suffix); returns both paths.
+    ``panels``: step metrics to plot (after held-out accuracy and reward) instead of the hacking detectors."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,13 +97,15 @@ def write_report(run_dirs: list[Path], out: Path, last_k: int = 5) -> tuple[Path
     out = out.with_suffix("") if out.suffix in (".md", ".png") else out
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
+    chosen = [("reward_mean", "reward (mean)"), *((k, k) for k in panels)] if panels else PANELS
+    n_rows = (len(chosen) + 1 + 2) // 3
+    fig, axes = plt.subplots(n_rows, 3, figsize=(14, 3.75 * n_rows), squeeze=False)
     colours = [f"C{i % 10}" for i in range(len(runs))]  # one colour per run on every panel
     ax = axes.flat[0]
     for (run_dir, rows), colour in zip(runs, colours):
         plot_accuracy(ax, [r for r in rows if "eval/accuracy" in r], "eval/accuracy", run_dir.name, color=colour)
     ax.set_title("held-out accuracy (greedy, 95% CI)")
-    for ax, (key, title) in zip(axes.flat[1:], PANELS):
+    for ax, (key, title) in zip(axes.flat[1:], chosen):
         for (run_dir, rows), colour in zip(runs, colours):
             pts = [(r["step"], r[key]) for r in rows if "reward_mean" in r and r.get(key) is not None]
             if pts:
@@ -111,15 +120,20 @@ def write_report(run_dirs: list[Path], out: Path, last_k: int = 5) -> tuple[Path
     fig.savefig(png, dpi=90)
     plt.close(fig)
 
-    summaries = [summarise(d, last_k) for d, _ in runs]
+    for ax in axes.flat[len(chosen) + 1:]:
+        ax.set_visible(False)
+    summaries = [summarise(d, last_k, panels) for d, _ in runs]
     md = out.with_suffix(".md")
     dirs = " ".join(str(d) for d, _ in runs)
     md.write_text(
-        f"# {out.name}\n\n![curves]({png.name})\n\n{markdown_table(summaries, last_k)}\n\n"
+        f"# {out.name}\n\n![curves]({png.name})\n\n{markdown_table(summaries, last_k, panels)}\n\n"
         "Held-out accuracy: greedy, on the run's held-out prompts, with the Wilson 95% interval, at the step "
-        "shown. Detector columns: means over all training steps (– where not logged). Train wall s: the "
+        "shown. " + (f"Metric columns: mean over the first and over the last {last_k} training steps (– where not "
+                     "logged). " if panels else "Detector columns: means over all training steps (– where not logged). ")
+        + "Train wall s: the "
         "training steps' time (evaluations excluded). Responses sampled: every response generated for "
         "training, resampled draws included.\n\n"
-        f"Regenerate: `cohortrl report {dirs} --out {out}" + (f" --last-k {last_k}" if last_k != 5 else "") + "`\n"
+        f"Regenerate: `cohortrl report {dirs} --out {out}" + (f" --last-k {last_k}" if last_k != 5 else "")
+        + (f" --panels {' '.join(panels)}" if panels else "") + "`\n"
     )
     return png, md

@@ -65,3 +65,19 @@ def test_a_run_without_evaluations_or_config_still_summarises(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps(train_row(1, 0.3)) + "\n")
     s = summarise(run)
     assert s["steps"] == 1 and s["reward_last_k"] == 0.3 and s["responses"] is None and "final" not in s
+
+
+def test_report_panels_tabulate_chosen_metrics_first_and_last_steps(tmp_path):
+    run = tmp_path / "grpo"
+    write_run(run, [train_row(s, 0.1 * s, kl=0.01 * s, response_length_incorrect_mean=None if s == 1 else 10.0 * s)
+                    for s in range(1, 6)])
+    out = tmp_path / "docs" / "study"
+    assert main(["report", str(run), "--out", str(out), "--last-k", "2", "--panels", "kl",
+                 "response_length_incorrect_mean"]) == 0
+    md = (tmp_path / "docs" / "study.md").read_text()
+    assert "| kl, first → last 2 steps | response_length_incorrect_mean, first → last 2 steps |" in md
+    # kl: steps 1-2 → (.01 + .02) / 2 = .015; steps 4-5 → .045. Length: step 1 not logged → 20.0; (40 + 50) / 2 = 45
+    row = next(line for line in md.splitlines() if line.startswith("| grpo"))
+    assert "| 0.015 → 0.045 | 20.000 → 45.000 |" in row
+    assert "--panels kl response_length_incorrect_mean`" in md
+    assert (tmp_path / "docs" / "study.png").stat().st_size > 10_000
