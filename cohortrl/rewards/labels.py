@@ -238,6 +238,30 @@ def gym_step_examples(family_name: str, n: int, seed: int = 0, level: int = 2, p
     return out
 
 
+def gym_pair_examples(family_name: str, n: int, seed: int = 0, level: int = 2, tries: int = 8) -> list[PairExample]:
+    """``n`` Bradley–Terry pairs, one per gym problem (deterministic in the arguments): chosen is the reference
+    solution, rejected a perturbation of it (one step's value made wrong, carried forward). The family's
+    grader confirms the order: the reference's outcome is 1 and the perturbation's 0. The two differ only
+    where the slip is, so the pair isolates the signal an ORM must learn."""
+    from cohortrl import tasks
+
+    family = tasks.get(family_name)
+    rng = random.Random(f"gym-pairs/{family_name}/{seed}/{level}")
+    out = []
+    for sample in family.sample(n, seed=seed, level=level):
+        if family.grade(sample, sample.reference_solution).outcome != 1.0:
+            raise ValueError(f"{sample.id}: the reference solution does not grade as correct; the task family is broken")
+        for _ in range(tries):
+            rejected, _ = perturb_reference(family, sample, rng)
+            if family.grade(sample, rejected).outcome == 0.0:
+                out.append(PairExample(sample.prompt, sample.reference_solution, rejected))
+                break
+        else:
+            raise ValueError(f"{sample.id}: {tries} perturbations of the reference all still grade as correct, so "
+                             "there is no wrong response to pair it with")
+    return out
+
+
 def as_pointwise(examples: list[StepExample]) -> list[PointExample]:
     """ORM data from step data: the whole response, labelled by its outcome."""
     return [PointExample(e.prompt, "\n".join(e.steps), e.outcome if e.outcome is not None else min(e.labels))

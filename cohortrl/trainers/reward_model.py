@@ -158,7 +158,9 @@ class RewardModelConfig:
     data: str = "task:arithmetic"
     """A JSONL file, or task:FAMILY for labels from the gym's graders (perturbed reference solutions)."""
     data_kind: Literal["pointwise", "pairs", "steps"] = "steps"
-    """Row type of a JSONL file; with task:FAMILY a PRM uses steps and an ORM pointwise outcomes."""
+    """Row type of a JSONL file. With task:FAMILY a PRM uses steps, and an ORM pointwise outcomes or, with
+    ``pairs``, Bradley–Terry pairs (the reference against a perturbation of it); either ORM is evaluated on the
+    same held-out pointwise outcomes (accuracy, AUROC), the pairs one on held-out pairs too."""
     level: int = 3
     """With task:FAMILY: the difficulty level."""
     n_train: int = 512
@@ -202,12 +204,14 @@ def load_rm_config(source: str | None, overrides: list[str]) -> RewardModelConfi
 
 def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
     """(train, held-out) examples for ``cfg``."""
-    from cohortrl.rewards.labels import as_pointwise, gym_step_examples, load_jsonl
+    from cohortrl.rewards.labels import as_pointwise, gym_pair_examples, gym_step_examples, load_jsonl
 
     if cfg.data.startswith("task:"):
         family = cfg.data.removeprefix("task:")
-        train = gym_step_examples(family, cfg.n_train, seed=cfg.seed, level=cfg.level)
         held = gym_step_examples(family, cfg.n_eval, seed=cfg.seed + 10_000, level=cfg.level)
+        if cfg.kind == "orm" and cfg.data_kind == "pairs":
+            return gym_pair_examples(family, cfg.n_train, seed=cfg.seed, level=cfg.level), as_pointwise(held)
+        train = gym_step_examples(family, cfg.n_train, seed=cfg.seed, level=cfg.level)
         if cfg.kind == "orm":
             train, held = as_pointwise(train), as_pointwise(held)
         return train, held
@@ -244,5 +248,10 @@ def train_reward_model(cfg: RewardModelConfig) -> dict:
         summary["held_out"] = evaluate_orm(model, tokenizer, held, max_length=cfg.max_length)
     elif held:
         summary["held_out"] = evaluate_pairs(model, tokenizer, held, max_length=cfg.max_length)
+    if cfg.kind == "orm" and cfg.data.startswith("task:") and cfg.data_kind == "pairs":
+        from cohortrl.rewards.labels import gym_pair_examples
+
+        pairs = gym_pair_examples(cfg.data.removeprefix("task:"), cfg.n_eval, seed=cfg.seed + 10_000, level=cfg.level)
+        summary["held_out_pairs"] = evaluate_pairs(model, tokenizer, pairs, max_length=cfg.max_length)
     (out / "train_rm.json").write_text(json.dumps({**summary, "losses": losses}, indent=1))
     return summary

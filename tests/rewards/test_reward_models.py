@@ -15,6 +15,7 @@ from cohortrl.rewards.labels import (
     PairExample,
     PointExample,
     StepExample,
+    gym_pair_examples,
     gym_step_examples,
     load_jsonl,
     math_shepherd_labels,
@@ -92,6 +93,26 @@ def test_gym_labels_are_deterministic_and_keep_some_references():
     gsm8k = tasks.get("gsm8k")
     with pytest.raises(ValueError, match="not 'KEY = ... = value' lines"):
         perturb_reference(gsm8k, gsm8k.sample(1, level=1)[0], random.Random(0))
+
+
+def test_gym_pairs_put_the_reference_above_a_perturbation_the_grader_fails():
+    family = tasks.get("arithmetic")
+    pairs = gym_pair_examples("arithmetic", 30, seed=2, level=3)
+    assert pairs == gym_pair_examples("arithmetic", 30, seed=2, level=3)
+    for pair, sample in zip(pairs, family.sample(30, seed=2, level=3)):
+        assert pair.prompt == sample.prompt and pair.chosen == sample.reference_solution
+        assert family.grade(sample, pair.rejected).outcome == 0.0 and pair.rejected != pair.chosen
+
+
+def test_train_rm_on_gym_pairs_reports_pointwise_and_pair_held_out_numbers(tmp_path):
+    from cohortrl.cli import main
+
+    out = tmp_path / "orm"
+    assert main(["train-rm", "kind=orm", "data_kind=pairs", "level=2", "steps=2", "n_train=8", "n_eval=24",
+                 "batch_size=2", f"out={out}"]) == 0
+    summary = json.loads((out / "train_rm.json").read_text())
+    assert summary["n_train"] == 8 and summary["held_out"]["n"] == 24 and summary["held_out_pairs"]["n_pairs"] == 24
+    assert 0.0 <= summary["held_out"]["auroc"] <= 1.0
 
 
 # ------------------------------------------------------------------------------------------- Math-Shepherd
