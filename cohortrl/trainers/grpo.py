@@ -7,7 +7,7 @@ What is GRPO's own, against PPO (``ppo.py``):
 * the KL to the reference is a term of the loss, β·KL_t per token with the configured estimator (k3 by
   default, eq. 4 of the paper), not a penalty in the reward — unless ``algorithm.kl_in_reward`` moves it
   into the reward as PPO has it (r − β·Σ_t KL_t per response, measured on the sampling policy), for the
-  comparison of the two placements (docs/kl_placement.md).
+  comparison of the two placements (docs/grpo_variants.md).
 """
 
 from __future__ import annotations
