@@ -11,6 +11,7 @@ import random
 from collections import Counter
 
 from cohortrl.rewards.labels import PairExample, PointExample, StepExample
+from cohortrl.trainers.metrics import wilson_interval
 
 
 def auroc(scores: list[float], labels: list[float]) -> float:
@@ -40,6 +41,24 @@ def auroc(scores: list[float], labels: list[float]) -> float:
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
+def auroc_interval(a: float, n_pos: int, n_neg: int, z: float = 1.96) -> tuple[float, float]:
+    """Approximate 95% interval for an AUROC of ``a`` from n_pos positives and n_neg negatives: a ± z·SE with
+    Hanley & McNeil's (1982) SE² = [A(1 − A) + (n_pos − 1)(Q1 − A²) + (n_neg − 1)(Q2 − A²)] / (n_pos·n_neg),
+    Q1 = A / (2 − A), Q2 = 2A² / (1 + A); clipped to [0, 1]. It tells "beats chance" (the interval excludes
+    0.5) from noise on a few hundred held-out labels; the formula assumes smooth score distributions."""
+    if n_pos == 0 or n_neg == 0 or math.isnan(a):
+        return (float("nan"), float("nan"))
+    q1, q2 = a / (2 - a), 2 * a * a / (1 + a)
+    se = math.sqrt(max(0.0, a * (1 - a) + (n_pos - 1) * (q1 - a * a) + (n_neg - 1) * (q2 - a * a)) / (n_pos * n_neg))
+    return (max(0.0, a - z * se), min(1.0, a + z * se))
+
+
+def _auroc_with_interval(scores: list[float], labels: list[float]) -> dict:
+    a = auroc(scores, labels)
+    n_pos = sum(y >= 0.5 for y in labels)
+    return {"auroc": a, "auroc_ci95": auroc_interval(a, n_pos, len(labels) - n_pos)}
+
+
 def accuracy_at_half(probs: list[float], labels: list[float]) -> float:
     """Fraction of predictions on the right side of 0.5."""
     return sum((p >= 0.5) == (y >= 0.5) for p, y in zip(probs, labels)) / len(labels)
@@ -56,7 +75,7 @@ def evaluate_prm(model, tokenizer, examples: list[StepExample], max_length: int 
                 probs.append(p)
                 labels.append(y)
     majority = sum(y >= 0.5 for y in labels) / len(labels)
-    return {"n_steps": len(labels), "step_accuracy": accuracy_at_half(probs, labels), "auroc": auroc(probs, labels),
+    return {"n_steps": len(labels), "step_accuracy": accuracy_at_half(probs, labels), **_auroc_with_interval(probs, labels),
             "majority_baseline": max(majority, 1 - majority)}
 
 
@@ -69,7 +88,7 @@ def evaluate_orm(model, tokenizer, examples: list[PointExample], max_length: int
     labels = [e.label for e in examples]
     majority = sum(y >= 0.5 for y in labels) / len(labels)
     return {"n": len(labels), "accuracy": accuracy_at_half([1 / (1 + math.exp(-s)) for s in scores], labels),
-            "auroc": auroc(scores, labels), "majority_baseline": max(majority, 1 - majority)}
+            **_auroc_with_interval(scores, labels), "majority_baseline": max(majority, 1 - majority)}
 
 
 def evaluate_pairs(model, tokenizer, examples: list[PairExample], max_length: int = 512) -> dict:
@@ -79,7 +98,9 @@ def evaluate_pairs(model, tokenizer, examples: list[PairExample], max_length: in
     prompts = [e.prompt for e in examples]
     chosen = orm_scores(model, tokenizer, prompts, [e.chosen for e in examples], max_length=max_length)
     rejected = orm_scores(model, tokenizer, prompts, [e.rejected for e in examples], max_length=max_length)
-    return {"n_pairs": len(examples), "pair_accuracy": sum(c > r for c, r in zip(chosen, rejected)) / len(examples)}
+    wins = sum(c > r for c, r in zip(chosen, rejected))
+    return {"n_pairs": len(examples), "pair_accuracy": wins / len(examples),
+            "pair_accuracy_ci95": wilson_interval(wins, len(examples))}  # chance is 0.5
 
 
 # ---------------------------------------------------------------------------------------------------- best of N

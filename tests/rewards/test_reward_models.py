@@ -23,7 +23,7 @@ from cohortrl.rewards.labels import (
     response_steps,
 )
 from cohortrl.rewards.models import encode_steps, load_prm, prm_step_scores, step_char_ends, token_containing
-from cohortrl.rewards.rm_eval import auroc
+from cohortrl.rewards.rm_eval import auroc, auroc_interval
 from cohortrl.trainers.reward_model import bradley_terry_loss, build_reward_model, train_on
 
 
@@ -37,6 +37,16 @@ def test_auroc_hand_worked():
     assert auroc([0.5, 0.5, 0.2], [1, 0, 0]) == 0.75
     assert auroc([3, 2, 1], [1, 1, 0]) == 1.0 and auroc([1, 2, 3], [1, 1, 0]) == 0.0
     assert math.isnan(auroc([0.2, 0.3], [1, 1]))
+
+
+def test_auroc_interval_hand_worked():
+    # A = .75, 2 positives, 2 negatives: Q1 = .75/1.25 = .6, Q2 = 2·.5625/1.75 = .642857;
+    # SE² = [.1875 + (.6 − .5625) + (.642857 − .5625)] / 4 = .076339, SE = .276295; .75 ± 1.96·SE, clipped
+    lo, hi = auroc_interval(0.75, 2, 2)
+    assert lo == pytest.approx(0.75 - 1.96 * 0.276295, abs=1e-5) and hi == 1.0
+    lo, hi = auroc_interval(0.6, 200, 300)  # narrower with more labels, and it excludes 0.5 here
+    assert 0.5 < lo < 0.6 < hi < 0.7
+    assert all(math.isnan(x) for x in auroc_interval(0.7, 0, 5))
 
 
 # ------------------------------------------------------------------------------------------- step ends
