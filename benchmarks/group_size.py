@@ -11,14 +11,15 @@ a run's first step sees it), on the gym's arithmetic level 1, at the training te
    over the LoRA parameters (dropout off). At the first step of on-policy GRPO the ratio is 1, no clipping
    binds and the k3 KL term has zero gradient (π_θ = π_ref), so a step's gradient is exactly
    g = (1/(P·G)) Σ_i A_i h_i with A_i the group-normalised advantage (seq-mean-token-mean aggregation). A
-   draw picks P prompts from the pool (without replacement) and G of each prompt's responses (with
-   replacement: the pool stands for the policy's distribution). Over ``--draws`` draws per setting:
+   draw picks P prompts from the pool and G of each prompt's responses, both with replacement: the pool
+   stands for the task's prompts and the policy's responses, so a draw's prompt-sampling variance scales as 1/P
+   at every P (drawing all K pool prompts without replacement would have none). Over ``--draws`` draws per setting:
    tr Cov(g) (the summed variance of the gradient's coordinates), ‖E g‖², their ratio (signal-to-noise: how
    many steps' noise equals one step's signal) and the cosine of each g to the pool's full gradient g* (all S
    responses of all K prompts, A from each prompt's S). Everything is computed from the Gram matrix
    H Hᵀ of the per-response gradients: g·g' = wᵀ (H Hᵀ) w'.
 3. **Rollout latency** of one step's generation (P prompts x G responses, each prompt prefilled once for its
-   group), the median of ``--repeats`` timings.
+   group), the median of ``--repeats`` timings of each distinct (P, G).
 
 Two regimes for 2 and 3: equal total responses (P·G = ``--responses``, P = responses / G) and equal prompts per
 step (P = ``--prompts-per-step``, P·G grows with G).
@@ -69,13 +70,13 @@ def draw_weights(correct_KS: torch.Tensor, prompts: int, group_size: int, draws:
     zero-variance groups (draws,).
 
     ``correct_KS`` (K, S): the pool's rewards, S responses for each of K prompts (response k·S + s has
-    gradient h_{k·S+s}). A draw takes ``prompts`` distinct prompts and ``group_size`` responses of each (with
-    replacement); w_i = A_i / (P·G) summed over the times response i was drawn, A from ``group_advantages``
+    gradient h_{k·S+s}). A draw takes ``prompts`` prompts and ``group_size`` responses of each, both with
+    replacement (a prompt drawn twice is two groups); w_i = A_i / (P·G) summed over the times response i was drawn, A from ``group_advantages``
     (the trainer's GRPO estimator: group mean and std)."""
     K, S = correct_KS.shape
     if prompts > K:
         raise ValueError(f"{prompts} prompts per draw but the pool has {K}; sample a larger pool (--pool-prompts)")
-    chosen_RP = torch.stack([torch.randperm(K, generator=generator)[:prompts] for _ in range(draws)])
+    chosen_RP = torch.randint(K, (draws, prompts), generator=generator)
     picks_RPG = torch.randint(S, (draws, prompts, group_size), generator=generator)
     rewards = correct_KS[chosen_RP.unsqueeze(-1), picks_RPG]  # (R, P, G)
     adv = group_advantages(rewards.reshape(-1).double(), group_size, "group", eps).view(draws, prompts, group_size)
@@ -220,6 +221,28 @@ def plot(path: Path, groups, zero_rows, grad_rows, latency, rates, correct_lists
     plt.close(fig)
 
 
+def measure(args) -> dict:
+    """Everything that needs the model: the pool's rewards, the Gram matrix of its per-response gradients and
+    the generation timings. With ``--cache`` they are saved there, and read back instead of measured again
+    when the file exists (to re-analyse or re-plot without 10 minutes of CPU)."""
+    if args.cache and Path(args.cache).is_file():
+        return torch.load(args.cache)
+    model, tokenizer, rows = build(args)
+    rollout, correct, H, n_params, grad_s = sample_pool(model, tokenizer, rows, args)
+    gram = (H @ H.T).double()  # (K·S, K·S): every statistic needs only these inner products
+    del H
+    time_generation(model, tokenizer, rows, 1, 2, argparse.Namespace(**{**vars(args), "repeats": 1}))  # warm-up
+    latency = {}
+    for _, P, g in settings(args):
+        if (P, g) not in latency:  # the regimes share (P, G) = (prompts-per-step, responses / prompts-per-step)
+            latency[(P, g)] = time_generation(model, tokenizer, rows, P, g, args)
+    measured = {"correct": correct, "gram": gram, "mean_length": rollout.lengths.float().mean().item(),
+                "n_params": n_params, "grad_s": grad_s, "latency": latency}
+    if args.cache:
+        torch.save(measured, args.cache)
+    return measured
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -230,28 +253,27 @@ def main() -> None:
     parser.add_argument("--responses", type=int, default=32, help="P·G in the equal-responses regime")
     parser.add_argument("--prompts-per-step", type=int, default=4, help="P in the equal-prompts regime")
     parser.add_argument("--draws", type=int, default=4000, help="draws per setting for the gradient statistics")
-    parser.add_argument("--repeats", type=int, default=2, help="timings per latency setting (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timings per latency setting (median)")
+    parser.add_argument("--cache", help="save what needs the model here (a .pt file), or read it if it exists")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--out", help="write OUT.md and OUT.png (default: print the tables only)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
-    model, tokenizer, rows = build(args)
-    rollout, correct, H, n_params, grad_s = sample_pool(model, tokenizer, rows, args)
+    measured = measure(args)
+    correct, gram = measured["correct"], measured["gram"]
     rates = correct.mean(-1).tolist()
     correct_lists = correct.tolist()
-    gram = (H @ H.T).double()  # (K·S, K·S): every statistic below needs only these inner products
-    del H
     w_ref = pool_weights(correct)
 
     lines = [f"# Group-size study: {args.model}, arithmetic level {args.level}", ""]
     lines.append(f"Pool: K = {args.pool_prompts} prompts x S = {args.samples} responses at temperature "
                  f"{args.temperature}, up to {args.tokens} tokens; mean success rate {correct.mean():.3f}; "
-                 f"mean response length {rollout.lengths.float().mean():.1f} tokens; per-prompt p̂: "
+                 f"mean response length {measured['mean_length']:.1f} tokens; per-prompt p̂: "
                  + ", ".join(f"{p:.2f}" for p in rates) + ".")
-    lines.append(f"Per-response gradients over the {n_params:,} LoRA B parameters (the A matrices' gradients are "
-                 f"exactly 0 at a fresh adapter): {grad_s:.0f} s for {rollout.batch_size} responses.")
+    lines.append(f"Per-response gradients over the {measured['n_params']:,} LoRA B parameters (the A matrices' "
+                 f"gradients are exactly 0 at a fresh adapter): {measured['grad_s']:.0f} s for {len(gram)} responses.")
     lines += ["", "## Zero-variance groups", "",
               "| G | predicted mean p̂^G + (1 − p̂)^G | observed (disjoint groups of G) | groups observed |", "|---:|---:|---:|---:|"]
     zero_rows = []
@@ -275,10 +297,7 @@ def main() -> None:
                      f"{r['zero_grad_frac']:.3f} | {_ratio(r['trace_cov'], r['ref_sq'])} | {_ratio(r['mean_sq'], r['ref_sq'])} | "
                      f"{r['snr']:.3f} | {r['cos_ref']:.3f} |")
 
-    latency = {}
-    time_generation(model, tokenizer, rows, 1, 2, argparse.Namespace(**{**vars(args), "repeats": 1}))  # warm-up
-    for regime, P, g in settings(args):
-        latency[(regime, g)] = time_generation(model, tokenizer, rows, P, g, args)
+    latency = {(regime, g): measured["latency"][(P, g)] for regime, P, g in settings(args)}
     lines += ["", f"## Generation time per step (median of {args.repeats}, this machine)", "",
               "| regime | P | G | P·G | seconds | responses / s |", "|---|---:|---:|---:|---:|---:|"]
     for regime, P, g in settings(args):

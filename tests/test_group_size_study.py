@@ -19,7 +19,7 @@ def test_draw_weights_hand_worked_one_prompt_two_responses():
     assert 0.4 < informative.double().mean() < 0.6  # P(two different picks) = 1/2
 
 
-def test_draw_weights_take_distinct_prompts_and_sum_repeated_picks():
+def test_draw_weights_take_p_prompts_and_sum_repeated_picks():
     correct = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
     w, zero = draw_weights(correct, prompts=2, group_size=4, draws=200, generator=torch.Generator().manual_seed(1))
     per_prompt = w.view(200, 3, 4)
