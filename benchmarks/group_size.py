@@ -207,6 +207,7 @@ def plot(path: Path, groups, zero_rows, grad_rows, latency, rates, correct_lists
             pts = [(r["G"], r[key]) for r in grad_rows if r["regime"] == regime]
             ax.plot(*zip(*pts), style, label=regime)
         ax.set(xscale="log", xlabel="G", title=title)
+        ax.minorticks_off()
         ax.set_xticks(groups, [str(g) for g in groups])
         ax.legend(fontsize=8)
     ax = axes[3]
@@ -214,6 +215,7 @@ def plot(path: Path, groups, zero_rows, grad_rows, latency, rates, correct_lists
         pts = [(g, latency[(regime, g)]) for g in groups]
         ax.plot(*zip(*pts), style, label=regime)
     ax.set(xscale="log", xlabel="G", ylabel="s", title="generation time per step (this CPU)")
+    ax.minorticks_off()
     ax.set_xticks(groups, [str(g) for g in groups])
     ax.legend(fontsize=8)
     fig.tight_layout()
