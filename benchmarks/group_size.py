@@ -147,7 +147,8 @@ def sample_pool(model, tokenizer, rows, args):
     params = [p for n, p in named if "lora_A" not in n]
     zero_grad = [p for n, p in named if "lora_A" in n]
     ids, attn, mask = rollout.input_ids(), rollout.attention_mask(), rollout.response_mask
-    H = torch.empty(rollout.batch_size, sum(p.numel() for p in params))
+    n_params = sum(p.numel() for p in params)
+    H = torch.empty(rollout.batch_size, n_params)
     t0 = time.perf_counter()
     for i in range(rollout.batch_size):
         logp, _ = response_logprobs(model, ids[i:i + 1], attn[i:i + 1], rollout.response_ids[i:i + 1],
@@ -157,15 +158,15 @@ def sample_pool(model, tokenizer, rows, args):
         if i == 0 and any(g is not None and g.abs().max() > 0 for g in grads[len(params):]):
             raise RuntimeError("a LoRA A matrix has a nonzero gradient: the adapter is not freshly initialised")
         H[i] = torch.cat([g.reshape(-1) for g in grads[:len(params)]])
-    return rollout, correct, H, sum(p.numel() for p in params), time.perf_counter() - t0
+    return rollout, correct, H, n_params, time.perf_counter() - t0
 
 
-def time_generation(model, tokenizer, rows, prompts: int, group_size: int, args) -> float:
+def time_generation(model, tokenizer, rows, prompts: int, group_size: int, args, repeats: int) -> float:
     from cohortrl.rollout.hf import Sampling, generate
 
     sampling = Sampling(temperature=args.temperature, max_new_tokens=args.tokens)
     times = []
-    for r in range(args.repeats):
+    for r in range(repeats):
         torch.manual_seed(100 + r)
         t0 = time.perf_counter()
         generate(model, tokenizer, rows[:prompts], group_size, sampling, system_prompt="Be brief.")
@@ -233,11 +234,11 @@ def measure(args) -> dict:
     rollout, correct, H, n_params, grad_s = sample_pool(model, tokenizer, rows, args)
     gram = (H @ H.T).double()  # (K·S, K·S): every statistic needs only these inner products
     del H
-    time_generation(model, tokenizer, rows, 1, 2, argparse.Namespace(**{**vars(args), "repeats": 1}))  # warm-up
+    time_generation(model, tokenizer, rows, 1, 2, args, repeats=1)  # warm-up
     latency = {}
     for _, P, g in settings(args):
         if (P, g) not in latency:  # the regimes share (P, G) = (prompts-per-step, responses / prompts-per-step)
-            latency[(P, g)] = time_generation(model, tokenizer, rows, P, g, args)
+            latency[(P, g)] = time_generation(model, tokenizer, rows, P, g, args, args.repeats)
     measured = {"correct": correct, "gram": gram, "mean_length": rollout.lengths.float().mean().item(),
                 "n_params": n_params, "grad_s": grad_s, "latency": latency}
     if args.cache:

@@ -35,17 +35,17 @@ class GRPOTrainer(RLTrainer):
 
     def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer) -> Targets:
         a, d = self.cfg.algorithm, self.dist
+        response_mask = batch.rollout.response_mask
         metrics, token_rewards = {}, None
         if self._kl_in_reward():
             # r_t = [last]·r − β·KL_t: a reward, so no gradient flows through it (π_old and π_ref are constants).
             kl_BT = kl_penalty(old_logp, ref_logp, a.kl_estimator)
-            rewards_B, token_rewards = kl_shaped_rewards(rewards_B, kl_BT, batch.rollout.response_mask, a.beta)
-            kl_all, mask_all = d.gather_rows(kl_BT), d.gather_rows(batch.rollout.response_mask)
+            rewards_B, token_rewards = kl_shaped_rewards(rewards_B, kl_BT, response_mask, a.beta)
+            kl_all, mask_all = d.gather_rows(kl_BT), d.gather_rows(response_mask)
             metrics = {"kl_reward_per_response": masked_sum(kl_all, mask_all, dim=-1).mean().item(),
                        "kl_reward_token_mean": masked_mean(kl_all, mask_all).item()}
         # The estimator sees the whole batch (every rank's groups under torchrun): batch-level statistics
         # (grpo_batch's std, REINFORCE++ whitening) are global; each rank keeps its own rows.
-        response_mask = batch.rollout.response_mask
         process = self.cfg.reward.process
         steps = {}
         if batch.step_rewards is not None:  # process supervision: step rewards and where each step ends

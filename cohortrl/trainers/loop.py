@@ -853,9 +853,9 @@ def _std(values: list) -> float | None:
 
 def _lengths_by_outcome(lengths: torch.Tensor, correctness: list) -> dict:
     """Mean response length of the correct and of the incorrect responses (None where there are none)."""
-    correct = [c is not None and c >= 1.0 for c in correctness]
-    right = [float(n) for n, c in zip(lengths.tolist(), correct) if c]
-    wrong = [float(n) for n, c in zip(lengths.tolist(), correct) if not c]
+    pairs = [(float(n), c is not None and c >= 1.0) for n, c in zip(lengths.tolist(), correctness)]
+    right = [n for n, ok in pairs if ok]
+    wrong = [n for n, ok in pairs if not ok]
     return {"response_length_correct_mean": _mean(right), "response_length_incorrect_mean": _mean(wrong)}
 
 

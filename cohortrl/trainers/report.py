@@ -113,6 +113,8 @@ def write_report(run_dirs: list[Path], out: Path, last_k: int = 5, panels: list[
         ax.set_title(title)
     for ax in axes.flat:
         ax.set_xlabel("step")
+    for ax in axes.flat[len(chosen) + 1:]:  # the grid's leftover cells
+        ax.set_visible(False)
     handles = [matplotlib.lines.Line2D([], [], color=c, marker="o") for c in colours]
     fig.legend(handles, [d.name for d, _ in runs], loc="lower center", ncol=max(1, len(runs)))
     fig.tight_layout(rect=(0, 0.05, 1, 1))
@@ -120,8 +122,6 @@ def write_report(run_dirs: list[Path], out: Path, last_k: int = 5, panels: list[
     fig.savefig(png, dpi=90)
     plt.close(fig)
 
-    for ax in axes.flat[len(chosen) + 1:]:
-        ax.set_visible(False)
     summaries = [summarise(d, last_k, panels) for d, _ in runs]
     md = out.with_suffix(".md")
     dirs = " ".join(str(d) for d, _ in runs)

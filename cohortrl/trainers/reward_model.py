@@ -202,6 +202,11 @@ def load_rm_config(source: str | None, overrides: list[str]) -> RewardModelConfi
     return _build(RewardModelConfig, data, "")
 
 
+def _gym_pairs(cfg: RewardModelConfig) -> bool:
+    """An ORM trained on Bradley–Terry pairs generated from the gym (``data=task:FAMILY data_kind=pairs``)."""
+    return cfg.kind == "orm" and cfg.data.startswith("task:") and cfg.data_kind == "pairs"
+
+
 def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
     """(train, held-out) examples for ``cfg``."""
     from cohortrl.rewards.labels import as_pointwise, gym_pair_examples, gym_step_examples, load_jsonl
@@ -209,7 +214,7 @@ def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
     if cfg.data.startswith("task:"):
         family = cfg.data.removeprefix("task:")
         held = gym_step_examples(family, cfg.n_eval, seed=cfg.seed + 10_000, level=cfg.level)
-        if cfg.kind == "orm" and cfg.data_kind == "pairs":
+        if _gym_pairs(cfg):
             return gym_pair_examples(family, cfg.n_train, seed=cfg.seed, level=cfg.level), as_pointwise(held)
         train = gym_step_examples(family, cfg.n_train, seed=cfg.seed, level=cfg.level)
         if cfg.kind == "orm":
@@ -248,7 +253,7 @@ def train_reward_model(cfg: RewardModelConfig) -> dict:
         summary["held_out"] = evaluate_orm(model, tokenizer, held, max_length=cfg.max_length)
     elif held:
         summary["held_out"] = evaluate_pairs(model, tokenizer, held, max_length=cfg.max_length)
-    if cfg.kind == "orm" and cfg.data.startswith("task:") and cfg.data_kind == "pairs":
+    if _gym_pairs(cfg):  # held out as pointwise outcomes above; as pairs here too
         from cohortrl.rewards.labels import gym_pair_examples
 
         pairs = gym_pair_examples(cfg.data.removeprefix("task:"), cfg.n_eval, seed=cfg.seed + 10_000, level=cfg.level)
