@@ -308,6 +308,11 @@ class TrainConfig:
     """Show a console progress bar."""
     threads: int = 0
     """torch CPU threads (0: torch's default)."""
+    cpu_linear: Literal["auto", "onednn", "aten"] = "auto"
+    """Kernel for fp32 linear layers on a CPU: ``onednn`` (oneDNN, faster than PyTorch's default MKL on the
+    thin products of decoding and training, ``benchmarks/cpu_linear.py``), ``aten`` (PyTorch's default) or
+    ``auto`` (oneDNN when this PyTorch build has it). Same function either way, to float rounding
+    (``cohortrl/kernels.py``). Ignored on a GPU."""
     wandb: bool = False
     """Also log to Weights & Biases (needs the ``wandb`` package; project from ``WANDB_PROJECT``, else
     ``cohortrl``)."""

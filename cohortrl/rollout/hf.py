@@ -364,12 +364,19 @@ class _HeadLogProbs(torch.autograd.Function):
         logz_N = torch.empty(N, device=hidden_NH.device)
         entropy_N = torch.empty(N, device=hidden_NH.device) if with_entropy else None
         for s in range(0, N, chunk):
-            logits = _chunk_logits(hidden_NH[s:s + chunk], weight_VH, bias_V, temperature)
-            logz = logits.logsumexp(-1)
-            logz_N[s:s + chunk] = logz
-            logp_N[s:s + chunk] = logits.gather(-1, target_N[s:s + chunk, None]).squeeze(-1) - logz
-            if with_entropy:  # H = log Z − Σ p·logits
-                entropy_N[s:s + chunk] = logz - ((logits - logz[:, None]).exp_() * logits).sum(-1)
+            # In place, one (chunk, V) tensor (two for the entropy): log Z = max + log Σ exp(logits − max).
+            shifted = _chunk_logits(hidden_NH[s:s + chunk], weight_VH, bias_V, temperature)
+            top = shifted.amax(-1, keepdim=True)
+            shifted.sub_(top)  # ≤ 0: exp cannot overflow
+            target = shifted.gather(-1, target_N[s:s + chunk, None]).squeeze(-1)
+            if with_entropy:  # H = log Σe − Σ e·shifted / Σe, with e = exp(shifted)
+                e = shifted.exp()
+                total = e.sum(-1)
+                entropy_N[s:s + chunk] = total.log() - e.mul_(shifted).sum(-1) / total
+            else:
+                total = shifted.exp_().sum(-1)
+            logz_N[s:s + chunk] = top.squeeze(-1) + total.log()
+            logp_N[s:s + chunk] = target - total.log()
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, target_N, logz_N)
         ctx.temperature, ctx.chunk = temperature, chunk
         if with_entropy:
@@ -381,7 +388,7 @@ class _HeadLogProbs(torch.autograd.Function):
         hidden_NH, weight_VH, bias_V, target_N, logz_N = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden_NH) if need_h else None
-        grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_w else None
+        grad_w = torch.empty_like(weight_VH, dtype=torch.float32) if need_w else None  # the first chunk overwrites it
         grad_b = torch.zeros_like(bias_V, dtype=torch.float32) if need_b else None
         for s in range(0, hidden_NH.shape[0], ctx.chunk):
             h = hidden_NH[s:s + ctx.chunk]
@@ -395,7 +402,7 @@ class _HeadLogProbs(torch.autograd.Function):
             if need_h:
                 grad_h[s:s + ctx.chunk] = grad_logits @ weight_VH
             if need_w:
-                grad_w.addmm_(grad_logits.t().float(), h.float())
+                grad_w.addmm_(grad_logits.t().float(), h.float(), beta=0 if s == 0 else 1)  # beta 0: ignores what was there
             if need_b:
                 grad_b += grad_logits.float().sum(0)
         grad_w = grad_w.to(weight_VH.dtype) if need_w else None

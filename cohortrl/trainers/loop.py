@@ -41,6 +41,7 @@ from cohortrl import distributed
 from cohortrl.algorithms import aggregate, get_policy_loss, masked_mean, truncated_importance_weights
 from cohortrl.config import Config, ConfigError
 from cohortrl.data import PromptStream, load_rows
+from cohortrl.kernels import linear_kernels, resolve_cpu_linear
 from cohortrl.models import load_model
 from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
 from cohortrl.rewards.scoring import RewardFunctionError, WeightedReward, resolve
@@ -155,6 +156,7 @@ class RLTrainer:
         self.policy_loss = get_policy_loss(a.policy_loss)  # names already checked by config.validate
         self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
+        self.cpu_linear = resolve_cpu_linear(cfg.train.cpu_linear, self.device)  # the kernel every step and evaluation use
         if self.dist.launched:
             _check_distributed(cfg, self.name, self.dist)
         if resume:
@@ -284,6 +286,11 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------ the step
     def step(self) -> dict:
+        """One training step: sample, score, reference log-probs, advantages, update. Returns its metrics."""
+        with linear_kernels(self.cpu_linear):
+            return self._step()
+
+    def _step(self) -> dict:
         a, G = self.cfg.algorithm, self.cfg.algorithm.group_size
         timer = PhaseTimer()
         t0 = time.perf_counter()
@@ -719,7 +726,7 @@ class RLTrainer:
 
     def evaluate(self) -> dict:
         """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers."""
-        with self.dist.gathered(self.model):  # FSDP2: rank 0 runs forward passes the others do not
+        with self.dist.gathered(self.model), linear_kernels(self.cpu_linear):  # FSDP2: rank 0 runs forward passes the others do not
             metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg) if self.dist.is_main else None
         return self.dist.broadcast(metrics)
 

@@ -1,0 +1,123 @@
+"""CPU kernels: fp32 linear layers through oneDNN instead of MKL.
+
+On a CPU, PyTorch sends an fp32 ``F.linear`` to MKL's sgemm. The products a small LLM's RL step is made of are
+thin: decoding multiplies a weight by one row per sequence (8 × 576 by 576 × 1,536 for SmolLM2 at P·G = 8),
+training by a few hundred rows. On those shapes oneDNN (shipped inside every x86 PyTorch wheel, used by
+PyTorch for its own convolutions and bf16 products) is faster than MKL on the machine this library is
+developed on, an AMD EPYC: 20-30% on decoding's products, 5-15% on training's (``benchmarks/cpu_linear.py``
+measures both, side by side, on any machine).
+
+:func:`linear_kernels` is a context in which every eligible ``F.linear`` (what ``nn.Linear``, PEFT's LoRA
+layers and every transformers model call) runs on ``torch.ops.mkldnn._linear_pointwise``: input, weight and
+bias fp32 plain tensors on the CPU. Anything else (GPU tensors, bf16, FSDP's DTensors) goes to PyTorch's own
+kernel untouched. Under autograd, :class:`_OneDNNLinear` computes the input gradient with oneDNN too and the
+weight gradient with ``torch.mm`` (MKL is as fast there). It is the same function, summed in another order:
+outputs and gradients agree with PyTorch's to float rounding (``tests/test_kernels.py``), so sampling and
+the loss do not change, only the last bits of each product.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+
+_ATEN_LINEAR = F.linear  # PyTorch's own, kept before any swap: the fallback
+
+
+def onednn_available() -> bool:
+    """oneDNN's fused linear op exists in this PyTorch build (x86 wheels have it; some ARM builds do not)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def resolve_cpu_linear(setting: str, device: torch.device | str) -> str:
+    """``train.cpu_linear`` made concrete for a device: ``onednn`` or ``aten``. ``auto`` picks oneDNN on a CPU
+    when the build has it; ``onednn`` on a build without it is an error rather than a silent fallback."""
+    if torch.device(device).type != "cpu":
+        return "aten"
+    if setting == "onednn" and not onednn_available():
+        raise RuntimeError(
+            "train.cpu_linear=onednn, but this PyTorch build has no oneDNN linear op "
+            "(torch.ops.mkldnn._linear_pointwise). Set train.cpu_linear=aten (or auto)."
+        )
+    if setting == "auto":
+        return "onednn" if onednn_available() else "aten"
+    return setting
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x Wᵀ + b with oneDNN; backward: dx = dy W (oneDNN), dW = dyᵀ x and db = Σ dy (aten)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = _onednn(grad_y, weight.t(), None)
+        if need_w or (need_b and ctx.has_bias):
+            g2 = grad_y.reshape(-1, grad_y.shape[-1])
+            if need_w:
+                grad_w = g2.t() @ x.reshape(-1, x.shape[-1])
+            if need_b and ctx.has_bias:
+                grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _plain_cpu_fp32(t: torch.Tensor | None) -> bool:
+    # Subclasses (DTensor, FakeTensor, ...) keep their own dispatch; Parameter is a plain tensor here.
+    return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32)
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on oneDNN where eligible (see the module docstring), else PyTorch's own ``F.linear``."""
+    x = input
+    if x.dim() < 2 or weight.dim() != 2 or not (_plain_cpu_fp32(x) and _plain_cpu_fp32(weight) and _plain_cpu_fp32(bias)):
+        return _ATEN_LINEAR(x, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return _onednn(x, weight, bias)
+
+
+_swaps = 0  # nesting depth of linear_kernels("onednn")
+_swap_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def linear_kernels(kind: str):
+    """A context for one phase of work (a training step, an evaluation): ``onednn`` routes eligible
+    ``F.linear`` calls to oneDNN, ``aten`` changes nothing.
+
+    It swaps ``torch.nn.functional.linear`` for :func:`linear` while it lasts, which is where ``nn.Linear`` and
+    transformers look the function up at every call. A ``TorchFunctionMode`` would do it without touching the
+    module, but it runs Python for every op of the forward: about 5% of SmolLM2's decoding time. The swap is
+    process-wide while it lasts; :func:`linear` computes the same function for every caller, so another thread
+    calling ``F.linear`` meanwhile gets the same numbers."""
+    global _swaps
+    if kind not in ("onednn", "aten"):
+        raise ValueError(f"unknown linear kernel {kind!r}: expected 'onednn' or 'aten'")
+    if kind == "aten":
+        yield
+        return
+    with _swap_lock:
+        _swaps += 1
+        F.linear = linear
+    try:
+        yield
+    finally:
+        with _swap_lock:
+            _swaps -= 1
+            if _swaps == 0:
+                F.linear = _ATEN_LINEAR

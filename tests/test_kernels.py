@@ -1,0 +1,149 @@
+"""oneDNN linear layers (cohortrl/kernels.py): the same function as PyTorch's F.linear, values and gradients, to
+float rounding; everything it does not handle goes to F.linear untouched; the swap of F.linear is scoped."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cohortrl import kernels
+from cohortrl.config import Config, ConfigError
+from cohortrl.kernels import linear, linear_kernels, onednn_available, resolve_cpu_linear
+from cohortrl.models import load_model
+from cohortrl.rollout.hf import Sampling, generate, response_logprobs
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN linear op")
+ROWS = [{"prompt": "What is 1 + 2?"}, {"prompt": "What is 3 * 3? Answer briefly please."}]
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(8, 48), (3, 5, 48), (2, 1, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_values_and_gradients_equal_pytorchs_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(40, 48, generator=g, requires_grad=True)
+    b = torch.randn(40, generator=g, requires_grad=True) if bias else None
+    upstream = torch.randn(*shape[:-1], 40, generator=g)
+
+    def run(fn):
+        for t in (x, w, b):
+            if t is not None:
+                t.grad = None
+        y = fn(x, w, b)
+        (y * upstream).sum().backward()
+        return y.detach(), x.grad, w.grad, None if b is None else b.grad
+
+    ours, theirs = run(linear), run(F.linear)
+    assert ours[0].shape == theirs[0].shape
+    for a, e in zip(ours, theirs):
+        if e is not None:
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_the_oneDNN_path_is_taken_for_plain_fp32_cpu_tensors(monkeypatch):
+    calls = []
+    real = kernels._onednn
+    monkeypatch.setattr(kernels, "_onednn", lambda *a: calls.append(a[0].shape) or real(*a))
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    linear(x, w)  # no grad wanted: one oneDNN product
+    x.requires_grad_(True)
+    linear(x, w).sum().backward()  # forward and the input gradient
+    assert calls == [(4, 8), (4, 8), (4, 6)]
+
+
+@pytest.mark.parametrize("case", ["bf16", "vector", "non_plain_tensor"])
+def test_what_oneDNN_does_not_take_goes_to_pytorch_unchanged(case, monkeypatch):
+    monkeypatch.setattr(kernels, "_onednn", lambda *a: pytest.fail("oneDNN must not be called"))
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    if case == "bf16":
+        x, w = x.bfloat16(), w.bfloat16()
+    elif case == "vector":
+        x = x[0]
+    else:
+        class Tagged(torch.Tensor):  # a tensor subclass (as DTensor is) keeps its own dispatch
+            pass
+        w = w.as_subclass(Tagged)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_the_swap_of_F_linear_is_scoped_and_nests():
+    original = F.linear
+    with linear_kernels("onednn"):
+        assert F.linear is linear
+        with linear_kernels("onednn"):
+            assert F.linear is linear
+        assert F.linear is linear  # the inner exit leaves the outer swap in place
+    assert F.linear is original
+    with pytest.raises(RuntimeError, match="boom"), linear_kernels("onednn"):
+        raise RuntimeError("boom")
+    assert F.linear is original
+    with linear_kernels("aten"):
+        assert F.linear is original
+    with pytest.raises(ValueError, match="unknown linear kernel"), linear_kernels("mkl"):
+        pass
+
+
+def test_auto_picks_oneDNN_on_a_CPU_only_and_a_missing_oneDNN_is_an_error(monkeypatch):
+    assert resolve_cpu_linear("auto", "cuda") == "aten"
+    assert resolve_cpu_linear("onednn", "cuda:0") == "aten"
+    assert resolve_cpu_linear("aten", "cpu") == "aten"
+    monkeypatch.setattr(kernels, "onednn_available", lambda: True)
+    assert resolve_cpu_linear("auto", "cpu") == "onednn"
+    monkeypatch.setattr(kernels, "onednn_available", lambda: False)
+    assert resolve_cpu_linear("auto", "cpu") == "aten"
+    with pytest.raises(RuntimeError, match="train.cpu_linear=aten"):
+        resolve_cpu_linear("onednn", "cpu")
+
+
+def test_the_config_names_the_allowed_kernels():
+    assert Config.from_dict({"train": {"cpu_linear": "aten"}}).train.cpu_linear == "aten"
+    with pytest.raises(ConfigError, match="cpu_linear"):
+        Config.from_dict({"train": {"cpu_linear": "mkl"}})
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+
+
+@needs_onednn
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_models_logprobs_and_gradients_agree_under_both_kernels(lora):
+    model, tok = load_model("tiny-llama", seed=3)
+    if lora:
+        model = _lora(model)
+    torch.manual_seed(0)
+    rollout, _ = generate(model, tok, ROWS, 3, Sampling(temperature=1.0, max_new_tokens=10))
+    ids, mask = rollout.input_ids(), rollout.attention_mask()
+    model.train()
+
+    def run(kind):
+        model.zero_grad()
+        with linear_kernels(kind):
+            logp, entropy = response_logprobs(model, ids, mask, rollout.response_ids, temperature=0.7, with_entropy=True)
+            weights = torch.linspace(-1.0, 2.0, logp.numel()).view_as(logp) * rollout.response_mask
+            (logp * weights).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return logp.detach(), entropy, grads
+
+    ours, theirs = run("onednn"), run("aten")
+    m = rollout.response_mask.bool()
+    torch.testing.assert_close(ours[0][m], theirs[0][m], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours[1][m], theirs[1][m], rtol=0, atol=1e-5)
+    assert theirs[2].norm() > 0
+    assert ((ours[2] - theirs[2]).norm() / theirs[2].norm()).item() < 1e-5
+
+
+@needs_onednn
+def test_sampling_under_oneDNN_draws_the_same_tokens():
+    # The same seed, the same distribution to float rounding: the same samples (a flip needs a uniform draw
+    # within ~1e-6 of a CDF boundary).
+    model, tok = load_model("tiny-llama", seed=4)
+    out = {}
+    for kind in ("aten", "onednn"):
+        torch.manual_seed(0)
+        with linear_kernels(kind):
+            out[kind], _ = generate(model, tok, ROWS, 3, Sampling(temperature=1.0, max_new_tokens=16))
+    assert torch.equal(out["aten"].response_ids, out["onednn"].response_ids)
