@@ -168,7 +168,8 @@ def _sample(logits_BV: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     smallest set of tokens whose probability reaches top_p, as transformers' TopPLogitsWarper keeps it)."""
     if sampling.temperature == 0:
         return logits_BV.argmax(-1)
-    logits_BV = logits_BV / sampling.temperature
+    if sampling.temperature != 1.0:
+        logits_BV = logits_BV / sampling.temperature
     if sampling.top_k and sampling.top_k < logits_BV.shape[-1]:
         kth = torch.topk(logits_BV, sampling.top_k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
@@ -179,7 +180,7 @@ def _sample(logits_BV: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         logits_BV = logits_BV.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
     # Inverse-CDF draw: one uniform per row. torch.multinomial draws an exponential variate per vocabulary
     # entry instead, which costs more than a small model's forward. fp64 keeps tiny probabilities exact.
-    cdf_BV = logits_BV.softmax(-1).double().cumsum(-1)
+    cdf_BV = logits_BV.softmax(-1).cumsum(-1, dtype=torch.float64)  # cast inside the scan: no fp64 copy of the probabilities
     u_B1 = torch.rand(cdf_BV.shape[0], 1, dtype=cdf_BV.dtype, device=cdf_BV.device) * cdf_BV[:, -1:]
     return torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(-1).clamp(max=cdf_BV.shape[-1] - 1)
 
