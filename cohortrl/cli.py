@@ -55,8 +55,10 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from cohortrl.data import load_rows
+    from cohortrl.kernels import linear_kernels, resolve_cpu_linear
     from cohortrl.models import load_model
     from cohortrl.rewards.scoring import WeightedReward, resolve
+    from cohortrl.rollout.hf import model_device
     from cohortrl.trainers.evaluate import evaluate_config
 
     cfg = _load_config(args.config, args.overrides)
@@ -68,7 +70,9 @@ def cmd_eval(args) -> int:
     fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
     _, eval_rows = load_rows(cfg.data, cfg.train.seed)
     correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), timeout_s=cfg.reward.timeout_s)
-    result = evaluate_config(model, tokenizer, eval_rows[: cfg.eval.n_prompts], correctness, cfg)
+    # The linear kernel the trainer's own evaluations use (train.cpu_linear), so both report the same numbers.
+    with linear_kernels(resolve_cpu_linear(cfg.train.cpu_linear, model_device(model))):
+        result = evaluate_config(model, tokenizer, eval_rows[: cfg.eval.n_prompts], correctness, cfg)
     print(json.dumps(result, indent=2))
     return 0
 

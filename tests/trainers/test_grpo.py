@@ -196,3 +196,26 @@ def test_metrics_and_curves_are_written(tmp_path, addition_jsonl):
         assert key in rows[1], key
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert (tmp_path / "final" / "config.json").exists()
+
+
+@pytest.mark.parametrize("setting", ["auto", "aten"])
+def test_steps_and_evaluations_run_under_the_configured_linear_kernel(tmp_path, addition_jsonl, monkeypatch, setting):
+    """``train.cpu_linear``: auto sends a CPU step's and evaluation's linear layers to oneDNN (where the build
+    has it), aten leaves PyTorch's own; either way F.linear is PyTorch's again afterwards."""
+    from cohortrl import kernels
+
+    original = torch.nn.functional.linear
+    calls = []
+    real = kernels._onednn
+    monkeypatch.setattr(kernels, "_onednn", lambda *a: calls.append(1) or real(*a))
+    trainer = GRPOTrainer(tiny_config(addition_jsonl, train={"steps": 1, "cpu_linear": setting}), tmp_path)
+    want = "onednn" if setting == "auto" and kernels.onednn_available() else "aten"
+    assert trainer.cpu_linear == want
+    trainer.step()
+    after_step = len(calls)
+    trainer.evaluate()
+    assert torch.nn.functional.linear is original
+    if want == "onednn":
+        assert after_step > 0 and len(calls) > after_step  # the step's and the evaluation's products
+    else:
+        assert calls == []
