@@ -88,6 +88,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return _ATEN_LINEAR(x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _OneDNNLinear.apply(x, weight, bias)
+    packed = _packed.get(id(weight))
+    if packed is not None and packed[0] is weight and x.numel() == _packed_rows[0] * x.shape[-1]:
+        return _onednn(x, packed[1], bias)  # a decoding step: the weight in oneDNN's own layout
     return _onednn(x, weight, bias)
 
 
@@ -121,3 +124,36 @@ def linear_kernels(kind: str):
             _swaps -= 1
             if _swaps == 0:
                 F.linear = _ATEN_LINEAR
+
+
+_packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, packed), while decoding
+_packed_rows = [0]
+
+
+@contextlib.contextmanager
+def decoding_weights(model, rows: int):
+    """While decoding ``rows`` sequences one token at a time: every fp32 CPU linear weight of ``model`` in
+    oneDNN's blocked layout for ``rows``-row products, made once on entry and freed on exit; :func:`linear`
+    uses it for the products with exactly ``rows`` rows. A no-op unless ``linear_kernels("onednn")`` is active.
+
+    Decoding multiplies every weight by a few rows per token, so it reads all the weights once per token; in
+    the blocked layout oneDNN reads them faster. On SmolLM2 with 8 rows, one decoding step's 211 products
+    took 27 ms against 42 ms from the plain layout (58 ms with MKL), and laying the weights out took 0.13 s
+    (``benchmarks/cpu_linear.py``, which measures it on any model). It holds a second copy of the weights
+    while decoding, freed when decoding ends, before the update (whose gradients and optimiser state weigh
+    more). Same function, to float rounding."""
+    if _swaps == 0 or _packed or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        # not under the oneDNN kernel, already inside a decoding context, or a build without the layout op
+        yield
+        return
+    try:
+        for m in model.modules():
+            w = getattr(m, "weight", None)
+            if isinstance(m, torch.nn.Linear) and w.dim() == 2 and _plain_cpu_fp32(w) and id(w) not in _packed:
+                _packed[id(w)] = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
+        _packed_rows[0] = rows
+        yield
+    finally:
+        _packed.clear()
+        _packed_rows[0] = 0
+

@@ -22,7 +22,9 @@ What the model assumes (each is a choice a reader can check and change):
   ``trainers/setup.Reference``); the reward is rule-based unless ``reward_model`` is set (then a model of
   the policy's shape, forward only);
 * generation and the update do not overlap: the peak is the persistent states plus the larger of the
-  generation phase (KV cache) and the update phase (activations and logits of one micro-batch);
+  generation phase (KV cache; on a CPU in fp32 also the linear weights in oneDNN's layout, which
+  ``kernels.decoding_weights`` holds while decoding) and the update phase (activations and logits of one
+  micro-batch);
 * attention runs in a fused kernel (SDPA / FlashAttention) that does not keep the S×S score matrix.
 """
 
@@ -295,6 +297,7 @@ class Memory:
     logits: float  # fp32 logit copies of one micro-batch during the update
     kv_cache: float  # generation: this device's share of the B sequences, whole length S
     baseline: float  # cpu: the process before any model (imports, allocator); 0 on a GPU
+    decode_layout: float = 0.0  # cpu, fp32: the linear weights' oneDNN layout while decoding (kernels.decoding_weights)
 
     @property
     def persistent(self) -> float:
@@ -306,8 +309,12 @@ class Memory:
         return self.activations + self.logits
 
     @property
+    def generation_phase(self) -> float:
+        return self.kv_cache + self.decode_layout
+
+    @property
     def peak(self) -> float:
-        return self.persistent + max(self.update_phase, self.kv_cache)
+        return self.persistent + max(self.update_phase, self.generation_phase)
 
 
 def kv_cache_bytes(m: ModelShape, tokens: int, dtype: str) -> float:
@@ -336,10 +343,15 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
     else:
         logits = LOGIT_COPIES * full_logits
     kv = kv_cache_bytes(m, run.sequences // n * run.seq_len, dt)
+    # On a CPU in fp32 (train.cpu_linear auto), decoding holds a second copy of every linear weight, the
+    # projections and the LM head, in oneDNN's layout; LoRA's small matrices are left out.
+    linear_weights = m.num_layers * (m.layer_params - 2 * m.hidden_size) + m.vocab_size * m.hidden_size
+    decode_layout = linear_weights * 4 if run.device == "cpu" and dt == "fp32" else 0.0
     return Memory(
         policy=policy, critic=critic, reference=reference, reward_model=reward_model,
         activations=ckpt if run.checkpointing else no_ckpt, activations_no_ckpt=no_ckpt, activations_ckpt=ckpt,
         logits=logits, kv_cache=kv, baseline=run.cpu_baseline_bytes if run.device == "cpu" else 0.0,
+        decode_layout=decode_layout,
     )
 
 
@@ -443,6 +455,8 @@ def memory_rows(p: Plan) -> list[tuple[str, float]]:
              ("activations, no checkpointing", mem.activations_no_ckpt),
              ("activations, checkpointing", mem.activations_ckpt),
              ("logits (fp32, update micro-batch)", mem.logits), ("KV cache (generation)", mem.kv_cache)]
+    if mem.decode_layout:
+        rows.append(("linear weights in oneDNN's layout (cpu, generation)", mem.decode_layout))
     return rows
 
 
@@ -465,7 +479,7 @@ def format_plan(p: Plan) -> str:
     lines += [
         f"| **persistent (states + models{' + baseline' if mem.baseline else ''})** | {mem.persistent / GIB:.3f} |",
         f"| **update phase (activations as chosen + logits)** | {mem.update_phase / GIB:.3f} |",
-        f"| **peak = persistent + max(update phase, KV cache)** | {mem.peak / GIB:.3f} |",
+        f"| **peak = persistent + max(update phase, generation phase{' (KV cache + weight layout)' if mem.decode_layout else ' (KV cache)'})** | {mem.peak / GIB:.3f} |",
         "",
         f"| FLOPs per step (all devices) | TFLOP | s on one device ({r.peak_flops / 1e12:g} TFLOP/s peak) |",
         "|---|---:|---:|",

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from cohortrl import kernels
 from cohortrl.config import Config, ConfigError
-from cohortrl.kernels import linear, linear_kernels, onednn_available, resolve_cpu_linear
+from cohortrl.kernels import decoding_weights, linear, linear_kernels, onednn_available, resolve_cpu_linear
 from cohortrl.models import load_model
 from cohortrl.rollout.hf import Sampling, generate, response_logprobs
 
@@ -147,3 +147,26 @@ def test_sampling_under_oneDNN_draws_the_same_tokens():
         with linear_kernels(kind):
             out[kind], _ = generate(model, tok, ROWS, 3, Sampling(temperature=1.0, max_new_tokens=16))
     assert torch.equal(out["aten"].response_ids, out["onednn"].response_ids)
+
+
+@needs_onednn
+def test_decoding_lays_the_weights_out_once_uses_them_for_its_row_count_and_frees_them(monkeypatch):
+    model, _ = load_model("tiny-llama", seed=5)
+    n_linear = len({id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)})  # the head is tied
+    head = model.get_output_embeddings().weight
+    used = []
+    real = kernels._onednn
+    monkeypatch.setattr(kernels, "_onednn", lambda x, w, b: used.append(w.is_mkldnn) or real(x, w, b))
+    x8, x3 = torch.randn(8, 1, head.shape[1]), torch.randn(3, head.shape[1])
+    with torch.no_grad():
+        with decoding_weights(model, 8):  # outside the oneDNN kernel: nothing is laid out
+            assert kernels._packed == {}
+        with linear_kernels("onednn"), decoding_weights(model, 8):
+            assert len(kernels._packed) == n_linear
+            with decoding_weights(model, 8):  # nested (evaluation inside a step): the outer layout stays
+                assert len(kernels._packed) == n_linear
+            got8, got3 = F.linear(x8, head), F.linear(x3, head)
+        assert kernels._packed == {}
+    assert used == [True, False]  # the blocked layout for 8 rows only
+    torch.testing.assert_close(got8, x8 @ head.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got3, x3 @ head.t(), rtol=1e-5, atol=1e-5)

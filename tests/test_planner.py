@@ -182,3 +182,16 @@ def test_cli_bad_input_exits_1_with_a_message(args, message):
     assert out.returncode == 1
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cpu_fp32_generation_holds_the_linear_weights_in_onednns_layout():
+    # SmolLM2's shape: per layer q, o 576·576 + k, v 576·192 (3 kv heads of 64) + gate, up, down 3·576·1536
+    # = 3,538,944 linear weights; 30 layers = 106,168,320, + the tied head 49,152·576 = 28,311,552 → 134,479,872
+    # fp32 values = 537,919,488 bytes, held while decoding (kernels.decoding_weights).
+    smol = ModelShape("smol", 576, 30, 9, 3, 1536, 49152, True)
+    cpu = plan(smol, RunSpec(device="cpu", dtype="fp32", peak_flops=1e11)).memory
+    assert cpu.decode_layout == 4 * (30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) + 49152 * 576) == 537_919_488
+    assert cpu.generation_phase == cpu.kv_cache + cpu.decode_layout
+    assert cpu.peak == cpu.persistent + max(cpu.update_phase, cpu.generation_phase)
+    assert plan(smol, RunSpec(device="gpu", dtype="fp32")).memory.decode_layout == 0  # GPUs keep PyTorch's kernels
+    assert plan(smol, RunSpec(device="cpu", dtype="bf16", peak_flops=1e11)).memory.decode_layout == 0

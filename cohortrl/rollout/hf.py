@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from cohortrl.config import SamplingConfig
+from cohortrl.kernels import decoding_weights
 from cohortrl.rollout.types import Rollout
 
 
@@ -141,25 +142,26 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
     lengths = torch.full((B,), sampling.max_new_tokens, dtype=torch.long, device=device)
     stop_window = max((len(s) for s in sampling.stop), default=0) + 2  # tokens enough to hold any stop string
     tokens: list[torch.Tensor] = []
-    for t in range(sampling.max_new_tokens):
-        logits = model(input_ids=feed, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                       **{name: cache}).logits[:, -1].float()
-        if t < sampling.min_new_tokens:
-            logits[:, eos] = float("-inf")
-        token = _sample(logits, sampling)
-        token = token.masked_fill(ended, tokenizer.pad_token_id)
-        tokens.append(token)
-        ended |= torch.isin(token, eos)
-        if sampling.stop and t + 1 >= sampling.min_new_tokens:
-            recent = torch.stack(tokens[-stop_window:], dim=1).cpu()
-            for i in (~ended).nonzero().flatten().tolist():
-                text = tokenizer.decode(recent[i], skip_special_tokens=True)
-                ended[i] = any(stop in text for stop in sampling.stop)
-        lengths = torch.where(ended & (lengths == sampling.max_new_tokens), t + 1, lengths)
-        if ended.all():
-            break
-        feed, positions = token.unsqueeze(-1), next_position + t
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+    with decoding_weights(model, B):  # under the oneDNN kernel: the weights laid out for B-row products
+        for t in range(sampling.max_new_tokens):
+            logits = model(input_ids=feed, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                           **{name: cache}).logits[:, -1].float()
+            if t < sampling.min_new_tokens:
+                logits[:, eos] = float("-inf")
+            token = _sample(logits, sampling)
+            token = token.masked_fill(ended, tokenizer.pad_token_id)
+            tokens.append(token)
+            ended |= torch.isin(token, eos)
+            if sampling.stop and t + 1 >= sampling.min_new_tokens:
+                recent = torch.stack(tokens[-stop_window:], dim=1).cpu()
+                for i in (~ended).nonzero().flatten().tolist():
+                    text = tokenizer.decode(recent[i], skip_special_tokens=True)
+                    ended[i] = any(stop in text for stop in sampling.stop)
+            lengths = torch.where(ended & (lengths == sampling.max_new_tokens), t + 1, lengths)
+            if ended.all():
+                break
+            feed, positions = token.unsqueeze(-1), next_position + t
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
     return torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1), lengths.cpu()
 
 
