@@ -4,14 +4,15 @@ On a CPU, PyTorch sends an fp32 ``F.linear`` to MKL's sgemm. The products a smal
 thin: decoding multiplies a weight by one row per sequence (8 × 576 by 576 × 1,536 for SmolLM2 at P·G = 8),
 training by a few hundred rows. On those shapes oneDNN (shipped inside every x86 PyTorch wheel, used by
 PyTorch for its own convolutions and bf16 products) is faster than MKL on the machine this library is
-developed on, an AMD EPYC: 20-30% on decoding's products, 5-15% on training's (``benchmarks/cpu_linear.py``
-measures both, side by side, on any machine).
+developed on, an AMD EPYC: one SmolLM2 decoding step's products took 0.70× MKL's time (0.47× from oneDNN's
+own weight layout, :func:`decoding_weights`), a training forward's and its input gradients' 0.92-0.94×
+(``benchmarks/cpu_linear.py`` measures them side by side on any machine).
 
 :func:`linear_kernels` is a context in which every eligible ``F.linear`` (what ``nn.Linear``, PEFT's LoRA
 layers and every transformers model call) runs on ``torch.ops.mkldnn._linear_pointwise``: input, weight and
 bias fp32 plain tensors on the CPU. Anything else (GPU tensors, bf16, FSDP's DTensors) goes to PyTorch's own
 kernel untouched. Under autograd, :class:`_OneDNNLinear` computes the input gradient with oneDNN too and the
-weight gradient with ``torch.mm`` (MKL is as fast there). It is the same function, summed in another order:
+weight gradient with ``torch.mm`` (on SmolLM2's shapes oneDNN was no faster there). It is the same function, summed in another order:
 outputs and gradients agree with PyTorch's to float rounding (``tests/test_kernels.py``), so sampling and
 the loss do not change, only the last bits of each product.
 """
