@@ -174,6 +174,8 @@ class RewardModelConfig:
     lr: float = 3e-4
     max_length: int = 512
     seed: int = 0
+    cpu_linear: Literal["auto", "onednn", "aten"] = "auto"
+    """Kernel for fp32 linear layers on a CPU, as ``train.cpu_linear`` of a training run (``cohortrl/kernels.py``)."""
     out: str = "runs/reward_model"
     """Output directory: the model (save_pretrained), its tokenizer, train_rm.json (losses and eval)."""
 
@@ -233,10 +235,18 @@ def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
 
 def train_reward_model(cfg: RewardModelConfig) -> dict:
     """Train, save to ``cfg.out`` and evaluate on held-out data; returns the summary written to train_rm.json."""
-    from cohortrl.rewards.rm_eval import evaluate_orm, evaluate_pairs, evaluate_prm
+    from cohortrl.kernels import linear_kernels, resolve_cpu_linear
+    from cohortrl.rollout.hf import model_device
 
     train, held = load_examples(cfg)
     model, tokenizer = build_reward_model(cfg.model, cfg.kind, seed=cfg.seed)
+    with linear_kernels(resolve_cpu_linear(cfg.cpu_linear, model_device(model))):
+        return _train_and_evaluate(cfg, model, tokenizer, train, held)
+
+
+def _train_and_evaluate(cfg: RewardModelConfig, model, tokenizer, train: list, held: list) -> dict:
+    from cohortrl.rewards.rm_eval import evaluate_orm, evaluate_pairs, evaluate_prm
+
     t0 = time.process_time()
     losses = train_on(model, tokenizer, train, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
                       max_length=cfg.max_length, seed=cfg.seed)

@@ -197,6 +197,22 @@ def test_train_rm_cli_smoke(tmp_path, capsys):
     assert "unknown train-rm key 'kinds'; did you mean 'kind'?" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("setting", ["auto", "aten"])
+def test_train_rm_runs_under_the_configured_linear_kernel(tmp_path, monkeypatch, setting):
+    from cohortrl import kernels
+    from cohortrl.trainers.reward_model import load_rm_config, train_reward_model
+
+    original = torch.nn.functional.linear
+    calls = []
+    real = kernels._onednn
+    monkeypatch.setattr(kernels, "_onednn", lambda *a: calls.append(1) or real(*a))
+    cfg = load_rm_config(None, ["kind=prm", "steps=1", "n_train=4", "n_eval=4", "batch_size=2", f"cpu_linear={setting}",
+                                f"out={tmp_path}"])
+    train_reward_model(cfg)
+    assert torch.nn.functional.linear is original
+    assert bool(calls) == (setting == "auto" and kernels.onednn_available())
+
+
 # ------------------------------------------------------------------------------------------- bad rows
 @pytest.mark.parametrize(
     "kind, line, message",
