@@ -11,7 +11,7 @@ import random
 from collections import Counter
 
 from cohortrl.rewards.labels import PairExample, PointExample, StepExample
-from cohortrl.trainers.metrics import wilson_interval
+from cohortrl.stats import wilson_interval
 
 
 def auroc(scores: list[float], labels: list[float]) -> float:

@@ -6,7 +6,7 @@ import torch
 
 from cohortrl.rewards.scoring import WeightedReward, score
 from cohortrl.rollout.hf import Sampling, generate
-from cohortrl.trainers.metrics import wilson_interval
+from cohortrl.stats import wilson_interval
 
 
 def _columns(rollout) -> dict[str, list]:

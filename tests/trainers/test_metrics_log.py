@@ -5,7 +5,8 @@ import types
 import pytest
 
 from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
-from cohortrl.trainers.metrics import MetricsLog, wilson_interval
+from cohortrl.stats import wilson_interval
+from cohortrl.trainers.metrics import MetricsLog
 
 
 def test_metrics_rows_go_to_jsonl_and_resume_drops_later_rows(tmp_path):
