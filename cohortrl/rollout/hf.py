@@ -424,18 +424,32 @@ def _states_sharing_prompts(model, input_ids, attention_mask, T: int, ids_UT, ma
 
     Call 1: the U distinct prompts; their last position predicts response token 0, and their keys and values
     fill a cache. The cache is indexed out to the B rows. Call 2: response tokens 0 … T−2 of every row against
-    that cache predict tokens 1 … T−1. Positions and the attention mask are those of the full sequence."""
+    that cache predict tokens 1 … T−1. Positions and the attention mask are those of the full sequence.
+
+    With the decoder (``logits=False``: a plain model, see ``_plain_lm_head``) both calls take their token
+    embeddings from one lookup: in backward the embedding's gradient, a dense (vocabulary × hidden) tensor, is
+    then made once instead of twice (113 MB for SmolLM2). The causal-LM path may be wrapped (DDP, FSDP2),
+    whose hooks belong to the model's own forward: it passes token ids."""
     Tp = input_ids.shape[1] - T
     cache, name = DynamicCache(), cache_argument(model)
     last = {"logits_to_keep": 1} if logits else {}
-    out = model(input_ids=ids_UT, attention_mask=mask_UT, position_ids=_positions(mask_UT), use_cache=True,
+    responses = input_ids[:, Tp:-1]
+    if logits:
+        prompt_in, response_in = {"input_ids": ids_UT}, {"input_ids": responses}
+    else:
+        embeds = model.get_input_embeddings()(torch.cat([ids_UT.flatten(), responses.flatten()]))
+        prompt_embeds, response_embeds = embeds.split([ids_UT.numel(), responses.numel()])
+        H = embeds.shape[-1]
+        prompt_in = {"inputs_embeds": prompt_embeds.view(*ids_UT.shape, H)}
+        response_in = {"inputs_embeds": response_embeds.view(*responses.shape, H)}
+    out = model(**prompt_in, attention_mask=mask_UT, position_ids=_positions(mask_UT), use_cache=True,
                 **last, **{name: cache})
     first_B = _states(out, logits)[:, -1:][index_B]  # (B, 1, ·)
     if T == 1:
         return first_B
     cache.batch_select_indices(index_B)
-    out = model(input_ids=input_ids[:, Tp:-1], attention_mask=attention_mask[:, :-1],
-                position_ids=_positions(attention_mask)[:, Tp:-1], use_cache=True, **{name: cache})
+    out = model(**response_in, attention_mask=attention_mask[:, :-1], position_ids=_positions(attention_mask)[:, Tp:-1],
+                use_cache=True, **{name: cache})
     return torch.cat([first_B, _states(out, logits)], dim=1)
 
 
