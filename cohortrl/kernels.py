@@ -90,7 +90,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _OneDNNLinear.apply(x, weight, bias)
     packed = _packed.get(id(weight))
-    if packed is not None and packed[0] is weight and x.numel() == _packed_rows[0] * x.shape[-1]:
+    if packed is not None and packed[0] is weight and x.numel() == _packed_rows * x.shape[-1]:
         return _onednn(x, packed[1], bias)  # a decoding step: the weight in oneDNN's own layout
     return _onednn(x, weight, bias)
 
@@ -128,7 +128,7 @@ def linear_kernels(kind: str):
 
 
 _packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, packed), while decoding
-_packed_rows = [0]
+_packed_rows = 0  # the row count the layout was made for
 
 
 @contextlib.contextmanager
@@ -143,6 +143,7 @@ def decoding_weights(model, rows: int):
     (``benchmarks/cpu_linear.py``, which measures it on any model). It holds a second copy of the weights
     while decoding, freed when decoding ends, before the update (whose gradients and optimiser state weigh
     more). Same function, to float rounding."""
+    global _packed_rows
     if _swaps == 0 or _packed or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         # not under the oneDNN kernel, already inside a decoding context, or a build without the layout op
         yield
@@ -152,9 +153,9 @@ def decoding_weights(model, rows: int):
             w = getattr(m, "weight", None)
             if isinstance(m, torch.nn.Linear) and w.dim() == 2 and _plain_cpu_fp32(w) and id(w) not in _packed:
                 _packed[id(w)] = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
-        _packed_rows[0] = rows
+        _packed_rows = rows
         yield
     finally:
         _packed.clear()
-        _packed_rows[0] = 0
+        _packed_rows = 0
 

@@ -63,11 +63,16 @@ class ModelShape:
         return self.head_dim or self.hidden_size // self.num_heads
 
     @property
-    def layer_params(self) -> int:
-        """q, k, v, o projections + gate, up, down + two RMSNorm weights (+ q/k/v biases)."""
+    def layer_matrix_params(self) -> int:
+        """The weight matrices of one layer: q, k, v, o projections + gate, up, down."""
         h, d, a, k, f = self.hidden_size, self.d, self.num_heads, self.num_kv_heads, self.intermediate_size
-        attn = h * a * d + 2 * h * k * d + a * d * h + (a * d + 2 * k * d if self.qkv_bias else 0)
-        return attn + 3 * h * f + 2 * h
+        return h * a * d + 2 * h * k * d + a * d * h + 3 * h * f
+
+    @property
+    def layer_params(self) -> int:
+        """The layer's matrices + two RMSNorm weights (+ q/k/v biases)."""
+        d, a, k = self.d, self.num_heads, self.num_kv_heads
+        return self.layer_matrix_params + 2 * self.hidden_size + (a * d + 2 * k * d if self.qkv_bias else 0)
 
     @property
     def embedding_params(self) -> int:
@@ -345,8 +350,8 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
     kv = kv_cache_bytes(m, run.sequences // n * run.seq_len, dt)
     # On a CPU in fp32 (train.cpu_linear auto), decoding holds a second copy of every linear weight, the
     # projections and the LM head, in oneDNN's layout; LoRA's small matrices are left out.
-    linear_weights = m.num_layers * (m.layer_params - 2 * m.hidden_size) + m.vocab_size * m.hidden_size
-    decode_layout = linear_weights * 4 if run.device == "cpu" and dt == "fp32" else 0.0
+    linear_weights = m.num_layers * m.layer_matrix_params + m.vocab_size * m.hidden_size
+    decode_layout = linear_weights * DTYPE_BYTES[dt] if run.device == "cpu" and dt == "fp32" else 0.0
     return Memory(
         policy=policy, critic=critic, reference=reference, reward_model=reward_model,
         activations=ckpt if run.checkpointing else no_ckpt, activations_no_ckpt=no_ckpt, activations_ckpt=ckpt,

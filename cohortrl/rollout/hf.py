@@ -378,8 +378,9 @@ class _HeadLogProbs(torch.autograd.Function):
                 entropy_N[s:s + chunk] = total.log() - e.mul_(shifted).sum(-1) / total
             else:
                 total = shifted.exp_().sum(-1)
-            logz_N[s:s + chunk] = top.squeeze(-1) + total.log()
-            logp_N[s:s + chunk] = target - total.log()
+            log_total = total.log()
+            logz_N[s:s + chunk] = top.squeeze(-1) + log_total
+            logp_N[s:s + chunk] = target - log_total
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, target_N, logz_N)
         ctx.temperature, ctx.chunk = temperature, chunk
         if with_entropy:
@@ -391,7 +392,7 @@ class _HeadLogProbs(torch.autograd.Function):
         hidden_NH, weight_VH, bias_V, target_N, logz_N = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden_NH) if need_h else None
-        grad_w = torch.empty_like(weight_VH, dtype=torch.float32) if need_w else None  # the first chunk overwrites it
+        grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(bias_V, dtype=torch.float32) if need_b else None
         for s in range(0, hidden_NH.shape[0], ctx.chunk):
             h = hidden_NH[s:s + ctx.chunk]
@@ -405,7 +406,7 @@ class _HeadLogProbs(torch.autograd.Function):
             if need_h:
                 grad_h[s:s + ctx.chunk] = grad_logits @ weight_VH
             if need_w:
-                grad_w.addmm_(grad_logits.t().float(), h.float(), beta=0 if s == 0 else 1)  # beta 0: ignores what was there
+                grad_w.addmm_(grad_logits.t().float(), h.float())
             if need_b:
                 grad_b += grad_logits.float().sum(0)
         grad_w = grad_w.to(weight_VH.dtype) if need_w else None
