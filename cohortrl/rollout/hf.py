@@ -13,6 +13,7 @@ prompt's share of the compute drops by a factor of G.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 
@@ -21,6 +22,7 @@ from transformers import DynamicCache
 
 from cohortrl.config import SamplingConfig
 from cohortrl.kernels import decoding_weights
+from cohortrl.rollout.decoder import decoder_for
 from cohortrl.rollout.types import Rollout
 
 
@@ -133,19 +135,29 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
     device = model_device(model)
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)
     B, name = ids.shape[0], cache_argument(model)
+    next_position = mask.sum(-1, keepdim=True)  # the first response token's position
+    lean = decoder_for(model)  # Llama-family fp32 on a CPU under oneDNN: rollout/decoder.py; else transformers'
+    if lean is not None and cache is None and ids.shape[1] > 1:
+        cache = _prefill(model, ids[:, :-1], mask[:, :-1])  # the lean step takes one token per row
     cache = cache if cache is not None else DynamicCache()
     seen = cache.get_seq_length()
     feed, positions = ids[:, seen:], _positions(mask)[:, seen:]
-    next_position = mask.sum(-1, keepdim=True)  # the first response token's position
+    if lean is not None:
+        fed_positions = torch.cat([positions, next_position + torch.arange(sampling.max_new_tokens - 1, device=device)], 1)
+        decoder, cache = lean(model, cache, mask, fed_positions), None  # the transformers cache is copied in, freed
     eos = torch.tensor(eos_ids, device=device)
     ended = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), sampling.max_new_tokens, dtype=torch.long, device=device)
     stop_window = max((len(s) for s in sampling.stop), default=0) + 2  # tokens enough to hold any stop string
     tokens: list[torch.Tensor] = []
-    with decoding_weights(model, B):  # under the oneDNN kernel: the weights laid out for B-row products
+    # under the oneDNN kernel, transformers' forward reads the weights laid out for B-row products
+    with decoding_weights(model, B) if lean is None else contextlib.nullcontext():
         for t in range(sampling.max_new_tokens):
-            logits = model(input_ids=feed, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                           **{name: cache}).logits[:, -1].float()
+            if lean is not None:
+                logits = decoder.step(feed[:, -1])
+            else:
+                logits = model(input_ids=feed, attention_mask=mask, position_ids=positions, use_cache=True,
+                               logits_to_keep=1, **{name: cache}).logits[:, -1].float()
             if t < sampling.min_new_tokens:
                 logits[:, eos] = float("-inf")
             token = _sample(logits, sampling)
@@ -161,7 +173,8 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
             if ended.all():
                 break
             feed, positions = token.unsqueeze(-1), next_position + t
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            if lean is None:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
     return torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1), lengths.cpu()
 
 
@@ -231,10 +244,16 @@ def prefill_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     that has it (a group); decoding then runs only the last prompt token per row before sampling."""
     device = model_device(model)
     ids_U, mask_U, index_B = _unique_prompts(prompt_ids.to(device), prompt_mask.to(device))
-    cache = DynamicCache()
-    model(input_ids=ids_U[:, :-1], attention_mask=mask_U[:, :-1], position_ids=_positions(mask_U[:, :-1]),
-          use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+    cache = _prefill(model, ids_U[:, :-1], mask_U[:, :-1])
     cache.batch_select_indices(index_B)
+    return cache
+
+
+def _prefill(model, ids: torch.Tensor, mask: torch.Tensor) -> DynamicCache:
+    """A KV cache of ``ids`` (left-padded rows), from one forward pass."""
+    cache = DynamicCache()
+    model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True, logits_to_keep=1,
+          **{cache_argument(model): cache})
     return cache
 
 

@@ -40,6 +40,7 @@ import yaml
 from cohortrl import distributed
 from cohortrl.algorithms import aggregate, get_policy_loss, masked_mean, truncated_importance_weights
 from cohortrl.config import Config, ConfigError
+from cohortrl.cpu_memory import apply_cpu_allocator, resolve_cpu_allocator
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.kernels import linear_kernels, resolve_cpu_linear
 from cohortrl.models import load_model
@@ -60,7 +61,7 @@ log = logging.getLogger("cohortrl")
 # Settings that may change between a run and its resume without changing what the run computes.
 RESUMABLE_CHANGES = {
     "train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb",
-    "train.max_nonfinite_steps",
+    "train.max_nonfinite_steps", "train.cpu_allocator",
     "reward.timeout_s",
 }
 # Written into RUN_DIR/final/ with the step it was saved at: a resume can tell a finished run from one
@@ -157,6 +158,7 @@ class RLTrainer:
         self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
         self.cpu_linear = resolve_cpu_linear(cfg.train.cpu_linear, self.device)  # the kernel every step and evaluation use
+        apply_cpu_allocator(resolve_cpu_allocator(cfg.train.cpu_allocator, self.device))  # process-wide, before the first step
         if self.dist.launched:
             _check_distributed(cfg, self.name, self.dist)
         if resume:

@@ -1,0 +1,199 @@
+"""A lean one-token decoding step for Llama-architecture models on a CPU (Llama, Qwen2, Mistral without a
+sliding window): the same function as the transformers model's forward, minus its per-call machinery.
+
+Decoding runs the model on one token per row, B rows at a time, once per sampled token. At B = 8 on SmolLM2
+the products themselves are small (one 8-row product per weight), and transformers' forward spends as long
+again around them: the cache object's ``torch.cat`` per layer and token, mask construction, rotary
+embeddings recomputed per layer, module dispatch, dtype casts, SDPA's checks. :class:`LlamaDecoder` reads the
+model's own weights and does only the arithmetic:
+
+- the q/k/v projections and gate/up projections merged into one product each, every weight laid out once
+  in oneDNN's blocked format for B-row products (what ``kernels.decoding_weights`` does for the transformers
+  path);
+- a preallocated KV cache, written in place;
+- the rotary cos/sin for every step computed once, by the model's own rotary module (any rope type it has);
+- attention as two batched products over each KV head's group of query heads (no repeated K/V).
+
+PEFT LoRA adapters are folded into the laid-out copy (W + s·B·A): the same function, computed in one
+product. Only plain LoRA; DoRA, LoRA bias or other variants fall back to transformers' forward, as do other
+architectures, GPUs and non-fp32 weights (:func:`decoder_for` returns None and says why at debug level).
+Prefill stays with transformers' forward: it runs once per prompt, on many tokens, where its overhead is
+small. The arithmetic is the same to float rounding; ``tests/rollout/test_decoder.py`` checks the logits
+against transformers' step by step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from cohortrl import kernels
+
+log = logging.getLogger("cohortrl")
+
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+
+
+class Unsupported(Exception):
+    """This model cannot use the lean decoder; transformers' forward is used instead."""
+
+
+def _weight_and_bias(module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The function a linear module computes, as (W, b): its own weight, or for a PEFT LoRA layer the base
+    weight plus each active adapter's s·B·A (what ``merge`` would write)."""
+    if type(module) is torch.nn.Linear:
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    base = getattr(module, "base_layer", None)
+    if type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight"):
+        raise Unsupported(f"linear layer of type {type(module).__name__}")
+    weight = base.weight.detach()
+    if not (module.disable_adapters or module.merged):
+        for name in module.active_adapters:
+            if name not in module.lora_A:
+                continue
+            if name in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(name):
+                raise Unsupported(f"LoRA variant or LoRA bias in adapter {name!r}")
+            weight = weight + module.get_delta_weight(name).detach()
+    return weight, None if base.bias is None else base.bias.detach()
+
+
+def _merged(modules, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight for several linear layers with the same input (rows stacked), in oneDNN's layout for
+    ``rows``-row products, and their stacked bias (None if none has one)."""
+    pairs = [_weight_and_bias(m) for m in modules]
+    weight = torch.cat([w for w, _ in pairs]) if len(pairs) > 1 else pairs[0][0]
+    if any(b is not None for _, b in pairs):
+        bias = torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in pairs])
+    else:
+        bias = None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows), bias
+
+
+def _base_model(model):
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise Unsupported("a DDP-wrapped model")
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def check_supported(model) -> None:
+    """Raise :class:`Unsupported` (with the reason) unless the lean decoder computes this model's forward."""
+    base = _base_model(model)
+    cfg = base.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        raise Unsupported(f"model_type {cfg.model_type!r} (supported: {', '.join(SUPPORTED_TYPES)})")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise Unsupported(f"hidden_act {cfg.hidden_act!r}")
+    window = getattr(cfg, "sliding_window", None)
+    if window and (cfg.model_type != "qwen2" or getattr(cfg, "use_sliding_window", False)):
+        raise Unsupported("sliding-window attention")
+    if not kernels.onednn_available() or kernels._swaps == 0:
+        raise Unsupported("not under the oneDNN linear kernel (train.cpu_linear)")
+    weight = base.get_input_embeddings().weight
+    if not kernels._plain_cpu_fp32(weight):
+        raise Unsupported(f"weights of type {type(weight).__name__} on {weight.device} in {weight.dtype} "
+                          "(the lean decoder is for plain fp32 tensors on a CPU)")
+    for layer in base.model.layers:
+        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                  layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            _weight_and_bias(m)
+
+
+def decoder_for(model):
+    """A :class:`LlamaDecoder` factory for ``model`` if it qualifies, else None (transformers' forward)."""
+    try:
+        check_supported(model)
+    except (Unsupported, AttributeError) as e:
+        log.debug("lean decoder not used: %s", e)
+        return None
+    return LlamaDecoder
+
+
+class LlamaDecoder:
+    """Decoding state for B rows: weights in oneDNN's layout, the KV cache, the rotary tables.
+
+    Built from a transformers KV cache holding each row's first ``seen`` tokens (columns of the left-padded
+    prompt batch) and the prompt mask (B, Tp); :meth:`step` then takes one token per row, for columns
+    ``seen, seen + 1, ...`` in order, and returns the next-token logits (B, V) in fp32."""
+
+    def __init__(self, model, hf_cache, prompt_mask_BT: torch.Tensor, positions_BS: torch.Tensor):
+        base = _base_model(model)
+        cfg = base.config
+        B = prompt_mask_BT.shape[0]
+        self.layers = []
+        for layer in base.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon,
+                _merged([attn.q_proj, attn.k_proj, attn.v_proj], B), _merged([attn.o_proj], B),
+                layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
+                _merged([mlp.gate_proj, mlp.up_proj], B), _merged([mlp.down_proj], B),
+            ))
+        self.norm = (base.model.norm.weight.detach(), base.model.norm.variance_epsilon)
+        self.head = _merged([base.lm_head], B)
+        self.embed = base.get_input_embeddings().weight.detach()
+        self.H, self.Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        self.scale = self.D ** -0.5
+
+        # positions_BS: the position of each token still to be fed, one column per step
+        S = positions_BS.shape[1]
+        seen = hf_cache.get_seq_length() if hf_cache is not None else 0
+        self.col = seen
+        T = seen + S
+        dtype = self.embed.dtype
+        self.k = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
+        self.v = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
+        if seen:
+            for i, layer in enumerate(hf_cache.layers):
+                self.k[i][:, :, :seen] = layer.keys
+                self.v[i][:, :, :seen] = layer.values
+        # additive key mask over all T columns: the prompt's padding is -inf, everything fed later is real
+        keep = torch.ones(B, T, dtype=torch.bool)
+        keep[:, : prompt_mask_BT.shape[1]] = prompt_mask_BT.bool()
+        self.key_bias = torch.zeros(B, 1, 1, T, dtype=dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
+        cos, sin = base.model.rotary_emb(self.embed[:1], positions_BS)  # (B, S, D) each
+        self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, S, 1, D): broadcast over heads
+        self.s = 0
+
+    @staticmethod
+    def _linear(x, packed):
+        weight, bias = packed
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    def _rope(self, x_BHD):
+        cos, sin = self.cos[:, self.s], self.sin[:, self.s]
+        half = x_BHD.shape[-1] // 2
+        rotated = torch.cat((-x_BHD[..., half:], x_BHD[..., :half]), dim=-1)
+        return x_BHD * cos + rotated * sin
+
+    @staticmethod
+    def _rms_norm(x, weight, eps):
+        # transformers' RMSNorm, term for term (F.rms_norm is one call but slower on a CPU at 8 rows)
+        return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt_() * weight
+
+    @torch.no_grad()
+    def step(self, token_B: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (the next column); the next-token logits (B, V)."""
+        B, H, Hkv, D = token_B.shape[0], self.H, self.Hkv, self.D
+        c = self.col
+        x = F.embedding(token_B, self.embed)  # (B, d)
+        bias = self.key_bias[..., : c + 1]
+        for i, (w_in, eps_in, qkv, o, w_post, eps_post, gate_up, down) in enumerate(self.layers):
+            h = self._rms_norm(x, w_in, eps_in)
+            q, k, v = self._linear(h, qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = self._rope(q.view(B, H, D))
+            self.k[i][:, :, c] = self._rope(k.view(B, Hkv, D))
+            self.v[i][:, :, c] = v.view(B, Hkv, D)
+            # each KV head serves H / Hkv query heads: (B, Hkv, g, D) @ (B, Hkv, D, c+1)
+            scores = q.view(B, Hkv, H // Hkv, D) @ self.k[i][:, :, : c + 1].transpose(-1, -2)
+            probs = (scores.mul_(self.scale) + bias).softmax(-1)
+            attn = (probs @ self.v[i][:, :, : c + 1]).view(B, H * D)
+            x = x + self._linear(attn, o)
+            h = self._rms_norm(x, w_post, eps_post)
+            gate, up = self._linear(h, gate_up).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate).mul_(up), down)
+        self.col += 1
+        self.s += 1
+        return self._linear(self._rms_norm(x, *self.norm), self.head)

@@ -1,0 +1,124 @@
+"""The lean decoding step (cohortrl/rollout/decoder.py) computes transformers' forward: the same next-token
+logits, step by step, for left-padded rows, grouped-query attention, q/k/v biases and LoRA adapters; models it
+cannot compute go to transformers' forward."""
+
+import pytest
+import torch
+
+from cohortrl import kernels
+from cohortrl.kernels import linear_kernels
+from cohortrl.models import build_tiny_tokenizer, load_model
+from cohortrl.rollout import decoder as decoder_module
+from cohortrl.rollout.decoder import LlamaDecoder, decoder_for
+from cohortrl.rollout.hf import Sampling, _positions, _prefill, encode_prompts, generate
+
+needs_onednn = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear op")
+
+PROMPTS = ["What is 1 + 2?", "What is 3 * 3? Answer briefly please.", "Add 4 and 5."]
+
+
+def tiny_qwen2(seed: int = 0):
+    """A tiny random Qwen2 (biases on q, k and v; grouped-query attention) with the tiny tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tiny_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).eval()
+    for layer in model.model.layers:  # random, not zero, biases: they must reach the logits
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    return model, tok
+
+
+def with_lora(model, seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                             task_type="CAUSAL_LM"))
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero, which would make the adapter a no-op
+            torch.nn.init.normal_(p, std=0.2)
+    return model.eval()
+
+
+def _stepwise_logits(model, tok, steps: int = 6):
+    """Next-token logits of a fixed continuation of three left-padded prompts, from the lean decoder step by
+    step and from one transformers forward over the whole sequences: ((B, steps, V), (B, steps, V))."""
+    ids, mask, _ = encode_prompts(tok, PROMPTS, None, 512, "reject")
+    torch.manual_seed(1)
+    cont = torch.randint(5, len(tok) - 5, (ids.shape[0], steps - 1))
+    with torch.no_grad(), linear_kernels("onednn"):
+        cache = _prefill(model, ids[:, :-1], mask[:, :-1])
+        positions = torch.cat([_positions(mask)[:, -1:], mask.sum(-1, keepdim=True) + torch.arange(steps - 1)], 1)
+        dec = LlamaDecoder(model, cache, mask, positions)
+        feed = torch.cat([ids[:, -1:], cont], 1)
+        ours = torch.stack([dec.step(feed[:, t]) for t in range(steps)], 1)
+    full_ids, full_mask = torch.cat([ids, cont], 1), torch.cat([mask, torch.ones_like(cont)], 1)
+    with torch.no_grad():  # PyTorch's own kernels, the whole sequence at once
+        logits = model(input_ids=full_ids, attention_mask=full_mask, position_ids=_positions(full_mask)).logits
+    return ours, logits[:, ids.shape[1] - 1 :].float()
+
+
+@needs_onednn
+@pytest.mark.parametrize("build", ["tiny-llama", "tiny-llama-4l", "qwen2", "tiny-llama-4l+lora", "qwen2+lora"])
+def test_the_lean_step_gives_transformers_logits(build):
+    name, _, adapter = build.partition("+")
+    model, tok = tiny_qwen2() if name == "qwen2" else load_model(name, seed=2)
+    if adapter:
+        model = with_lora(model)
+    ours, theirs = _stepwise_logits(model, tok)
+    assert theirs.abs().max() > 0.1  # not a degenerate model
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-5)
+
+
+@needs_onednn
+def test_a_disabled_adapter_decodes_with_the_base_weights():
+    base, tok = load_model("tiny-llama-4l", seed=3)
+    plain, _ = _stepwise_logits(base, tok)
+    model = with_lora(base)
+    adapted, _ = _stepwise_logits(model, tok)
+    with model.disable_adapter():
+        disabled, _ = _stepwise_logits(model, tok)
+    torch.testing.assert_close(disabled, plain, rtol=0, atol=1e-6)
+    assert (adapted - plain).abs().max() > 1e-3  # the adapter does change the function
+
+
+@needs_onednn
+def test_generate_samples_the_same_tokens_through_either_forward(monkeypatch):
+    model, tok = load_model("tiny-llama-4l", seed=4)
+    rows = [{"prompt": p} for p in PROMPTS]
+    out = {}
+    for path in ("lean", "transformers"):
+        used = []
+        real = decoder_module.LlamaDecoder.step
+        monkeypatch.setattr(decoder_module.LlamaDecoder, "step", lambda self, t: used.append(1) or real(self, t))
+        if path == "transformers":
+            monkeypatch.setattr("cohortrl.rollout.hf.decoder_for", lambda model: None)
+        torch.manual_seed(0)
+        with linear_kernels("onednn"):
+            out[path], _ = generate(model, tok, rows, 3, Sampling(temperature=1.0, max_new_tokens=16))
+        assert bool(used) == (path == "lean")
+    assert torch.equal(out["lean"].response_ids, out["transformers"].response_ids)
+    assert torch.equal(out["lean"].response_mask, out["transformers"].response_mask)
+
+
+@needs_onednn
+def test_what_the_lean_step_cannot_compute_goes_to_transformers():
+    model, _ = load_model("tiny-llama", seed=5)
+    assert decoder_for(model) is None  # outside the oneDNN kernel
+    with linear_kernels("onednn"):
+        assert decoder_for(model) is LlamaDecoder
+        assert decoder_for(tiny_qwen2()[0]) is LlamaDecoder
+        assert decoder_for(model.to(torch.bfloat16)) is None
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        assert decoder_for(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))) is None
+        from peft import LoraConfig, get_peft_model
+
+        dora = get_peft_model(load_model("tiny-llama", seed=5)[0],
+                              LoraConfig(r=2, target_modules=["q_proj"], use_dora=True, task_type="CAUSAL_LM"))
+        assert decoder_for(dora) is None

@@ -1,0 +1,78 @@
+"""``train.cpu_allocator`` (cohortrl/cpu_memory.py): freed memory stays mapped in the process under glibc."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from cohortrl import cpu_memory
+from cohortrl.config import Config, ConfigError
+from cohortrl.cpu_memory import resolve_cpu_allocator
+
+glibc_only = pytest.mark.skipif(cpu_memory._glibc() is None, reason="mallopt is glibc's")
+
+# Eight 16 MiB blocks, written and freed in reverse (a step's buffers), four times over; the minor page faults
+# of each round. Straight from libc's malloc, so nothing else allocates in between. Each fresh 4 KiB page
+# faults once at its first write. glibc's defaults map the first round and trim the heap's freed top after
+# every later one, so every round faults its pages in again; retained, only the first does.
+_PROBE = textwrap.dedent("""
+    import ctypes, resource, sys
+    from cohortrl.cpu_memory import retain_freed_memory
+    if sys.argv[1] == "retain":
+        assert retain_freed_memory()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    size, faults = 16 * 1024 * 1024, []
+    for _ in range(4):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [libc.malloc(size) for _ in range(8)]
+        for b in blocks:
+            ctypes.memset(b, 1, size)
+        for b in reversed(blocks):
+            libc.free(b)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(*faults)
+""")
+
+
+def _faults(mode: str) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True)
+    return [int(n) for n in out.stdout.split()]
+
+
+@glibc_only
+def test_freed_blocks_stay_resident_for_the_next_round():
+    pages = 8 * 16 * 1024 * 1024 // 4096  # one round's fresh pages: 32,768
+    system, retained = _faults("system"), _faults("retain")
+    assert all(n > pages * 0.9 for n in system)  # glibc's defaults: every round faults in again
+    assert retained[0] > pages * 0.9  # the first touch is paid once either way
+    assert all(n < pages * 0.01 for n in retained[1:])  # then the heap's freed blocks are reused as they are
+
+
+def test_resolution():
+    assert resolve_cpu_allocator("auto", "cuda") == "system"
+    assert resolve_cpu_allocator("retain", "cuda:0") == "system"
+    assert resolve_cpu_allocator("system", "cpu") == "system"
+    with pytest.raises(ValueError, match="unknown cpu_allocator 'jemalloc'"):
+        resolve_cpu_allocator("jemalloc", "cpu")
+
+
+def test_without_glibc_auto_leaves_the_allocator_and_retain_is_an_error(monkeypatch):
+    monkeypatch.setattr(cpu_memory, "_glibc", lambda: None)
+    monkeypatch.setattr(cpu_memory, "_retaining", False)
+    assert resolve_cpu_allocator("auto", "cpu") == "system"
+    with pytest.raises(RuntimeError, match="Set train.cpu_allocator=auto or system"):
+        resolve_cpu_allocator("retain", "cpu")
+    assert cpu_memory.retain_freed_memory() is False  # no mallopt: nothing set, nothing claimed
+
+
+@glibc_only
+def test_auto_retains_on_a_cpu_under_glibc():
+    assert resolve_cpu_allocator("auto", "cpu") == "retain"
+
+
+def test_config_key_is_validated():
+    assert Config.from_dict({"train": {"cpu_allocator": "system"}}).train.cpu_allocator == "system"
+    with pytest.raises(ConfigError, match="cpu_allocator"):
+        Config.from_dict({"train": {"cpu_allocator": "jemalloc"}})
