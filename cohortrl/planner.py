@@ -281,11 +281,13 @@ def activation_elements_per_token(m: ModelShape, checkpointing: bool) -> float:
 # backward, and the entropy's probabilities and product (``rollout/hf._logprobs_from_logits``); backward then
 # replaces two of them with gradients of the same size.
 LOGIT_COPIES = 4
-# One process: ``rollout/hf._HeadLogProbs`` applies the head in chunks of LOGPROB_CHUNK_BYTES of fp32 logits
-# and keeps none between forward and backward; at most two chunks exist at once (the logits and the entropy's
-# probabilities in forward; the recomputed logits, turned into their gradient in place, in backward).
+# One process: ``rollout/hf._HeadLogProbs`` applies the head in chunks of LOGPROB_CHUNK_BYTES of fp32 logits.
+# Probabilities of at most LOGPROB_KEEP_BYTES (all response tokens) are kept from forward to backward: those
+# plus one chunk of logits. Above that none are kept, and at most two chunks exist at once (the logits and the
+# entropy's probabilities in forward; the recomputed logits, turned into their gradient in place, in backward).
 CHUNKED_LOGIT_COPIES = 2
 LOGPROB_CHUNK_BYTES = 32 * 2**20  # = rollout.hf.LOGPROB_CHUNK_BYTES (a test keeps them equal)
+LOGPROB_KEEP_BYTES = 128 * 2**20  # = rollout.hf.LOGPROB_KEEP_BYTES
 
 
 @dataclass(frozen=True)
@@ -344,7 +346,8 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
     ckpt = models_backpropagated * tokens * activation_elements_per_token(m, True) * act_bytes
     full_logits = run.micro_batch_size * (run.response_len + 1) * m.vocab_size * 4
     if run.gpus == 1:  # one process: the chunked head (rollout/hf._HeadLogProbs)
-        logits = CHUNKED_LOGIT_COPIES * min(LOGPROB_CHUNK_BYTES, full_logits)
+        chunk = min(LOGPROB_CHUNK_BYTES, full_logits)
+        logits = full_logits + chunk if full_logits <= LOGPROB_KEEP_BYTES else CHUNKED_LOGIT_COPIES * chunk
     else:
         logits = LOGIT_COPIES * full_logits
     kv = kv_cache_bytes(m, run.sequences // n * run.seq_len, dt)

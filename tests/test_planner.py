@@ -100,17 +100,21 @@ def test_lora_has_no_reference_copy():
 
 
 def test_logits_are_chunk_bounded_on_one_process_and_four_full_copies_under_ddp():
-    from cohortrl.planner import LOGPROB_CHUNK_BYTES
-    from cohortrl.rollout.hf import LOGPROB_CHUNK_BYTES as used_by_the_trainer
+    from cohortrl import planner
+    from cohortrl.rollout import hf
 
-    assert LOGPROB_CHUNK_BYTES == used_by_the_trainer == 32 * 2**20
+    assert planner.LOGPROB_CHUNK_BYTES == hf.LOGPROB_CHUNK_BYTES == 32 * 2**20
+    assert planner.LOGPROB_KEEP_BYTES == hf.LOGPROB_KEEP_BYTES == 128 * 2**20
     # Llama-2-7B, b = 4, T = 1024: one (b, T+1, V) fp32 tensor is 4·1025·32000·4 = 524,800,000 bytes.
     one = plan("7b", RunSpec(micro_batch_size=4, response_len=1024)).memory
     assert one.logits == 2 * 32 * 2**20  # two 32 MiB chunks: the full tensor never exists
     ddp = plan("7b", RunSpec(gpus=8, micro_batch_size=4, response_len=1024)).memory
     assert ddp.logits == 4 * 524_800_000  # the model's own head: output, scaled copy, entropy's two temporaries
-    # fewer logits than one chunk: two copies of what there is (1·3·32000·4 = 384,000 bytes)
+    # within the keep budget, the probabilities are kept for backward, plus one chunk of logits:
+    # 1·3·32000·4 = 384,000 bytes (less than a chunk) kept, and the chunk that made them
     assert plan("7b", RunSpec(micro_batch_size=1, response_len=2)).memory.logits == 2 * 384_000
+    # 1·1000·32000·4 = 128,000,000 bytes ≤ 128 MiB = 134,217,728: kept, plus a 32 MiB chunk
+    assert plan("7b", RunSpec(micro_batch_size=1, response_len=999)).memory.logits == 128_000_000 + 32 * 2**20
 
 
 def test_cpu_plan_adds_the_baseline():

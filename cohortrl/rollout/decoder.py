@@ -11,7 +11,8 @@ model's own weights and does only the arithmetic:
   in oneDNN's blocked format for B-row products (what ``kernels.decoding_weights`` does for the transformers
   path);
 - a preallocated KV cache, written in place;
-- the rotary cos/sin for every step computed once, by the model's own rotary module (any rope type it has);
+- the rotary cos/sin for every step computed once, by the model's own rotary module (any rope type it has),
+  applied as one complex product per tensor (q and k features reordered into adjacent pairs);
 - attention as two batched products over each KV head's group of query heads (no repeated K/V).
 
 PEFT LoRA adapters are folded into the laid-out copy (W + s·B·A): the same function, computed in one
@@ -59,10 +60,13 @@ def _weight_and_bias(module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, None if base.bias is None else base.bias.detach()
 
 
-def _merged(modules, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _merged(modules, rows: int, orders=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight for several linear layers with the same input (rows stacked), in oneDNN's layout for
-    ``rows``-row products, and their stacked bias (None if none has one)."""
+    ``rows``-row products, and their stacked bias (None if none has one). ``orders``: per module, an order of
+    its output features (None: as they are)."""
     pairs = [_weight_and_bias(m) for m in modules]
+    if orders is not None:
+        pairs = [(w, b) if o is None else (w[o], None if b is None else b[o]) for (w, b), o in zip(pairs, orders)]
     weight = torch.cat([w for w, _ in pairs]) if len(pairs) > 1 else pairs[0][0]
     if any(b is not None for _, b in pairs):
         bias = torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in pairs])
@@ -121,21 +125,28 @@ class LlamaDecoder:
         base = _base_model(model)
         cfg = base.config
         B = prompt_mask_BT.shape[0]
+        self.H, self.Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.D = D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        # Rotary embedding pairs feature i of a head with feature i + D/2 (transformers' rotate_half). Ordering
+        # each head's q and k features as (0, D/2, 1, D/2 + 1, ...) makes every pair adjacent, so the rotation
+        # is one complex product. Queries and keys share the order, so their dot products do not change.
+        pair = torch.stack([torch.arange(D // 2), torch.arange(D // 2) + D // 2], 1).flatten()  # (D,)
+        self.pair = pair
+        q_order = (torch.arange(self.H)[:, None] * D + pair).flatten()
+        k_order = (torch.arange(self.Hkv)[:, None] * D + pair).flatten()
         self.layers = []
         for layer in base.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append((
                 layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon,
-                _merged([attn.q_proj, attn.k_proj, attn.v_proj], B), _merged([attn.o_proj], B),
+                _merged([attn.q_proj, attn.k_proj, attn.v_proj], B, [q_order, k_order, None]), _merged([attn.o_proj], B),
                 layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
                 _merged([mlp.gate_proj, mlp.up_proj], B), _merged([mlp.down_proj], B),
             ))
         self.norm = (base.model.norm.weight.detach(), base.model.norm.variance_epsilon)
         self.head = _merged([base.lm_head], B)
         self.embed = base.get_input_embeddings().weight.detach()
-        self.H, self.Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
-        self.scale = self.D ** -0.5
+        self.scale = D ** -0.5
 
         # positions_BS: the position of each token still to be fed, one column per step
         S = positions_BS.shape[1]
@@ -147,14 +158,14 @@ class LlamaDecoder:
         self.v = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
         if seen:
             for i, layer in enumerate(hf_cache.layers):
-                self.k[i][:, :, :seen] = layer.keys
+                self.k[i][:, :, :seen] = layer.keys[..., pair]  # the keys in the paired order, as computed below
                 self.v[i][:, :, :seen] = layer.values
         # additive key mask over all T columns: the prompt's padding is -inf, everything fed later is real
         keep = torch.ones(B, T, dtype=torch.bool)
         keep[:, : prompt_mask_BT.shape[1]] = prompt_mask_BT.bool()
         self.key_bias = torch.zeros(B, 1, 1, T, dtype=dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
-        cos, sin = base.model.rotary_emb(self.embed[:1], positions_BS)  # (B, S, D) each
-        self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, S, 1, D): broadcast over heads
+        cos, sin = base.model.rotary_emb(self.embed[:1], positions_BS)  # (B, S, D) each, halves equal
+        self.rotation = torch.complex(cos[..., : D // 2], sin[..., : D // 2]).unsqueeze(2)  # (B, S, 1, D/2)
         self.s = 0
 
     @staticmethod
@@ -163,10 +174,10 @@ class LlamaDecoder:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     def _rope(self, x_BHD):
-        cos, sin = self.cos[:, self.s], self.sin[:, self.s]
-        half = x_BHD.shape[-1] // 2
-        rotated = torch.cat((-x_BHD[..., half:], x_BHD[..., :half]), dim=-1)
-        return x_BHD * cos + rotated * sin
+        # (a + ib)(cos + i sin) = (a cos − b sin) + i(a sin + b cos): transformers' x·cos + rotate_half(x)·sin
+        B, H, D = x_BHD.shape
+        pairs = torch.view_as_complex(x_BHD.view(B, H, D // 2, 2))
+        return torch.view_as_real(pairs * self.rotation[:, self.s]).view(B, H, D)
 
     @staticmethod
     def _rms_norm(x, weight, eps):

@@ -326,7 +326,7 @@ def response_logprobs(
     chunk = max(1, (chunk_bytes or LOGPROB_CHUNK_BYTES) // (4 * linear.weight.shape[0]))
     logp_N, entropy_N = _HeadLogProbs.apply(hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[real_N], linear.weight,
                                            linear.bias, response_ids.reshape(-1)[real_N], float(temperature or 1.0),
-                                           chunk, with_entropy)
+                                           chunk, with_entropy, LOGPROB_KEEP_BYTES)
 
     def per_token(values_N):  # back to (B, T), 0 on the padding
         return torch.zeros(response_ids.numel(), device=device).index_put((real_N,), values_N).view(response_ids.shape)
@@ -337,6 +337,9 @@ def response_logprobs(
 # Logits of at most this many bytes (fp32) exist at once in the chunked LM head: 32 MiB is 170 positions of
 # SmolLM2's 49,152-entry vocabulary, big enough for efficient matrix products, small next to the model.
 LOGPROB_CHUNK_BYTES = 32 * 2**20
+# Under this size the probabilities of every response token are kept from forward to backward (75 MB for
+# SmolLM2's 384 tokens of benchmarks/vs_trl.py): backward then skips recomputing the logits.
+LOGPROB_KEEP_BYTES = 128 * 2**20
 
 
 def _logprobs_from_logits(logits_BTV, response_ids, temperature, with_entropy):
@@ -373,25 +376,34 @@ def _plain_lm_head(model):
 class _HeadLogProbs(torch.autograd.Function):
     """log softmax((h Wᵀ + b) / temperature)[target] for N hidden states, ``chunk`` rows of logits at a time.
 
-    Forward keeps only the log-normaliser log Z per row; backward recomputes each chunk's logits and uses
-    d log p / d logits = (onehot(target) − softmax) / temperature. Under LoRA the head is frozen and backward
-    costs what autograd's would (one product for the logits, one for the hidden-state gradient); with a
-    trainable head it adds one product, the recomputed logits. The logits are made in the model's dtype
-    and cast to fp32, as ``model(...).logits.float()`` would be."""
+    Backward uses d log p / d logits = (onehot(target) − softmax) / temperature. When a gradient is needed and
+    the N × V probabilities fit in ``keep_bytes``, forward keeps them (one fp32 buffer, filled chunk by
+    chunk) and backward turns them into the logits' gradient in place; otherwise forward keeps only the
+    log-normaliser log Z per row and backward recomputes each chunk's logits, one more product with the
+    head's weight. Either way the (B, T, V) logits of the whole batch never exist. The logits are made in
+    the model's dtype and cast to fp32, as ``model(...).logits.float()`` would be."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, target_N, temperature, chunk, with_entropy):
-        N = hidden_NH.shape[0]
+    def forward(ctx, hidden_NH, weight_VH, bias_V, target_N, temperature, chunk, with_entropy, keep_bytes):
+        N, V = hidden_NH.shape[0], weight_VH.shape[0]
         logp_N = torch.empty(N, device=hidden_NH.device)
         logz_N = torch.empty(N, device=hidden_NH.device)
         entropy_N = torch.empty(N, device=hidden_NH.device) if with_entropy else None
+        keep = any(ctx.needs_input_grad[:3]) and N * V * 4 <= keep_bytes
+        probs_NV = torch.empty(N, V, device=hidden_NH.device) if keep else None
         for s in range(0, N, chunk):
-            # In place, one (chunk, V) tensor (two for the entropy): log Z = max + log Σ exp(logits − max).
+            # In place, one (chunk, V) tensor (two for the entropy unless kept): log Z = max + log Σ exp(logits − max).
             shifted = _chunk_logits(hidden_NH[s:s + chunk], weight_VH, bias_V, temperature)
             top = shifted.amax(-1, keepdim=True)
             shifted.sub_(top)  # ≤ 0: exp cannot overflow
             target = shifted.gather(-1, target_N[s:s + chunk, None]).squeeze(-1)
-            if with_entropy:  # H = log Σe − Σ e·shifted / Σe, with e = exp(shifted)
+            if keep:  # p = e / Σe into the kept buffer; H = log Σe − Σ p·shifted
+                e = torch.exp(shifted, out=probs_NV[s:s + chunk])
+                total = e.sum(-1)
+                e.div_(total[:, None])
+                if with_entropy:
+                    entropy_N[s:s + chunk] = total.log() - torch.bmm(e[:, None], shifted[:, :, None]).flatten()
+            elif with_entropy:  # H = log Σe − Σ e·shifted / Σe, with e = exp(shifted)
                 e = shifted.exp()
                 total = e.sum(-1)
                 entropy_N[s:s + chunk] = total.log() - e.mul_(shifted).sum(-1) / total
@@ -401,7 +413,7 @@ class _HeadLogProbs(torch.autograd.Function):
             logz_N[s:s + chunk] = top.squeeze(-1) + log_total
             logp_N[s:s + chunk] = target - log_total
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, target_N, logz_N)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.probs_NV = temperature, chunk, probs_NV
         if with_entropy:
             ctx.mark_non_differentiable(entropy_N)
         return logp_N, entropy_N
@@ -409,15 +421,19 @@ class _HeadLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp_N, _grad_entropy):
         hidden_NH, weight_VH, bias_V, target_N, logz_N = ctx.saved_tensors
+        probs_NV, ctx.probs_NV = ctx.probs_NV, None  # used up in place below: a second backward recomputes
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden_NH) if need_h else None
-        grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_w else None
+        grad_w = None  # the first chunk's product writes it: no zero-filled (V, H) pass
         grad_b = torch.zeros_like(bias_V, dtype=torch.float32) if need_b else None
         for s in range(0, hidden_NH.shape[0], ctx.chunk):
             h = hidden_NH[s:s + ctx.chunk]
             g = grad_logp_N[s:s + ctx.chunk].float()
             # d logp / d logits_v = (onehot_v − p_v) / temperature, times the upstream gradient g
-            grad_logits = _chunk_logits(h, weight_VH, bias_V, ctx.temperature).sub_(logz_N[s:s + ctx.chunk, None]).exp_()
+            if probs_NV is not None:
+                grad_logits = probs_NV[s:s + ctx.chunk]
+            else:
+                grad_logits = _chunk_logits(h, weight_VH, bias_V, ctx.temperature).sub_(logz_N[s:s + ctx.chunk, None]).exp_()
             grad_logits.mul_(-g[:, None]).scatter_add_(-1, target_N[s:s + ctx.chunk, None], g[:, None])
             if ctx.temperature not in (0, 1):
                 grad_logits.div_(ctx.temperature)
@@ -425,12 +441,16 @@ class _HeadLogProbs(torch.autograd.Function):
             if need_h:
                 grad_h[s:s + ctx.chunk] = grad_logits @ weight_VH
             if need_w:
-                grad_w.addmm_(grad_logits.t().float(), h.float())
+                if grad_w is None:
+                    grad_w = grad_logits.t().float() @ h.float()
+                else:
+                    grad_w.addmm_(grad_logits.t().float(), h.float())
             if need_b:
                 grad_b += grad_logits.float().sum(0)
-        grad_w = grad_w.to(weight_VH.dtype) if need_w else None
+        if need_w:
+            grad_w = torch.zeros_like(weight_VH) if grad_w is None else grad_w.to(weight_VH.dtype)  # None: no rows
         grad_b = grad_b.to(bias_V.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _chunk_logits(h_NH, weight_VH, bias_V, temperature: float) -> torch.Tensor:

@@ -148,8 +148,16 @@ def _plain_logprobs(model, ids, mask, response_ids, temperature):
     return logp_all.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1), entropy
 
 
+@pytest.mark.parametrize("probabilities", ["kept", "recomputed"])
 @pytest.mark.parametrize("case", ["full", "lora", "untied_with_bias", "shared_prompts"])
-def test_chunked_head_equals_full_vocabulary_logits_in_value_and_gradient(case):
+def test_chunked_head_equals_full_vocabulary_logits_in_value_and_gradient(case, probabilities, monkeypatch):
+    import cohortrl.rollout.hf as hf
+
+    kept = []
+    real_exp = torch.exp
+    monkeypatch.setattr(hf.torch, "exp", lambda x, out=None: kept.append(out is not None) or real_exp(x, out=out))
+    if probabilities == "recomputed":  # a budget too small for any batch: backward recomputes the logits
+        monkeypatch.setattr(hf, "LOGPROB_KEEP_BYTES", 0)
     model, tok = load_model("tiny-llama", seed=3)
     if case == "untied_with_bias":  # a trainable head with a bias of its own, not the embedding matrix
         head = model.get_output_embeddings()
@@ -193,6 +201,17 @@ def test_chunked_head_equals_full_vocabulary_logits_in_value_and_gradient(case):
     assert ((got_grads - want_grads).norm() / want_grads.norm()).item() < 1e-5
     if case == "untied_with_bias":
         assert model.lm_head.bias.grad is None  # grads() cleared it; it was part of the comparison above
+    assert bool(kept) == (probabilities == "kept") and all(kept)  # forward wrote into the kept buffer, or not at all
+
+
+def test_a_head_with_no_response_tokens_has_a_zero_weight_gradient():
+    from cohortrl.rollout.hf import _HeadLogProbs
+
+    weight = torch.randn(11, 4, requires_grad=True)
+    hidden = torch.randn(0, 4, requires_grad=True)
+    logp, _ = _HeadLogProbs.apply(hidden, weight, None, torch.zeros(0, dtype=torch.long), 1.0, 3, False, 2**20)
+    logp.sum().backward()
+    assert weight.grad is not None and (weight.grad == 0).all() and hidden.grad.shape == (0, 4)
 
 
 def test_the_chunked_head_is_used_and_bounds_the_logits_it_makes(monkeypatch):
