@@ -586,8 +586,9 @@ SETTINGS = """\
 | weights | the same directory: `from_pretrained` (fp32) | the same directory (`model.name`, fp32) |
 | precision | `bf16=False` (TRL's default is bf16 when fp16 is off), `fp16=False` | `model.dtype: float32` |
 | gradient checkpointing | `gradient_checkpointing=False` (TRL's default is True) | none |
-| generation | `model.generate` (no vLLM, no continuous batching), `use_cpu=True` | its own KV-cache decoding loop, each prompt prefilled once per group (`sampling.backend: hf`, docs/performance.md), `train.device: cpu` |
+| generation | `model.generate` (no vLLM, no continuous batching), `use_cpu=True` | its own KV-cache decoding loop, each prompt prefilled once per group (`sampling.backend: hf`, docs/performance.md), `train.device: cpu`; the one-token steps through `rollout/decoder.py` (Llama family, fp32, oneDNN) |
 | fp32 linear kernel | PyTorch's default (MKL sgemm) | `train.cpu_linear: auto`: oneDNN (`cohortrl/kernels.py`); the same function to float rounding |
+| CPU allocator | glibc's defaults | `train.cpu_allocator: auto`: freed memory kept in the process (`cohortrl/cpu_memory.py`) |
 | fine-tuning | full (no PEFT) | full (`model.lora.enabled: false`) |
 | prompts | 81 × "What is a * b?" (single digits), system prompt "Be brief.", chat template of the model | the same rows, `model.system_prompt: "Be brief."` |
 | sampling | temperature 1.0, top_p 1.0, top_k 0, `generation_kwargs={{"min_new_tokens": T}}` | temperature 1.0, top_p 1.0, top_k 0, `min_new_tokens` = `max_new_tokens` = T |

@@ -143,7 +143,8 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
     seen = cache.get_seq_length()
     feed, positions = ids[:, seen:], _positions(mask)[:, seen:]
     if lean is not None:
-        fed_positions = torch.cat([positions, next_position + torch.arange(sampling.max_new_tokens - 1, device=device)], 1)
+        later = torch.arange(max(sampling.max_new_tokens - 1, 0), device=device)  # sampled tokens fed back, but the last
+        fed_positions = torch.cat([positions, next_position + later], 1)
         decoder, cache = lean(model, cache, mask, fed_positions), None  # the transformers cache is copied in, freed
     eos = torch.tensor(eos_ids, device=device)
     ended = torch.zeros(B, dtype=torch.bool, device=device)
