@@ -75,6 +75,14 @@ def _merged(modules, rows: int, orders=None) -> tuple[torch.Tensor, torch.Tensor
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows), bias
 
 
+def _cached(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s keys and values (B, Hkv, T, D) in a transformers ``DynamicCache``: ``cache.layers``
+    from transformers 4.56, ``key_cache`` / ``value_cache`` lists before."""
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
 def _base_model(model):
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise Unsupported("a DDP-wrapped model")
@@ -94,6 +102,12 @@ def check_supported(model) -> None:
         raise Unsupported("sliding-window attention")
     if not kernels.onednn_available() or kernels._swaps == 0:
         raise Unsupported("not under the oneDNN linear kernel (train.cpu_linear)")
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        raise Unsupported("this PyTorch build has no oneDNN weight layout op")
+    inner = getattr(base, "model", None)
+    missing = [name for name in ("layers", "norm", "rotary_emb") if not hasattr(inner, name)]
+    if missing or base.get_output_embeddings() is None:
+        raise Unsupported(f"a decoder without {', '.join(missing) or 'an output head'}")
     weight = base.get_input_embeddings().weight
     if not kernels._plain_cpu_fp32(weight):
         raise Unsupported(f"weights of type {type(weight).__name__} on {weight.device} in {weight.dtype} "
@@ -131,7 +145,6 @@ class LlamaDecoder:
         # each head's q and k features as (0, D/2, 1, D/2 + 1, ...) makes every pair adjacent, so the rotation
         # is one complex product. Queries and keys share the order, so their dot products do not change.
         pair = torch.stack([torch.arange(D // 2), torch.arange(D // 2) + D // 2], 1).flatten()  # (D,)
-        self.pair = pair
         q_order = (torch.arange(self.H)[:, None] * D + pair).flatten()
         k_order = (torch.arange(self.Hkv)[:, None] * D + pair).flatten()
         self.layers = []
@@ -144,7 +157,7 @@ class LlamaDecoder:
                 _merged([mlp.gate_proj, mlp.up_proj], B), _merged([mlp.down_proj], B),
             ))
         self.norm = (base.model.norm.weight.detach(), base.model.norm.variance_epsilon)
-        self.head = _merged([base.lm_head], B)
+        self.head = _merged([base.get_output_embeddings()], B)
         self.embed = base.get_input_embeddings().weight.detach()
         self.scale = D ** -0.5
 
@@ -156,10 +169,10 @@ class LlamaDecoder:
         dtype = self.embed.dtype
         self.k = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
         self.v = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
-        if seen:
-            for i, layer in enumerate(hf_cache.layers):
-                self.k[i][:, :, :seen] = layer.keys[..., pair]  # the keys in the paired order, as computed below
-                self.v[i][:, :, :seen] = layer.values
+        for i in range(len(self.layers) if seen else 0):
+            keys, values = _cached(hf_cache, i)
+            self.k[i][:, :, :seen] = keys[..., pair]  # the keys in the paired order, as computed below
+            self.v[i][:, :, :seen] = values
         # additive key mask over all T columns: the prompt's padding is -inf, everything fed later is real
         keep = torch.ones(B, T, dtype=torch.bool)
         keep[:, : prompt_mask_BT.shape[1]] = prompt_mask_BT.bool()
