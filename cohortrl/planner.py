@@ -304,7 +304,7 @@ class Memory:
     logits: float  # fp32 logit copies of one micro-batch during the update
     kv_cache: float  # generation: this device's share of the B sequences, whole length S
     baseline: float  # cpu: the process before any model (imports, allocator); 0 on a GPU
-    decode_layout: float = 0.0  # cpu, fp32: the linear weights' oneDNN layout while decoding (kernels.decoding_weights)
+    decode_layout: float = 0.0  # cpu, fp32: the linear weights' oneDNN layout while decoding (rollout/decoder.py, kernels.decoding_weights)
 
     @property
     def persistent(self) -> float:
@@ -352,7 +352,8 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
         logits = LOGIT_COPIES * full_logits
     kv = kv_cache_bytes(m, run.sequences // n * run.seq_len, dt)
     # On a CPU in fp32 (train.cpu_linear auto), decoding holds a second copy of every linear weight, the
-    # projections and the LM head, in oneDNN's layout; LoRA's small matrices are left out.
+    # projections and the LM head, in oneDNN's layout (the lean decoder's merged q/k/v and gate/up copies, or
+    # kernels.decoding_weights for transformers' forward: the same bytes); LoRA's small matrices are not counted.
     linear_weights = m.num_layers * m.layer_matrix_params + m.vocab_size * m.hidden_size
     decode_layout = linear_weights * DTYPE_BYTES[dt] if run.device == "cpu" and dt == "fp32" else 0.0
     return Memory(
