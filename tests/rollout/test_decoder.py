@@ -122,3 +122,20 @@ def test_what_the_lean_step_cannot_compute_goes_to_transformers():
         dora = get_peft_model(load_model("tiny-llama", seed=5)[0],
                               LoraConfig(r=2, target_modules=["q_proj"], use_dora=True, task_type="CAUSAL_LM"))
         assert decoder_for(dora) is None
+
+
+@needs_onednn
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_lean_step_samples_the_same_with_and_without_shared_prefill(temperature):
+    # group size 1 prefills each row itself (rollout/hf._prefill), a group shares its prompt's cache
+    model, tok = load_model("tiny-llama-4l", seed=6)
+    rows = [{"prompt": p} for p in PROMPTS[:2]]
+    sampling = Sampling(temperature=temperature, max_new_tokens=10)
+    with linear_kernels("onednn"):
+        assert decoder_for(model) is LlamaDecoder
+        torch.manual_seed(0)
+        grouped, _ = generate(model, tok, rows, 3, sampling)
+        torch.manual_seed(0)
+        flat, _ = generate(model, tok, [r for r in rows for _ in range(3)], 1, sampling)
+    assert torch.equal(grouped.response_ids, flat.response_ids)
+    assert torch.equal(grouped.response_mask, flat.response_mask)
