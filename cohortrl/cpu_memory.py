@@ -6,16 +6,17 @@ that threshold. The threshold starts at 128 KiB and rises as mapped blocks are f
 allocates and frees the same large buffers every step (activations, the LM head's logit chunks, oneDNN's
 decoding layout), so under these defaults each step touches fresh pages again, and the kernel zero-fills
 every 4 KiB page at its first touch. On the machine this library is developed on, a SmolLM2-135M GRPO step
-(``benchmarks/vs_trl.py``'s) faulted in about 220,000 pages per step this way, 0.8-0.9 s of system CPU time.
+(``benchmarks/vs_trl.py``'s) faulted in 215,000-248,000 pages per step this way, 0.4-0.9 s of system CPU time.
 
 :func:`retain_freed_memory` sets two documented ``mallopt(3)`` parameters: ``M_MMAP_THRESHOLD`` to 32 MiB,
 the largest glibc allows on 64-bit (the ceiling its dynamic threshold reaches anyway), and
 ``M_TRIM_THRESHOLD`` to -1, never trim. Blocks up to 32 MiB then come from the heap, and freed ones stay
 mapped and resident for the next step's requests: the GPU's caching allocator, on a CPU. The same step then
-faulted in about 1,000-3,000 pages, under 0.1 s of system time. Larger blocks are mapped and unmapped as
-before. Peak resident memory is what it was, since the blocks are the same; what changes is that the heap is
-not handed back to the OS between steps, nor at the end. ``train.cpu_allocator: system`` leaves glibc's
-defaults alone.
+faulted in no pages at all from its fourth step on, with 0.06-0.19 s of system time. Larger blocks are
+mapped and unmapped as before. The blocks are the same, so peak resident memory stays about where it was
+(the benchmark's SmolLM2 worker peaked at 3848-4057 MB, against 3851 MB before), though how the heap lays
+them out varies between processes. What changes is that the heap is not handed back to the OS between steps,
+nor at the end. ``train.cpu_allocator: system`` leaves glibc's defaults alone.
 
 Process-wide and once: it applies to every later allocation of the process, including other libraries'.
 Only glibc has these parameters; on macOS, Windows or musl ``auto`` leaves the allocator alone.
