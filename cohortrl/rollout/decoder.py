@@ -41,22 +41,30 @@ class Unsupported(Exception):
     """This model cannot use the lean decoder; transformers' forward is used instead."""
 
 
-def _weight_and_bias(module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The function a linear module computes, as (W, b): its own weight, or for a PEFT LoRA layer the base
-    weight plus each active adapter's s·B·A (what ``merge`` would write)."""
+def _linear_parts(module) -> tuple[torch.nn.Linear, list[str]]:
+    """A linear module as (its plain ``nn.Linear``, the names of the plain LoRA adapters it adds on top);
+    raises :class:`Unsupported` for anything else. Cheap: no weight is computed."""
     if type(module) is torch.nn.Linear:
-        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+        return module, []
     base = getattr(module, "base_layer", None)
     if type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight"):
         raise Unsupported(f"linear layer of type {type(module).__name__}")
+    if module.disable_adapters or module.merged:
+        return base, []
+    names = [name for name in module.active_adapters if name in module.lora_A]
+    for name in names:
+        if name in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(name):
+            raise Unsupported(f"LoRA variant or LoRA bias in adapter {name!r}")
+    return base, names
+
+
+def _weight_and_bias(module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The function a linear module computes, as (W, b): its own weight, or for a PEFT LoRA layer the base
+    weight plus each active adapter's s·B·A (what ``merge`` would write)."""
+    base, adapters = _linear_parts(module)
     weight = base.weight.detach()
-    if not (module.disable_adapters or module.merged):
-        for name in module.active_adapters:
-            if name not in module.lora_A:
-                continue
-            if name in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(name):
-                raise Unsupported(f"LoRA variant or LoRA bias in adapter {name!r}")
-            weight = weight + module.get_delta_weight(name).detach()
+    for name in adapters:
+        weight = weight + module.get_delta_weight(name).detach()
     return weight, None if base.bias is None else base.bias.detach()
 
 
@@ -112,10 +120,11 @@ def check_supported(model) -> None:
     if not kernels._plain_cpu_fp32(weight):
         raise Unsupported(f"weights of type {type(weight).__name__} on {weight.device} in {weight.dtype} "
                           "(the lean decoder is for plain fp32 tensors on a CPU)")
+    _linear_parts(base.get_output_embeddings())
     for layer in base.model.layers:
         for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            _weight_and_bias(m)
+            _linear_parts(m)
 
 
 def decoder_for(model):
