@@ -142,10 +142,20 @@ class LlamaDecoder:
 
     Built from a transformers KV cache holding each row's first ``seen`` tokens (columns of the left-padded
     prompt batch) and the prompt mask (B, Tp); :meth:`step` then takes one token per row, for columns
-    ``seen, seen + 1, ...`` in order, and returns the next-token logits (B, V) in fp32."""
+    ``seen, seen + 1, ...`` in order, and returns the next-token logits (B, V) in fp32.
 
-    def __init__(self, model, hf_cache, prompt_mask_BT: torch.Tensor, positions_BS: torch.Tensor):
-        base = _base_model(model)
+    ``prefix`` = (ids_UP, mask_UP, index_B) instead of a cache: the decoder runs the first P prompt columns
+    itself, each of the U distinct prompts once (``index_B``: each row's prompt), in :meth:`_prefill`.
+    ``record``: keep what the update's backward needs to reuse this forward (``rollout/replay.py``): per layer
+    and per call, the layer's input, its q/k/v and gate/up products and the residual after attention; per
+    step, the final hidden state, the logits and the tokens fed. It takes ``prefix``, not a transformers cache
+    (every position must be recorded)."""
+
+    def __init__(self, model, hf_cache, prompt_mask_BT: torch.Tensor, positions_BS: torch.Tensor, *,
+                 prefix: tuple | None = None, record: bool = False):
+        if record and hf_cache is not None:
+            raise ValueError("a recording decoder runs the prompt itself: pass prefix=, not a transformers cache")
+        base = self.base = _base_model(model)
         cfg = base.config
         B = prompt_mask_BT.shape[0]
         self.H, self.Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -154,8 +164,8 @@ class LlamaDecoder:
         # each head's q and k features as (0, D/2, 1, D/2 + 1, ...) makes every pair adjacent, so the rotation
         # is one complex product. Queries and keys share the order, so their dot products do not change.
         pair = torch.stack([torch.arange(D // 2), torch.arange(D // 2) + D // 2], 1).flatten()  # (D,)
-        q_order = (torch.arange(self.H)[:, None] * D + pair).flatten()
-        k_order = (torch.arange(self.Hkv)[:, None] * D + pair).flatten()
+        self.q_order = q_order = (torch.arange(self.H)[:, None] * D + pair).flatten()
+        self.k_order = k_order = (torch.arange(self.Hkv)[:, None] * D + pair).flatten()
         self.layers = []
         for layer in base.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -172,13 +182,13 @@ class LlamaDecoder:
 
         # positions_BS: the position of each token still to be fed, one column per step
         S = positions_BS.shape[1]
-        seen = hf_cache.get_seq_length() if hf_cache is not None else 0
+        seen = hf_cache.get_seq_length() if hf_cache is not None else prefix[0].shape[1] if prefix is not None else 0
         self.col = seen
         T = seen + S
         dtype = self.embed.dtype
         self.k = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
         self.v = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
-        for i in range(len(self.layers) if seen else 0):
+        for i in range(len(self.layers) if hf_cache is not None and seen else 0):
             keys, values = _cached(hf_cache, i)
             self.k[i][:, :, :seen] = keys[..., pair]  # the keys in the paired order, as computed below
             self.v[i][:, :, :seen] = values
@@ -189,6 +199,49 @@ class LlamaDecoder:
         cos, sin = base.model.rotary_emb(self.embed[:1], positions_BS)  # (B, S, D) each, halves equal
         self.rotation = torch.complex(cos[..., : D // 2], sin[..., : D // 2]).unsqueeze(2)  # (B, S, 1, D/2)
         self.s = 0
+        self.record = record
+        self.records: list[list[tuple]] = [[] for _ in self.layers]  # per layer: (x_in, qkv, x_mid, gate_up) per call
+        self.finals: list[torch.Tensor] = []  # per step: the last layer's output (B, d), before the final norm
+        self.logits: list[torch.Tensor] = []  # per step: the logits (B, V) as returned
+        self.fed: list[torch.Tensor] = []  # per step: the tokens fed (B,)
+        if prefix is not None and seen:
+            self._prefill(*prefix)
+
+    def rotation_for(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rotary factors (..., 1, D/2) for positions (...), as complex numbers (see :meth:`_rope`)."""
+        D = self.D
+        cos, sin = self.base.model.rotary_emb(self.embed[:1], positions)
+        return torch.complex(cos[..., : D // 2], sin[..., : D // 2]).unsqueeze(-2)
+
+    @torch.no_grad()
+    def _prefill(self, ids_UP: torch.Tensor, mask_UP: torch.Tensor, index_B: torch.Tensor) -> None:
+        """The first P prompt columns of each distinct prompt, all at once through the model's own modules (one
+        call on many rows, where transformers' machinery costs little); keys and values go to the rows'
+        cache. Padding queries attend to themselves only: their outputs reach nothing."""
+        U, P = ids_UP.shape
+        H, Hkv, D = self.H, self.Hkv, self.D
+        rotation = self.rotation_for((mask_UP.cumsum(-1) - 1).clamp(min=0))  # (U, P, 1, D/2)
+        allowed = (torch.ones(P, P, dtype=torch.bool).tril() & mask_UP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool)
+        x = F.embedding(ids_UP, self.embed)  # (U, P, d)
+        for i, layer in enumerate(self.base.model.layers):
+            w_in, eps_in, _, _, w_post, eps_post, _, _ = self.layers[i]
+            attn, mlp = layer.self_attn, layer.mlp
+            h = self._rms_norm(x, w_in, eps_in)
+            qkv = torch.cat([attn.q_proj(h)[..., self.q_order], attn.k_proj(h)[..., self.k_order], attn.v_proj(h)], -1)
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k = rotate(q.view(U, P, H, D), rotation), rotate(k.view(U, P, Hkv, D), rotation)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(U, P, Hkv, D).transpose(1, 2)  # (U, heads, P, D)
+            self.k[i][:, :, :P] = k[index_B]
+            self.v[i][:, :, :P] = v[index_B]
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=H != Hkv)
+            x_mid = x + attn.o_proj(a.transpose(1, 2).reshape(U, P, H * D))
+            h = self._rms_norm(x_mid, w_post, eps_post)
+            gate_up = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], -1)
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = x_mid + mlp.down_proj(F.silu(gate) * up)
+            if self.record:
+                self.records[i].append(tuple(t.reshape(U * P, -1) for t in (x, qkv, x_mid, gate_up)))
+            x = out
 
     @staticmethod
     def _linear(x, packed):
@@ -196,10 +249,7 @@ class LlamaDecoder:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     def _rope(self, x_BHD):
-        # (a + ib)(cos + i sin) = (a cos − b sin) + i(a sin + b cos): transformers' x·cos + rotate_half(x)·sin
-        B, H, D = x_BHD.shape
-        pairs = torch.view_as_complex(x_BHD.view(B, H, D // 2, 2))
-        return torch.view_as_real(pairs * self.rotation[:, self.s]).view(B, H, D)
+        return rotate(x_BHD, self.rotation[:, self.s])
 
     @staticmethod
     def _rms_norm(x, weight, eps):
@@ -215,7 +265,8 @@ class LlamaDecoder:
         bias = self.key_bias[..., : c + 1]
         for i, (w_in, eps_in, qkv, o, w_post, eps_post, gate_up, down) in enumerate(self.layers):
             h = self._rms_norm(x, w_in, eps_in)
-            q, k, v = self._linear(h, qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            y_qkv = self._linear(h, qkv)
+            q, k, v = y_qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = self._rope(q.view(B, H, D))
             self.k[i][:, :, c] = self._rope(k.view(B, Hkv, D))
             self.v[i][:, :, c] = v.view(B, Hkv, D)
@@ -223,10 +274,26 @@ class LlamaDecoder:
             scores = q.view(B, Hkv, H // Hkv, D) @ self.k[i][:, :, : c + 1].transpose(-1, -2)
             probs = (scores.mul_(self.scale) + bias).softmax(-1)
             attn = (probs @ self.v[i][:, :, : c + 1]).view(B, H * D)
-            x = x + self._linear(attn, o)
-            h = self._rms_norm(x, w_post, eps_post)
-            gate, up = self._linear(h, gate_up).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate).mul_(up), down)
+            x_mid = x + self._linear(attn, o)
+            y_gu = self._linear(self._rms_norm(x_mid, w_post, eps_post), gate_up)
+            gate, up = y_gu.chunk(2, dim=-1)
+            out = x_mid + self._linear(F.silu(gate).mul_(up), down)
+            if self.record:
+                self.records[i].append((x, y_qkv, x_mid, y_gu))
+            x = out
         self.col += 1
         self.s += 1
-        return self._linear(self._rms_norm(x, *self.norm), self.head)
+        logits = self._linear(self._rms_norm(x, *self.norm), self.head)
+        if self.record:  # the caller may mask the returned logits in place (min_new_tokens)
+            self.fed.append(token_B)
+            self.finals.append(x)
+            self.logits.append(logits)
+            return logits.clone()
+        return logits
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (..., heads, D), its features in paired order, by complex factors (..., 1, D/2):
+    (a + ib)(cos + i sin) = (a cos − b sin) + i(a sin + b cos), transformers' x·cos + rotate_half(x)·sin."""
+    pairs = torch.view_as_complex(x.unflatten(-1, (x.shape[-1] // 2, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2)

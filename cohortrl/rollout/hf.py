@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from cohortrl.config import SamplingConfig
 from cohortrl.kernels import decoding_weights
 from cohortrl.rollout.decoder import decoder_for
+from cohortrl.rollout.replay import Recording
 from cohortrl.rollout.types import Rollout
 
 
@@ -92,8 +93,12 @@ def generate(
     system_prompt: str | None = None,
     max_prompt_tokens: int = 512,
     overlong_prompts: str = "reject",
+    record: bool = False,
 ) -> tuple[Rollout, int]:
-    """Sample ``group_size`` responses for each row's ``prompt``. Returns (rollout, prompts truncated)."""
+    """Sample ``group_size`` responses for each row's ``prompt``. Returns (rollout, prompts truncated).
+
+    ``record``: where the lean decoder runs, keep its forward for the update's backward
+    (``rollout.replay``, a ``rollout/replay.py`` :class:`Recording`; None where it does not run)."""
     prompt_ids, prompt_mask, n_truncated = encode_prompts(
         tokenizer, [r["prompt"] for r in rows], system_prompt, max_prompt_tokens, overlong_prompts
     )
@@ -102,9 +107,12 @@ def generate(
     eos_ids = _eos_ids(model, tokenizer)
     was_training = model.training
     model.eval()
-    # each prompt prefilled once for its group (nothing to share with one response per prompt)
-    cache = prefill_cache(model, prompt_ids, prompt_mask) if group_size > 1 and prompt_ids.shape[1] > 1 else None
-    out, lengths = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache)
+    record = record and decoder_for(model) is not None
+    # each prompt prefilled once for its group (nothing to share with one response per prompt); a recording
+    # decoder runs the prompts itself, also once each
+    shared = group_size > 1 and prompt_ids.shape[1] > 1 and not record
+    cache = prefill_cache(model, prompt_ids, prompt_mask) if shared else None
+    out, lengths, *recording = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache, record=record)
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
     response_mask, truncated, completions = _finish(response_ids, lengths, tokenizer, eos_ids, sampling)
@@ -118,14 +126,17 @@ def generate(
         completions=completions,
         group_size=group_size,
         rows=[row for row in rows for _ in range(group_size)],
+        replay=recording[0] if record else None,
     )
     return rollout, n_truncated
 
 
-def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None):
+def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None,
+                  record: bool = False):
     """Autoregressive sampling with the KV cache, from ``cache`` (``prefill_cache``) if given: ids (B, Tp + T)
     on the CPU, each row padded after its EOS or stop string, and each row's response length (B,), its ending
-    token included. The loop ends when every row has ended. The lengths are recorded, not read back from the
+    token included; with ``record`` (the lean decoder only), a third value: its :class:`Recording`. The loop ends
+    when every row has ended. The lengths are recorded, not read back from the
     padding: a model may sample the pad token inside a response (SmolLM2 pads with ``<|endoftext|>``).
 
     Our own loop rather than ``model.generate``: on a CPU, transformers' sampler (``torch.multinomial``) draws an
@@ -137,15 +148,23 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
     B, name = ids.shape[0], cache_argument(model)
     next_position = mask.sum(-1, keepdim=True)  # the first response token's position
     lean = decoder_for(model)  # Llama-family fp32 on a CPU under oneDNN: rollout/decoder.py; else transformers'
-    if lean is not None and cache is None and ids.shape[1] > 1:
+    if record and (lean is None or cache is not None):
+        raise ValueError("recording needs the lean decoder (rollout/decoder.py) and no transformers cache")
+    prefix = None
+    if record and ids.shape[1] > 1:  # the decoder runs the first Tp − 1 columns, each distinct prompt once
+        prefix = _unique_prompts(ids[:, :-1], mask[:, :-1])
+    elif lean is not None and cache is None and ids.shape[1] > 1:
         cache = _prefill(model, ids[:, :-1], mask[:, :-1])  # the lean step takes one token per row
     cache = cache if cache is not None else DynamicCache()
-    seen = cache.get_seq_length()
+    seen = prefix[0].shape[1] if prefix is not None else cache.get_seq_length()
     feed, positions = ids[:, seen:], _positions(mask)[:, seen:]
     if lean is not None:
         later = torch.arange(max(sampling.max_new_tokens - 1, 0), device=device)  # sampled tokens fed back, but the last
         fed_positions = torch.cat([positions, next_position + later], 1)
-        decoder, cache = lean(model, cache, mask, fed_positions), None  # the transformers cache is copied in, freed
+        if record:
+            decoder, cache = lean(model, None, mask, fed_positions, prefix=prefix, record=True), None
+        else:
+            decoder, cache = lean(model, cache, mask, fed_positions), None  # the transformers cache is copied in, freed
     eos = torch.tensor(eos_ids, device=device)
     ended = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), sampling.max_new_tokens, dtype=torch.long, device=device)
@@ -176,7 +195,10 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
             feed, positions = token.unsqueeze(-1), next_position + t
             if lean is None:
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-    return torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1), lengths.cpu()
+    ids_out = torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1)
+    if record:
+        return ids_out, lengths.cpu(), Recording(decoder, prefix, mask)
+    return ids_out, lengths.cpu()
 
 
 def _sample(logits_BV: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -24,6 +24,9 @@ class Rollout:
     group_size: int  # G
     rows: list[dict] = field(default_factory=list)  # (B,) the dataset row each response answers
     sampling_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampler's own numerics (vLLM); None: HF
+    # The decoding forward, kept for the update's backward (rollout/replay.py); only for these rows as generated:
+    # ``select`` and ``concat`` drop it.
+    replay: object | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:

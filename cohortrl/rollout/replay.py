@@ -1,0 +1,233 @@
+"""The update's backward through the rollout's own forward: on-policy GRPO without a second forward pass.
+
+With one update per rollout (μ = 1, one minibatch, one micro-batch) the policy that sampled the responses is
+the policy the update differentiates, with the same weights. The forward the update would run, every
+response token through the model, has then already been run once: token by token, while decoding. The lean
+decoder (``rollout/decoder.py``, ``record=True``) keeps what a backward needs from it:
+
+- per layer and per call (the prompt prefix once per distinct prompt, then one call per decoding step): the
+  layer's input x, its q/k/v products (rotary not yet applied), the residual after attention and its gate/up
+  products;
+- per step: the last layer's output and the logits.
+
+:meth:`Recording.logprobs` turns the logits into the log-probabilities and entropies of the sampled tokens
+(what ``response_logprobs`` computes with a forward). The trainer builds the same loss on them and
+differentiates it down to the log-probabilities; :meth:`Recording.backward` continues from there, layer by
+layer, top to bottom, over every recorded row at once:
+
+- the linear layers' input and weight gradients as products with all of the batch's rows (the shapes a
+  training backward has, and what a CPU runs fastest), from the recorded inputs;
+- the cheap non-linear parts (RMSNorm, rotary embedding, attention, SiLU) recomputed from the recorded
+  values with autograd, locally, for their own gradients.
+
+Gradients land in ``.grad`` as ``loss.backward()`` would leave them (LoRA adapters, norm weights, biases, a tied
+head and embedding included). The numbers are those of autograd through transformers' forward to float
+rounding: the decoding kernels sum in another order than a training forward does
+(``tests/rollout/test_replay.py`` checks each parameter's gradient). What it saves is the update's forward:
+about a third of its FLOPs (``docs/performance.md``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cohortrl.rollout.decoder import _linear_parts, rotate
+
+# Head gradients of at most this many bytes of logits at once (as ``hf.LOGPROB_CHUNK_BYTES``).
+CHUNK_BYTES = 32 * 2**20
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm, as the decoder computes it, differentiable."""
+    return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * weight
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def linear_backward(module, x_N: torch.Tensor, grad_y_N: torch.Tensor) -> torch.Tensor:
+    """For y = module(x) on N rows: accumulate the gradients of the module's trainable parameters given dL/dy,
+    and return dL/dx. A plain ``nn.Linear`` (dx = dy·W, dW = dyᵀ·x, db = Σ dy) or a PEFT LoRA layer (the frozen
+    base as that, plus each adapter's s·B·A·x through autograd; its products have rank r)."""
+    base, adapters = _linear_parts(module)
+    weight = base.weight
+    grad_y_N = grad_y_N.contiguous()
+    grad_x = F.linear(grad_y_N, weight.detach().t())  # dy·W; oneDNN under the trainer's kernel (kernels.py)
+    if weight.requires_grad:
+        _accumulate(weight, grad_y_N.t() @ x_N)
+    if base.bias is not None and base.bias.requires_grad:
+        _accumulate(base.bias, grad_y_N.sum(0))
+    if adapters:
+        with torch.enable_grad():
+            x = x_N.detach().requires_grad_()
+            out = sum(module.lora_B[n](module.lora_A[n](module.lora_dropout[n](x))) * module.scaling[n] for n in adapters)
+        torch.autograd.backward(out, grad_y_N)
+        grad_x += x.grad
+    return grad_x
+
+
+class Recording:
+    """What a recording :class:`~cohortrl.rollout.decoder.LlamaDecoder` kept, for the update's backward.
+
+    Rows: the prefix's U·P rows (distinct prompt u, column j at u·P + j) then each decoding step's B rows
+    (step s, row b at U·P + s·B + b). Step s fed token ``fed[s]`` and produced the logits of response token s."""
+
+    def __init__(self, decoder, prefix: tuple | None, prompt_mask_BT: torch.Tensor):
+        self.base = decoder.base
+        self.H, self.Hkv, self.D = decoder.H, decoder.Hkv, decoder.D
+        self.q_back = torch.argsort(decoder.q_order)  # paired feature order → the projection's own
+        self.k_back = torch.argsort(decoder.k_order)
+        self.records = decoder.records
+        self.S, self.B = len(decoder.logits), prompt_mask_BT.shape[0]
+        self.finals_NH = torch.cat(decoder.finals) if self.S else None  # (S·B, d)
+        self.logits_NV = torch.cat(decoder.logits) if self.S else None  # (S·B, V)
+        self.fed = torch.cat(decoder.fed) if self.S else torch.zeros(0, dtype=torch.long)
+        self.rotation_d = decoder.rotation[:, : self.S]  # (B, S, 1, D/2)
+        if prefix is not None:
+            ids_UP, mask_UP, self.index_B = prefix
+            self.prefix_ids = ids_UP.reshape(-1)
+            self.U, self.P = ids_UP.shape
+            self.mask_UP = mask_UP.bool()
+            self.rotation_p = decoder.rotation_for((mask_UP.cumsum(-1) - 1).clamp(min=0))
+            self.prefix_keep_B = prompt_mask_BT[:, : self.P].bool()
+        else:
+            self.U = self.P = 0
+            self.prefix_ids = torch.zeros(0, dtype=torch.long)
+
+    # ------------------------------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def logprobs(self, response_ids_BT, response_mask_BT, temperature: float, with_entropy: bool = True):
+        """Log-probabilities (B, T) of the response tokens and their entropies (B, T) or None, from the logits
+        decoding produced, at ``temperature`` (0 on positions outside ``response_mask``), as ``response_logprobs``."""
+        B, T = response_ids_BT.shape
+        if T != self.S or B != self.B:
+            raise ValueError(f"recording of {self.B} rows × {self.S} steps, asked for {B} × {T}")
+        temperature = float(temperature or 1.0)
+        target_N = response_ids_BT.t().reshape(-1)
+        logp_N = torch.empty(self.S * B)
+        entropy_N = torch.empty(self.S * B) if with_entropy else None
+        chunk = max(1, CHUNK_BYTES // (4 * self.logits_NV.shape[1]))
+        for s in range(0, len(logp_N), chunk):
+            z = self.logits_NV[s:s + chunk]
+            z = z / temperature if temperature != 1.0 else z
+            logz = z.logsumexp(-1)
+            logp_N[s:s + chunk] = z.gather(-1, target_N[s:s + chunk, None]).squeeze(-1) - logz
+            if with_entropy:
+                entropy_N[s:s + chunk] = logz - ((z - logz[:, None]).exp() * z).sum(-1)
+        mask = response_mask_BT.bool()
+        logp_BT = logp_N.view(self.S, B).t().masked_fill(~mask, 0.0).contiguous()
+        entropy_BT = entropy_N.view(self.S, B).t().masked_fill(~mask, 0.0).contiguous() if with_entropy else None
+        return logp_BT, entropy_BT
+
+    # ------------------------------------------------------------------------------------------ backward
+    def _attention(self, qkv_N: torch.Tensor) -> torch.Tensor:
+        """Every row's attention output (N, H·D) from its q/k/v products, as the decoder computed it: the
+        prefix causally over its own prompt, each decoding row over its prompt's prefix and its own earlier
+        steps."""
+        H, Hkv, D, U, P, S, B = self.H, self.Hkv, self.D, self.U, self.P, self.S, self.B
+        gqa = H != Hkv
+
+        def heads(y, rotation):  # (n, L, ·) → q (n, H, L, D), k and v (n, Hkv, L, D)
+            q, k, v = y.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            n, L = y.shape[:2]
+            q = rotate(q.unflatten(-1, (H, D)), rotation).transpose(1, 2)
+            k = rotate(k.unflatten(-1, (Hkv, D)), rotation).transpose(1, 2)
+            return q, k, v.unflatten(-1, (Hkv, D)).transpose(1, 2)
+
+        q_d, k_d, v_d = heads(qkv_N[U * P:].view(S, B, -1).transpose(0, 1), self.rotation_d)
+        causal = torch.ones(S, S, dtype=torch.bool).tril()
+        if P:
+            q_p, k_p, v_p = heads(qkv_N[: U * P].view(U, P, -1), self.rotation_p)
+            allowed = (torch.ones(P, P, dtype=torch.bool).tril() & self.mask_UP[:, None, :]) | torch.eye(P, dtype=torch.bool)
+            out_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=allowed[:, None], enable_gqa=gqa)
+            k_d = torch.cat([k_p[self.index_B], k_d], 2)
+            v_d = torch.cat([v_p[self.index_B], v_d], 2)
+            mask_d = torch.cat([self.prefix_keep_B[:, None, :].expand(B, S, P), causal.expand(B, S, S)], -1)
+        else:
+            mask_d = causal.expand(B, S, S)
+        out_d = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=mask_d[:, None], enable_gqa=gqa)
+        out_d = out_d.permute(2, 0, 1, 3).reshape(S * B, H * D)  # (B, H, S, D) → rows s·B + b
+        if not P:
+            return out_d
+        return torch.cat([out_p.transpose(1, 2).reshape(U * P, H * D), out_d])
+
+    @torch.no_grad()
+    def backward(self, grad_logp_BT: torch.Tensor, response_ids_BT: torch.Tensor, temperature: float) -> None:
+        """Accumulate dL/dθ into the model's ``.grad`` given dL/d logp (B, T) of :meth:`logprobs`' values for
+        ``response_ids``. Uses up the recording."""
+        base, H, Hkv, D = self.base, self.H, self.Hkv, self.D
+        temperature = float(temperature or 1.0)
+        N_prefix = self.U * self.P
+        N = N_prefix + self.S * self.B
+        grad_x = torch.zeros(N, self.finals_NH.shape[1])
+
+        # The head: logp = z[target] − log Σ exp z with z = logits / temperature, so dlogp/dlogits = (onehot − p) / temperature.
+        g_N = grad_logp_BT.t().reshape(-1).float()
+        target_N = response_ids_BT.t().reshape(-1)
+        rows = g_N.nonzero().squeeze(-1)  # the positions the loss reaches
+        norm = base.model.norm
+        with torch.enable_grad():
+            final = self.finals_NH[rows].requires_grad_()
+            h = rms_norm(final, norm.weight, norm.variance_epsilon)
+        head = base.get_output_embeddings()
+        grad_h = torch.empty_like(h)
+        chunk = max(1, CHUNK_BYTES // (4 * self.logits_NV.shape[1]))
+        for s in range(0, len(rows), chunk):
+            r, g = rows[s:s + chunk], g_N[rows[s:s + chunk]]
+            z = self.logits_NV[r]
+            grad_logits = (z / temperature if temperature != 1.0 else z).softmax(-1).mul_(-g[:, None])
+            grad_logits.scatter_add_(-1, target_N[r, None], g[:, None])
+            if temperature != 1.0:
+                grad_logits.div_(temperature)
+            grad_h[s:s + chunk] = linear_backward(head, h[s:s + chunk].detach(), grad_logits)
+        torch.autograd.backward(h, grad_h)
+        grad_x[N_prefix + rows] = final.grad
+        self.finals_NH = self.logits_NV = None
+
+        for i in reversed(range(len(base.model.layers))):
+            layer = base.model.layers[i]
+            attn, mlp = layer.self_attn, layer.mlp
+            x_in, qkv, x_mid, gate_up = (torch.cat(parts) for parts in zip(*self.records[i]))
+            self.records[i] = None
+            # out = x_mid + down(silu(gate) · up)
+            with torch.enable_grad():
+                gate_up.requires_grad_()
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            torch.autograd.backward(act, linear_backward(mlp.down_proj, act.detach(), grad_x))
+            grad_gate, grad_up = gate_up.grad.chunk(2, dim=-1)
+            # gate, up = gate_proj(h2), up_proj(h2), h2 = norm(x_mid)
+            norm = layer.post_attention_layernorm
+            with torch.enable_grad():
+                x_mid.requires_grad_()
+                h2 = rms_norm(x_mid, norm.weight, norm.variance_epsilon)
+            h2_ = h2.detach()
+            torch.autograd.backward(h2, linear_backward(mlp.gate_proj, h2_, grad_gate) + linear_backward(mlp.up_proj, h2_, grad_up))
+            grad_mid = grad_x + x_mid.grad  # x_mid = x_in + o_proj(attention)
+            with torch.enable_grad():
+                qkv.requires_grad_()
+                a = self._attention(qkv)
+            torch.autograd.backward(a, linear_backward(attn.o_proj, a.detach(), grad_mid))
+            grad_q, grad_k, grad_v = qkv.grad.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            # q, k, v = projections of h1 = norm(x_in), q and k in the decoder's paired feature order
+            norm = layer.input_layernorm
+            with torch.enable_grad():
+                x_in.requires_grad_()
+                h1 = rms_norm(x_in, norm.weight, norm.variance_epsilon)
+            h1_ = h1.detach()
+            grad_h1 = (linear_backward(attn.q_proj, h1_, grad_q[:, self.q_back])
+                       + linear_backward(attn.k_proj, h1_, grad_k[:, self.k_back])
+                       + linear_backward(attn.v_proj, h1_, grad_v))
+            torch.autograd.backward(h1, grad_h1)
+            grad_x = grad_mid + x_in.grad
+
+        embedding = base.get_input_embeddings().weight
+        if embedding.requires_grad:  # rows of the tokens fed; added in place to a tied head's gradient
+            if embedding.grad is None:
+                embedding.grad = torch.zeros_like(embedding)
+            embedding.grad.index_add_(0, torch.cat([self.prefix_ids, self.fed]), grad_x)

@@ -1,0 +1,85 @@
+"""The update's backward through the rollout's own forward (cohortrl/rollout/replay.py): the log-probabilities,
+entropies and every parameter's gradient are those of autograd through transformers' forward over the same
+responses, for left-padded prompts shared by groups, responses ending at different steps, grouped-query
+attention, q/k/v biases, a tied head and LoRA adapters."""
+
+import pytest
+import torch
+
+from cohortrl import kernels
+from cohortrl.kernels import linear_kernels
+from cohortrl.models import load_model
+from cohortrl.rollout.hf import Sampling, generate, response_logprobs
+from tests.rollout.test_decoder import PROMPTS, tiny_qwen2, with_lora
+
+needs_onednn = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear op")
+
+
+def tied_llama(seed: int = 0):
+    """tiny-llama-4l with its head tied to the embedding (as SmolLM2's)."""
+    from transformers import LlamaForCausalLM
+
+    model, tok = load_model("tiny-llama-4l", seed=seed)
+    config = model.config
+    config.tie_word_embeddings = True
+    torch.manual_seed(seed)
+    tied = LlamaForCausalLM(config)
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    return tied, tok
+
+
+def build(name: str):
+    name, _, adapter = name.partition("+")
+    if name == "qwen2":
+        model, tok = tiny_qwen2(seed=1)
+    elif name == "tied":
+        model, tok = tied_llama(seed=2)
+    else:
+        model, tok = load_model(name, seed=3)
+    if adapter:
+        model = with_lora(model, seed=4)
+    # Many end-of-sequence tokens, so that responses end at different steps and the batch has padding.
+    model.generation_config.eos_token_id = list(range(10, len(tok), 7))
+    return model, tok
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-4l", "qwen2", "tied", "tiny-llama-4l+lora", "qwen2+lora"])
+def test_the_replayed_backward_gives_autograds_gradients(name):
+    model, tok = build(name)
+    temperature = 0.8
+    rows = [{"prompt": p} for p in PROMPTS]
+    with linear_kernels("onednn"):
+        torch.manual_seed(0)
+        rollout, _ = generate(model, tok, rows, 3, Sampling(temperature=temperature, max_new_tokens=8), record=True)
+        recording = rollout.replay
+        assert recording is not None
+        lengths = rollout.lengths
+        assert lengths.min() < 8 and lengths.unique().numel() > 1  # responses end at different steps: padding
+        ids, mask, response_ids = rollout.input_ids(), rollout.attention_mask(), rollout.response_ids
+        torch.manual_seed(1)
+        weights = torch.randn(response_ids.shape) * rollout.response_mask  # dL/dlogp: any loss through logp
+
+        model.zero_grad(set_to_none=True)
+        logp, entropy = response_logprobs(model, ids, mask, response_ids, temperature=temperature, with_entropy=True)
+        (weights * logp).sum().backward()
+        expected = grads(model)
+
+        model.zero_grad(set_to_none=True)
+        logp_r, entropy_r = recording.logprobs(response_ids, rollout.response_mask, temperature)
+        leaf = logp_r.clone().requires_grad_()
+        (weights * leaf).sum().backward()
+        recording.backward(leaf.grad, response_ids, temperature)
+        got = grads(model)
+
+    torch.testing.assert_close(logp_r, logp.detach(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropy_r, entropy, rtol=0, atol=2e-5)
+    assert set(got) == set(expected) and expected
+    for n, g in expected.items():
+        assert g.abs().max() > 0, n  # every trainable parameter is reached
+        scale = g.abs().max()
+        torch.testing.assert_close(got[n], g, rtol=0, atol=1e-4 * scale, msg=lambda m: f"{n}: {m}")
