@@ -318,6 +318,13 @@ class TrainConfig:
     ``mallopt``: blocks up to 32 MiB from the heap, no heap trimming), so a step does not fault its pages in again;
     ``system`` leaves glibc's defaults; ``auto`` retains on a CPU under glibc. Process-wide; peak memory stays
     about where it was, but it is not returned to the OS until the process ends (``cohortrl/cpu_memory.py``)."""
+    reuse_rollout_forward: bool = True
+    """GRPO with one update per rollout (``algorithm.epochs`` 1, one minibatch, one micro-batch), one process,
+    the lean decoder (``rollout/decoder.py``) and no dropout: the policy that sampled is the policy being
+    differentiated, so the update reuses decoding's forward instead of running its own: log-probabilities from
+    decoding's logits, the backward from what decoding recorded (``rollout/replay.py``). The same gradient to
+    float rounding, a third fewer FLOPs in the update. Where a condition does not hold, the update runs its own
+    forward; ``false``: always."""
     wandb: bool = False
     """Also log to Weights & Biases (needs the ``wandb`` package; project from ``WANDB_PROJECT``, else
     ``cohortrl``)."""

@@ -226,8 +226,12 @@ class Recording:
             torch.autograd.backward(h1, grad_h1)
             grad_x = grad_mid + x_in.grad
 
-        embedding = base.get_input_embeddings().weight
+        module = base.get_input_embeddings()
+        embedding = module.weight
         if embedding.requires_grad:  # rows of the tokens fed; added in place to a tied head's gradient
+            ids = torch.cat([self.prefix_ids, self.fed])
+            if getattr(module, "padding_idx", None) is not None:  # nn.Embedding leaves that row's gradient at 0
+                grad_x[ids == module.padding_idx] = 0  # (SmolLM2's padding_idx is <|im_end|>, a real token)
             if embedding.grad is None:
                 embedding.grad = torch.zeros_like(embedding)
-            embedding.grad.index_add_(0, torch.cat([self.prefix_ids, self.fed]), grad_x)
+            embedding.grad.index_add_(0, ids, grad_x)

@@ -22,6 +22,7 @@ __all__ = ["GRPOTrainer", "RunStateError", "token_weights"]
 
 class GRPOTrainer(RLTrainer):
     name = "grpo"
+    reuses_rollout_forward = True  # clipped ratio and β·KL of the sampled tokens' log-probs (train.reuse_rollout_forward)
 
     def _init_algorithm(self, model) -> None:
         self.estimator = get_advantage_estimator(self.cfg.algorithm.estimator)

@@ -61,7 +61,7 @@ log = logging.getLogger("cohortrl")
 # Settings that may change between a run and its resume without changing what the run computes.
 RESUMABLE_CHANGES = {
     "train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb",
-    "train.max_nonfinite_steps", "train.cpu_allocator",
+    "train.max_nonfinite_steps", "train.cpu_allocator", "train.reuse_rollout_forward",
     "reward.timeout_s",
 }
 # Written into RUN_DIR/final/ with the step it was saved at: a resume can tell a finished run from one
@@ -122,6 +122,9 @@ class RLTrainer:
     """The shared step; subclasses (``GRPOTrainer``, ``PPOTrainer``) supply the algorithm."""
 
     name = "rl"
+    # The update may differentiate decoding's own forward (train.reuse_rollout_forward): the algorithm's loss
+    # reaches the policy only through the log-probs of the sampled tokens under the sampling policy.
+    reuses_rollout_forward = False
 
     def __init__(
         self,
@@ -211,6 +214,8 @@ class RLTrainer:
             self.generator = VLLMGenerator(self.model, self.tokenizer, gpu_memory_utilization=cfg.sampling.vllm_gpu_memory_utilization,
                                            seed=cfg.train.seed)
         self._engine_stale = False  # the policy changed since the engine last got its weights
+        self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or bool(
+            getattr(getattr(self.model, "config", None), "attention_dropout", 0))
         self.norm_length = a.norm_length or cfg.sampling.max_new_tokens
         self.step_count = 0
         self.log = MetricsLog(self.run_dir)
@@ -523,7 +528,19 @@ class RLTrainer:
                   overlong_prompts=cfg.data.overlong_prompts)
         if self.generator is not None:
             return self.generator.generate(rows, cfg.algorithm.group_size, self.sampling, seed=seed, **kw)
-        return generate(self.model, self.tokenizer, rows, cfg.algorithm.group_size, self.sampling, **kw)
+        return generate(self.model, self.tokenizer, rows, cfg.algorithm.group_size, self.sampling,
+                        record=self._reuse_rollout_forward(), **kw)
+
+    def _reuse_rollout_forward(self) -> bool:
+        """Whether this step's update can differentiate decoding's forward (``train.reuse_rollout_forward``):
+        the rollout is exactly the batch of a single on-policy update, and decoding computes what training
+        would. Then ``generate`` records it (where the lean decoder runs)."""
+        a = self.cfg.algorithm
+        return (self.cfg.train.reuse_rollout_forward and self.reuses_rollout_forward and not self._needs_old_logp()
+                and a.epochs == 1 and a.minibatches == 1 and self.dist.world == 1
+                and (a.micro_batch_size == 0 or a.micro_batch_size >= a.prompts_per_step * a.group_size)
+                and a.zero_variance != "resample" and self.pool is None  # a batch joined from parts drops the recording
+                and self.step_count >= self.policy_frozen_steps and not self._dropout)
 
     def _reward_pool(self, in_memory: dict):
         """Worker processes for the reward functions that can be loaded by name (``reward.workers`` > 0)."""
@@ -585,6 +602,9 @@ class RLTrainer:
                 micro_batches = self._micro_batches(len(rows)) if len(rows) else [None]
                 # FSDP2 gathers each layer in every forward: all ranks must run as many micro-batches.
                 micro_batches += [None] * (d.max_int(len(micro_batches)) - len(micro_batches)) if d.sharded else []
+                # one update on every row of the rollout, in order: what decoding computed (train.reuse_rollout_forward)
+                single = (a.epochs == 1 and len(micro_batches) == 1 and micro_batches[0] is not None
+                          and torch.equal(rows, torch.arange(rollout.batch_size)))
                 for i, pos in enumerate(micro_batches):
                     if pos is None:
                         micro, w = torch.tensor([0]), torch.zeros(1, T)
@@ -599,13 +619,19 @@ class RLTrainer:
                     # DDP / FSDP2 sync gradients on the last micro-batch only; the forwards belong inside too.
                     with d.no_sync(self._synced_modules(train_policy), sync):
                         logp, loss_BT = None, torch.zeros(mask.shape, device=dev)
-                        if train_policy:
+                        # decoding's recorded forward, when this micro-batch is the whole rollout (rollout/replay.py)
+                        replay = rollout.replay if train_policy and single and pos is not None else None
+                        if replay is not None:
+                            logp, entropy = replay.logprobs(rollout.response_ids, rollout.response_mask, self.sampling.temperature)
+                            logp.requires_grad_()  # the loss's gradient stops here; replay.backward goes on
+                        elif train_policy:
                             logp, entropy = response_logprobs(
                                 self.train_model, input_ids[micro], attention_mask[micro], rollout.response_ids[micro],
                                 temperature=self.sampling.temperature, with_entropy=True,
                                 # a group's prompt runs once (two forward calls; DDP takes one per backward)
                                 share_prompts=d.world == 1,
                             )
+                        if train_policy:
                             old = targets.old_logp[micro].to(dev) if targets.old_logp is not None else logp.detach()
                             loss_BT, pg_metrics = self.policy_loss(
                                 logp=logp, old_logp=old, advantages=targets.advantages[micro].to(dev), response_mask=mask,
@@ -624,6 +650,8 @@ class RLTrainer:
                             token_sums[name] += _masked_total(value_BT.detach(), response_mask)
                         loss = torch.where(w != 0, w * loss_BT, 0.0).sum()
                         loss.backward()
+                        if replay is not None:
+                            replay.backward(logp.grad, rollout.response_ids, self.sampling.temperature)
                     sums["loss"] += loss.item()
                     mb_loss += loss.item()
                     token_count += int(response_mask.sum())
@@ -641,6 +669,7 @@ class RLTrainer:
                         o.optimizer.step()
                         o.scheduler.step()
                 self._engine_stale = self.generator is not None and train_policy
+        rollout.replay = None  # used up (or unused): free decoding's activations
         sums = d.sum(sums)
         for key in ("loss", "policy_loss"):  # weighted by world-scaled weights: back to the global aggregate
             sums[key] /= d.world

@@ -22,8 +22,11 @@ def tied_llama(seed: int = 0):
     model, tok = load_model("tiny-llama-4l", seed=seed)
     config = model.config
     config.tie_word_embeddings = True
+    # As in SmolLM2, the embedding's padding_idx (a row autograd leaves at 0) is a token the prompts contain.
+    config.pad_token_id = tok("<|im_start|>", add_special_tokens=False)["input_ids"][0]
     torch.manual_seed(seed)
     tied = LlamaForCausalLM(config)
+    assert tied.get_input_embeddings().padding_idx == config.pad_token_id
     assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
     return tied, tok
 
