@@ -21,7 +21,7 @@ layer, top to bottom, over every recorded row at once:
   values with autograd, locally, for their own gradients.
 
 Gradients land in ``.grad`` as ``loss.backward()`` would leave them (LoRA adapters, norm weights, biases, a tied
-head and embedding included). The numbers are those of autograd through transformers' forward to float
+head and embedding included), each parameter's through autograd once, so its hooks run. The numbers are those of autograd through transformers' forward to float
 rounding: the decoding kernels sum in another order than a training forward does
 (``tests/rollout/test_replay.py`` checks each parameter's gradient). What it saves is the update's forward:
 about a third of its FLOPs (``docs/performance.md``).
@@ -43,25 +43,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * weight
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
+class Gradients(dict):
+    """Parameter → its gradient from this backward, summed here and handed to autograd once per parameter
+    (:meth:`deliver`): ``.grad`` accumulates and the parameter's hooks run as in ``loss.backward()``."""
+
+    def add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        if param in self:
+            self[param] += grad
+        else:
+            self[param] = grad
+
+    def deliver(self) -> None:
+        for param, grad in self.items():
+            torch.autograd.backward(param, grad)
+        self.clear()
 
 
-def linear_backward(module, x_N: torch.Tensor, grad_y_N: torch.Tensor) -> torch.Tensor:
-    """For y = module(x) on N rows: accumulate the gradients of the module's trainable parameters given dL/dy,
-    and return dL/dx. A plain ``nn.Linear`` (dx = dy·W, dW = dyᵀ·x, db = Σ dy) or a PEFT LoRA layer (the frozen
-    base as that, plus each adapter's s·B·A·x through autograd; its products have rank r)."""
+def linear_backward(module, x_N: torch.Tensor, grad_y_N: torch.Tensor, grads: Gradients) -> torch.Tensor:
+    """For y = module(x) on N rows: the gradients of the module's trainable parameters given dL/dy (into
+    ``grads``), and dL/dx. A plain ``nn.Linear`` (dx = dy·W, dW = dyᵀ·x, db = Σ dy) or a PEFT LoRA layer (the
+    frozen base as that, plus each adapter's s·B·A·x through autograd; its products have rank r)."""
     base, adapters = _linear_parts(module)
     weight = base.weight
     grad_y_N = grad_y_N.contiguous()
     grad_x = F.linear(grad_y_N, weight.detach().t())  # dy·W; oneDNN under the trainer's kernel (kernels.py)
     if weight.requires_grad:
-        _accumulate(weight, grad_y_N.t() @ x_N)
+        grads.add(weight, grad_y_N.t() @ x_N)
     if base.bias is not None and base.bias.requires_grad:
-        _accumulate(base.bias, grad_y_N.sum(0))
+        grads.add(base.bias, grad_y_N.sum(0))
     if adapters:
         with torch.enable_grad():
             x = x_N.detach().requires_grad_()
@@ -165,6 +174,7 @@ class Recording:
         N_prefix = self.U * self.P
         N = N_prefix + self.S * self.B
         grad_x = torch.zeros(N, self.finals_NH.shape[1])
+        grads = Gradients()
 
         # The head: logp = z[target] − log Σ exp z with z = logits / temperature, so dlogp/dlogits = (onehot − p) / temperature.
         g_N = grad_logp_BT.t().reshape(-1).float()
@@ -184,7 +194,7 @@ class Recording:
             grad_logits.scatter_add_(-1, target_N[r, None], g[:, None])
             if temperature != 1.0:
                 grad_logits.div_(temperature)
-            grad_h[s:s + chunk] = linear_backward(head, h[s:s + chunk].detach(), grad_logits)
+            grad_h[s:s + chunk] = linear_backward(head, h[s:s + chunk].detach(), grad_logits, grads)
         torch.autograd.backward(h, grad_h)
         grad_x[N_prefix + rows] = final.grad
         self.finals_NH = self.logits_NV = None
@@ -199,7 +209,7 @@ class Recording:
                 gate_up.requires_grad_()
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            torch.autograd.backward(act, linear_backward(mlp.down_proj, act.detach(), grad_x))
+            torch.autograd.backward(act, linear_backward(mlp.down_proj, act.detach(), grad_x, grads))
             grad_gate, grad_up = gate_up.grad.chunk(2, dim=-1)
             # gate, up = gate_proj(h2), up_proj(h2), h2 = norm(x_mid)
             norm = layer.post_attention_layernorm
@@ -207,12 +217,12 @@ class Recording:
                 x_mid.requires_grad_()
                 h2 = rms_norm(x_mid, norm.weight, norm.variance_epsilon)
             h2_ = h2.detach()
-            torch.autograd.backward(h2, linear_backward(mlp.gate_proj, h2_, grad_gate) + linear_backward(mlp.up_proj, h2_, grad_up))
+            torch.autograd.backward(h2, linear_backward(mlp.gate_proj, h2_, grad_gate, grads) + linear_backward(mlp.up_proj, h2_, grad_up, grads))
             grad_mid = grad_x + x_mid.grad  # x_mid = x_in + o_proj(attention)
             with torch.enable_grad():
                 qkv.requires_grad_()
                 a = self._attention(qkv)
-            torch.autograd.backward(a, linear_backward(attn.o_proj, a.detach(), grad_mid))
+            torch.autograd.backward(a, linear_backward(attn.o_proj, a.detach(), grad_mid, grads))
             grad_q, grad_k, grad_v = qkv.grad.split([H * D, Hkv * D, Hkv * D], dim=-1)
             # q, k, v = projections of h1 = norm(x_in), q and k in the decoder's paired feature order
             norm = layer.input_layernorm
@@ -220,9 +230,9 @@ class Recording:
                 x_in.requires_grad_()
                 h1 = rms_norm(x_in, norm.weight, norm.variance_epsilon)
             h1_ = h1.detach()
-            grad_h1 = (linear_backward(attn.q_proj, h1_, grad_q[:, self.q_back])
-                       + linear_backward(attn.k_proj, h1_, grad_k[:, self.k_back])
-                       + linear_backward(attn.v_proj, h1_, grad_v))
+            grad_h1 = (linear_backward(attn.q_proj, h1_, grad_q[:, self.q_back], grads)
+                       + linear_backward(attn.k_proj, h1_, grad_k[:, self.k_back], grads)
+                       + linear_backward(attn.v_proj, h1_, grad_v, grads))
             torch.autograd.backward(h1, grad_h1)
             grad_x = grad_mid + x_in.grad
 
@@ -232,6 +242,7 @@ class Recording:
             ids = torch.cat([self.prefix_ids, self.fed])
             if getattr(module, "padding_idx", None) is not None:  # nn.Embedding leaves that row's gradient at 0
                 grad_x[ids == module.padding_idx] = 0  # (SmolLM2's padding_idx is <|im_end|>, a real token)
-            if embedding.grad is None:
-                embedding.grad = torch.zeros_like(embedding)
-            embedding.grad.index_add_(0, ids, grad_x)
+            if embedding not in grads:
+                grads[embedding] = torch.zeros_like(embedding)
+            grads[embedding].index_add_(0, ids, grad_x)  # into a tied head's gradient: no second (V, d) tensor
+        grads.deliver()

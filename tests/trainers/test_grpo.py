@@ -63,11 +63,16 @@ def test_every_estimator_aggregation_and_zero_variance_setting_trains(
     assert changed, "no parameter moved in two steps"
 
 
-def test_kl_is_exactly_zero_before_the_first_update(tmp_path, addition_jsonl):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_kl_is_exactly_zero_before_the_first_update(tmp_path, addition_jsonl, reuse):
     for lora in (False, True):
-        cfg = tiny_config(addition_jsonl, algorithm={"beta": 0.1}, model={"lora": {"enabled": lora, "r": 4}}, train={"steps": 1})
+        cfg = tiny_config(addition_jsonl, algorithm={"beta": 0.1}, model={"lora": {"enabled": lora, "r": 4}},
+                          train={"steps": 1, "reuse_rollout_forward": reuse})
         row = GRPOTrainer(cfg, tmp_path / str(lora)).train()[0]
-        assert row["kl"] == 0.0
+        if reuse:  # the policy's log-probs come from decoding's kernels, the reference's from a forward: rounding
+            assert abs(row["kl"]) < 1e-9
+        else:
+            assert row["kl"] == 0.0
 
 
 def test_lora_reference_is_the_base_model_without_a_copy(tmp_path, addition_jsonl):

@@ -1,0 +1,68 @@
+"""``train.reuse_rollout_forward``: on-policy GRPO differentiates decoding's own forward (rollout/replay.py)
+instead of running another. The step's numbers are those of the update's own forward to float rounding, and
+every setting under which decoding's forward is not the update's forward turns it off."""
+
+import pytest
+import torch
+
+from cohortrl import kernels
+from cohortrl.rollout.replay import Recording
+from cohortrl.trainers.grpo import GRPOTrainer
+from cohortrl.trainers.ppo import PPOTrainer
+from tests.trainers.test_grpo import tiny_config
+from tests.trainers.test_ppo import ppo_config
+
+needs_onednn = pytest.mark.skipif(not kernels.onednn_available(), reason="the lean decoder needs oneDNN's linear op")
+
+
+def replays(monkeypatch) -> list:
+    calls = []
+    real = Recording.backward
+    monkeypatch.setattr(Recording, "backward", lambda self, *a: calls.append(1) or real(self, *a))
+    return calls
+
+
+@needs_onednn
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_step_on_decodings_forward_matches_a_step_on_its_own(tmp_path, addition_jsonl, monkeypatch, lora):
+    calls = replays(monkeypatch)
+    rows = {}
+    for reuse in (True, False):
+        cfg = tiny_config(addition_jsonl, train={"steps": 1, "reuse_rollout_forward": reuse},
+                          model={"lora": {"enabled": lora, "r": 4}}, sampling={"max_new_tokens": 8, "temperature": 0.9})
+        trainer = GRPOTrainer(cfg, tmp_path / str(reuse))
+        assert trainer._reuse_rollout_forward() == reuse
+        before = len(calls)
+        rows[reuse] = trainer.step()
+        assert len(calls) - before == (1 if reuse else 0)
+    on, off = rows[True], rows[False]
+    assert on["response_length_mean"] == off["response_length_mean"]  # the same sampled batch (same seed)
+    for key in ("loss", "policy_loss", "grad_norm", "entropy", "kl"):
+        assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-7), key
+    assert on["grad_norm"] > 0
+
+
+@needs_onednn
+@pytest.mark.parametrize("change", [
+    {"train": {"steps": 1, "reuse_rollout_forward": False}},
+    {"algorithm": {"epochs": 2}},  # the second epoch's policy is not the one that sampled
+    {"algorithm": {"minibatches": 2}},
+    {"algorithm": {"micro_batch_size": 4}},  # the update's micro-batches are not the rollout's batch
+    {"algorithm": {"zero_variance": "resample"}},  # a batch joined from several draws
+    {"model": {"lora": {"enabled": True, "r": 4, "dropout": 0.1}}},  # training's forward is not decoding's
+])
+def test_settings_where_decodings_forward_is_not_the_updates_turn_it_off(tmp_path, addition_jsonl, monkeypatch, change):
+    calls = replays(monkeypatch)
+    trainer = GRPOTrainer(tiny_config(addition_jsonl, **{"train": {"steps": 1}, **change}), tmp_path)
+    assert not trainer._reuse_rollout_forward()
+    row = trainer.step()
+    assert calls == [] and row["grad_norm"] > 0
+
+
+@needs_onednn
+def test_ppo_runs_its_own_forward(tmp_path, addition_jsonl, monkeypatch):
+    calls = replays(monkeypatch)
+    trainer = PPOTrainer(ppo_config(addition_jsonl, train={"steps": 1}), tmp_path)
+    assert not trainer._reuse_rollout_forward()
+    trainer.step()
+    assert calls == []
