@@ -3,7 +3,6 @@ instead of running another. The step's numbers are those of the update's own for
 every setting under which decoding's forward is not the update's forward turns it off."""
 
 import pytest
-import torch
 
 from cohortrl import kernels
 from cohortrl.rollout.replay import Recording
