@@ -35,6 +35,9 @@ from cohortrl import kernels
 log = logging.getLogger("cohortrl")
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+# A recording decoder keeps every step's logits (B·S·V fp32) up to this size, as the chunked LM head keeps its
+# probabilities (rollout/hf.py); above it the update recomputes them from the recorded final hidden states.
+RECORD_LOGITS_BYTES = 128 * 2**20
 
 
 class Unsupported(Exception):
@@ -202,7 +205,9 @@ class LlamaDecoder:
         self.record = record
         self.records: list[list[tuple]] = [[] for _ in self.layers]  # per layer: (x_in, qkv, x_mid, gate_up) per call
         self.finals: list[torch.Tensor] = []  # per step: the last layer's output (B, d), before the final norm
-        self.logits: list[torch.Tensor] = []  # per step: the logits (B, V) as returned
+        self.logits: list[torch.Tensor] = []  # per step: the logits (B, V) as returned, while they fit (below)
+        V = base.get_output_embeddings().weight.shape[0]
+        self.keep_logits = record and B * S * V * 4 <= RECORD_LOGITS_BYTES
         self.fed: list[torch.Tensor] = []  # per step: the tokens fed (B,)
         if prefix is not None and seen:
             self._prefill(*prefix)
@@ -287,7 +292,8 @@ class LlamaDecoder:
         if self.record:  # the caller may mask the returned logits in place (min_new_tokens)
             self.fed.append(token_B)
             self.finals.append(x)
-            self.logits.append(logits)
+            if self.keep_logits:
+                self.logits.append(logits)
             return logits.clone()
         return logits
 

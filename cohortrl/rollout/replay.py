@@ -92,9 +92,10 @@ class Recording:
         self.q_back = torch.argsort(decoder.q_order)  # paired feature order → the projection's own
         self.k_back = torch.argsort(decoder.k_order)
         self.records = decoder.records
-        self.S, self.B = len(decoder.logits), prompt_mask_BT.shape[0]
+        self.S, self.B = len(decoder.fed), prompt_mask_BT.shape[0]
+        self.V = self.base.get_output_embeddings().weight.shape[0]
         self.finals_NH = torch.cat(decoder.finals) if self.S else None  # (S·B, d)
-        self.logits_NV = torch.cat(decoder.logits) if self.S else None  # (S·B, V)
+        self.logits_NV = torch.cat(decoder.logits) if decoder.logits else None  # (S·B, V), or recomputed (_logits)
         self.fed = torch.cat(decoder.fed) if self.S else torch.zeros(0, dtype=torch.long)
         self.rotation_d = decoder.rotation[:, : self.S]  # (B, S, 1, D/2)
         if prefix is not None:
@@ -109,6 +110,14 @@ class Recording:
             self.prefix_ids = torch.zeros(0, dtype=torch.long)
 
     # ------------------------------------------------------------------------------------------ log-probs
+    def _logits(self, rows) -> torch.Tensor:
+        """Decoding's logits (n, V) for rows (step-major indices or a slice): kept, or recomputed from the final
+        hidden states through the final norm and the head when they did not fit (``RECORD_LOGITS_BYTES``)."""
+        if self.logits_NV is not None:
+            return self.logits_NV[rows]
+        norm = self.base.model.norm
+        return self.base.get_output_embeddings()(rms_norm(self.finals_NH[rows], norm.weight, norm.variance_epsilon)).float()
+
     @torch.no_grad()
     def logprobs(self, response_ids_BT, response_mask_BT, temperature: float, with_entropy: bool = True):
         """Log-probabilities (B, T) of the response tokens and their entropies (B, T) or None, from the logits
@@ -120,9 +129,9 @@ class Recording:
         target_N = response_ids_BT.t().reshape(-1)
         logp_N = torch.empty(self.S * B)
         entropy_N = torch.empty(self.S * B) if with_entropy else None
-        chunk = max(1, CHUNK_BYTES // (4 * self.logits_NV.shape[1]))
+        chunk = max(1, CHUNK_BYTES // (4 * self.V))
         for s in range(0, len(logp_N), chunk):
-            z = self.logits_NV[s:s + chunk]
+            z = self._logits(slice(s, s + chunk))
             z = z / temperature if temperature != 1.0 else z
             logz = z.logsumexp(-1)
             logp_N[s:s + chunk] = z.gather(-1, target_N[s:s + chunk, None]).squeeze(-1) - logz
@@ -186,10 +195,10 @@ class Recording:
             h = rms_norm(final, norm.weight, norm.variance_epsilon)
         head = base.get_output_embeddings()
         grad_h = torch.empty_like(h)
-        chunk = max(1, CHUNK_BYTES // (4 * self.logits_NV.shape[1]))
+        chunk = max(1, CHUNK_BYTES // (4 * self.V))
         for s in range(0, len(rows), chunk):
             r, g = rows[s:s + chunk], g_N[rows[s:s + chunk]]
-            z = self.logits_NV[r]
+            z = self._logits(r)
             grad_logits = (z / temperature if temperature != 1.0 else z).softmax(-1).mul_(-g[:, None])
             grad_logits.scatter_add_(-1, target_N[r, None], g[:, None])
             if temperature != 1.0:
