@@ -113,8 +113,8 @@ def check_supported(model) -> None:
         raise Unsupported("sliding-window attention")
     if not kernels.onednn_available() or kernels._swaps == 0:
         raise Unsupported("not under the oneDNN linear kernel (train.cpu_linear)")
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        raise Unsupported("this PyTorch build has no oneDNN weight layout op")
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or "binary" not in torch.ops.mkldnn._linear_pointwise.overloads():
+        raise Unsupported("this PyTorch build has no oneDNN weight layout op or fused linear-add")
     inner = getattr(base, "model", None)
     missing = [name for name in ("layers", "norm", "rotary_emb") if not hasattr(inner, name)]
     if missing or base.get_output_embeddings() is None:
@@ -198,7 +198,8 @@ class LlamaDecoder:
         # additive key mask over all T columns: the prompt's padding is -inf, everything fed later is real
         keep = torch.ones(B, T, dtype=torch.bool)
         keep[:, : prompt_mask_BT.shape[1]] = prompt_mask_BT.bool()
-        self.key_bias = torch.zeros(B, 1, 1, T, dtype=dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
+        key_bias = torch.zeros(B, 1, 1, T, dtype=dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
+        self.key_bias_groups = key_bias.expand(B, self.Hkv, 1, T).reshape(B * self.Hkv, 1, T)  # per KV head
         cos, sin = base.model.rotary_emb(self.embed[:1], positions_BS)  # (B, S, D) each, halves equal
         self.rotation = torch.complex(cos[..., : D // 2], sin[..., : D // 2]).unsqueeze(2)  # (B, S, 1, D/2)
         self.s = 0
@@ -213,7 +214,7 @@ class LlamaDecoder:
             self._prefill(*prefix)
 
     def rotation_for(self, positions: torch.Tensor) -> torch.Tensor:
-        """The rotary factors (..., 1, D/2) for positions (...), as complex numbers (see :meth:`_rope`)."""
+        """The rotary factors (..., 1, D/2) for positions (...), as complex numbers (see :func:`rotate`)."""
         D = self.D
         cos, sin = self.base.model.rotary_emb(self.embed[:1], positions)
         return torch.complex(cos[..., : D // 2], sin[..., : D // 2]).unsqueeze(-2)
@@ -253,8 +254,11 @@ class LlamaDecoder:
         weight, bias = packed
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
-    def _rope(self, x_BHD):
-        return rotate(x_BHD, self.rotation[:, self.s])
+    @staticmethod
+    def _linear_add(x, packed, residual):
+        """residual + x Wᵀ + b in one call: oneDNN adds the residual to the product's output as it writes it."""
+        weight, bias = packed
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
 
     @staticmethod
     def _rms_norm(x, weight, eps):
@@ -265,24 +269,24 @@ class LlamaDecoder:
     def step(self, token_B: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (the next column); the next-token logits (B, V)."""
         B, H, Hkv, D = token_B.shape[0], self.H, self.Hkv, self.D
-        c = self.col
+        c, qk = self.col, (H + Hkv) * D
         x = F.embedding(token_B, self.embed)  # (B, d)
-        bias = self.key_bias[..., : c + 1]
+        bias = self.key_bias_groups[..., : c + 1]  # (B·Hkv, 1, c+1)
+        rotation = self.rotation[:, self.s]  # (B, 1, D/2)
         for i, (w_in, eps_in, qkv, o, w_post, eps_post, gate_up, down) in enumerate(self.layers):
-            h = self._rms_norm(x, w_in, eps_in)
-            y_qkv = self._linear(h, qkv)
-            q, k, v = y_qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = self._rope(q.view(B, H, D))
-            self.k[i][:, :, c] = self._rope(k.view(B, Hkv, D))
-            self.v[i][:, :, c] = v.view(B, Hkv, D)
-            # each KV head serves H / Hkv query heads: (B, Hkv, g, D) @ (B, Hkv, D, c+1)
-            scores = q.view(B, Hkv, H // Hkv, D) @ self.k[i][:, :, : c + 1].transpose(-1, -2)
-            probs = (scores.mul_(self.scale) + bias).softmax(-1)
-            attn = (probs @ self.v[i][:, :, : c + 1]).view(B, H * D)
-            x_mid = x + self._linear(attn, o)
+            y_qkv = self._linear(self._rms_norm(x, w_in, eps_in), qkv)
+            q_k = rotate(y_qkv[:, :qk].view(B, H + Hkv, D), rotation)  # queries and keys rotated together
+            keys, values = self.k[i], self.v[i]
+            keys[:, :, c] = q_k[:, H:]
+            values[:, :, c] = y_qkv[:, qk:].view(B, Hkv, D)
+            # each KV head serves H / Hkv query heads: (B·Hkv, g, D) @ (B·Hkv, D, c+1), scaled, plus the key mask
+            scores = torch.baddbmm(bias, q_k[:, :H].reshape(B * Hkv, H // Hkv, D),
+                                   keys[:, :, : c + 1].flatten(0, 1).transpose(1, 2), alpha=self.scale)
+            attn = torch.bmm(scores.softmax(-1), values[:, :, : c + 1].flatten(0, 1)).view(B, H * D)
+            x_mid = self._linear_add(attn, o, x)  # x + o_proj(attn), the add inside the product
             y_gu = self._linear(self._rms_norm(x_mid, w_post, eps_post), gate_up)
-            gate, up = y_gu.chunk(2, dim=-1)
-            out = x_mid + self._linear(F.silu(gate).mul_(up), down)
+            half = y_gu.shape[1] // 2
+            out = self._linear_add(F.silu(y_gu[:, :half]).mul_(y_gu[:, half:]), down, x_mid)
             if self.record:
                 self.records[i].append((x, y_qkv, x_mid, y_gu))
             x = out
