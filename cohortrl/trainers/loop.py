@@ -583,7 +583,7 @@ class RLTrainer:
         sums = {"policy_loss": 0.0, "loss": 0.0, "entropy": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0}
         token_sums: dict[str, float] = defaultdict(float)  # the algorithm's per-token metrics
         grad_norms: dict[str, list[float]] = defaultdict(list)
-        n_updates, token_count, skipped = 0, 0, 0
+        n_updates, token_count, skipped, replayed = 0, 0, 0, 0
         # Resampling can leave fewer groups than minibatches: then one minibatch per group.
         n_minibatches = min(a.minibatches, n_groups)
         for _ in range(a.epochs):
@@ -652,6 +652,7 @@ class RLTrainer:
                         loss.backward()
                         if replay is not None:
                             replay.backward(logp.grad, rollout.response_ids, self.sampling.temperature)
+                            replayed += 1
                     sums["loss"] += loss.item()
                     mb_loss += loss.item()
                     token_count += int(response_mask.sum())
@@ -690,6 +691,7 @@ class RLTrainer:
             **policy,
             **{o.metric: _mean(grad_norms[o.metric]) for o in trained},  # None when every update was skipped
             "skipped_nonfinite": skipped,
+            "rollout_forward_reused": replayed,  # updates that differentiated decoding's forward (train.reuse_rollout_forward)
         }
 
     # ------------------------------------------------------------------------------------------ the loop

@@ -39,6 +39,7 @@ def test_a_step_on_decodings_forward_matches_a_step_on_its_own(tmp_path, additio
     for key in ("loss", "policy_loss", "grad_norm", "entropy", "kl"):
         assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-7), key
     assert on["grad_norm"] > 0
+    assert (on["rollout_forward_reused"], off["rollout_forward_reused"]) == (1, 0)  # the metric says which path ran
 
 
 @needs_onednn
@@ -55,7 +56,7 @@ def test_settings_where_decodings_forward_is_not_the_updates_turn_it_off(tmp_pat
     trainer = GRPOTrainer(tiny_config(addition_jsonl, **{"train": {"steps": 1}, **change}), tmp_path)
     assert not trainer._reuse_rollout_forward()
     row = trainer.step()
-    assert calls == [] and row["grad_norm"] > 0
+    assert calls == [] and row["grad_norm"] > 0 and row["rollout_forward_reused"] == 0
 
 
 @needs_onednn
