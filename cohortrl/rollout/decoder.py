@@ -151,11 +151,12 @@ class LlamaDecoder:
     itself, each of the U distinct prompts once (``index_B``: each row's prompt), in :meth:`_prefill`.
     ``record``: keep what the update's backward needs to reuse this forward (``rollout/replay.py``): per layer
     and per call, the layer's input, its q/k/v and gate/up products and the residual after attention; per
-    step, the final hidden state, the logits and the tokens fed. It takes ``prefix``, not a transformers cache
-    (every position must be recorded)."""
+    step, the final hidden state, the tokens fed, log Z and the entropy of the logits at ``temperature`` and (told
+    by :meth:`sampled`) the sampled token's logit, and the logits themselves while they fit. It takes ``prefix``,
+    not a transformers cache (every position must be recorded)."""
 
     def __init__(self, model, hf_cache, prompt_mask_BT: torch.Tensor, positions_BS: torch.Tensor, *,
-                 prefix: tuple | None = None, record: bool = False):
+                 prefix: tuple | None = None, record: bool = False, temperature: float = 1.0):
         if record and hf_cache is not None:
             raise ValueError("a recording decoder runs the prompt itself: pass prefix=, not a transformers cache")
         base = self.base = _base_model(model)
@@ -210,6 +211,10 @@ class LlamaDecoder:
         V = base.get_output_embeddings().weight.shape[0]
         self.keep_logits = record and B * S * V * 4 <= RECORD_LOGITS_BYTES
         self.fed: list[torch.Tensor] = []  # per step: the tokens fed (B,)
+        self.temperature = float(temperature or 1.0)  # greedy decoding is scored at temperature 1, as response_logprobs does
+        self.logz: list[torch.Tensor] = []  # per step (B,): log Σ exp(logits / temperature)
+        self.entropy: list[torch.Tensor] = []  # per step (B,)
+        self.target: list[torch.Tensor] = []  # per step (B,): the sampled token's logit / temperature
         if prefix is not None and seen:
             self._prefill(*prefix)
 
@@ -298,8 +303,18 @@ class LlamaDecoder:
             self.finals.append(x)
             if self.keep_logits:
                 self.logits.append(logits)
+            z = logits / self.temperature if self.temperature != 1.0 else logits
+            logz = z.logsumexp(-1)
+            self.logz.append(logz)
+            self.entropy.append(logz - (z - logz[:, None]).exp_().mul_(z).sum(-1))
+            self._z = z
             return logits.clone()
         return logits
+
+    def sampled(self, token_B: torch.Tensor) -> None:
+        """Record the token sampled from the last step's logits (the response token of that step)."""
+        self.target.append(self._z.gather(-1, token_B[:, None]).squeeze(-1))
+        self._z = None
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,8 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
         later = torch.arange(max(sampling.max_new_tokens - 1, 0), device=device)  # sampled tokens fed back, but the last
         fed_positions = torch.cat([positions, next_position + later], 1)
         if record:
-            decoder, cache = lean(model, None, mask, fed_positions, prefix=prefix, record=True), None
+            decoder, cache = lean(model, None, mask, fed_positions, prefix=prefix, record=True,
+                                  temperature=sampling.temperature), None
         else:
             decoder, cache = lean(model, cache, mask, fed_positions), None  # the transformers cache is copied in, freed
     eos = torch.tensor(eos_ids, device=device)
@@ -182,6 +183,8 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
                 logits[:, eos] = float("-inf")
             token = _sample(logits, sampling)
             token = token.masked_fill(ended, tokenizer.pad_token_id)
+            if record:
+                decoder.sampled(token)
             tokens.append(token)
             ended |= torch.isin(token, eos)
             if sampling.stop and t + 1 >= sampling.min_new_tokens:

@@ -53,6 +53,13 @@ class Gradients(dict):
         else:
             self[param] = grad
 
+    def add_product(self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """param's gradient += a·b, in the product itself when there is one already (the head's chunks)."""
+        if param in self:
+            self[param].addmm_(a, b)
+        else:
+            self[param] = a @ b
+
     def deliver(self) -> None:
         for param, grad in self.items():
             torch.autograd.backward(param, grad)
@@ -68,7 +75,7 @@ def linear_backward(module, x_N: torch.Tensor, grad_y_N: torch.Tensor, grads: Gr
     grad_y_N = grad_y_N.contiguous()
     grad_x = F.linear(grad_y_N, weight.detach().t())  # dy·W; oneDNN under the trainer's kernel (kernels.py)
     if weight.requires_grad:
-        grads.add(weight, grad_y_N.t() @ x_N)
+        grads.add_product(weight, grad_y_N.t(), x_N)
     if base.bias is not None and base.bias.requires_grad:
         grads.add(base.bias, grad_y_N.sum(0))
     if adapters:
@@ -97,6 +104,11 @@ class Recording:
         self.finals_NH = torch.cat(decoder.finals) if self.S else None  # (S·B, d)
         self.logits_NV = torch.cat(decoder.logits) if decoder.logits else None  # (S·B, V), or recomputed (_logits)
         self.fed = torch.cat(decoder.fed) if self.S else torch.zeros(0, dtype=torch.long)
+        self.temperature = decoder.temperature
+        empty = torch.zeros(0, self.B)
+        self.logz_SB = torch.stack(decoder.logz) if self.S else empty  # (S, B) at the temperature
+        self.entropy_SB = torch.stack(decoder.entropy) if self.S else empty
+        self.target_SB = torch.stack(decoder.target) if self.S else empty  # the sampled tokens' logits / temperature
         self.rotation_d = decoder.rotation[:, : self.S]  # (B, S, 1, D/2)
         if prefix is not None:
             ids_UP, mask_UP, self.index_B = prefix
@@ -111,36 +123,27 @@ class Recording:
 
     # ------------------------------------------------------------------------------------------ log-probs
     def _logits(self, rows) -> torch.Tensor:
-        """Decoding's logits (n, V) for rows (step-major indices or a slice): kept, or recomputed from the final
-        hidden states through the final norm and the head when they did not fit (``RECORD_LOGITS_BYTES``)."""
+        """Decoding's logits (n, V) for step-major rows: kept, or recomputed from the final hidden states through
+        the final norm and the head when they did not fit (``RECORD_LOGITS_BYTES``)."""
         if self.logits_NV is not None:
             return self.logits_NV[rows]
         norm = self.base.model.norm
         return self.base.get_output_embeddings()(rms_norm(self.finals_NH[rows], norm.weight, norm.variance_epsilon)).float()
 
+    def _check(self, response_ids_BT, temperature) -> None:
+        if tuple(response_ids_BT.shape) != (self.B, self.S):
+            raise ValueError(f"recording of {self.B} rows × {self.S} steps, asked for {tuple(response_ids_BT.shape)}")
+        if float(temperature or 1.0) != self.temperature:
+            raise ValueError(f"recorded at temperature {self.temperature}, asked for {temperature}")
+
     @torch.no_grad()
-    def logprobs(self, response_ids_BT, response_mask_BT, temperature: float, with_entropy: bool = True):
-        """Log-probabilities (B, T) of the response tokens and their entropies (B, T) or None, from the logits
-        decoding produced, at ``temperature`` (0 on positions outside ``response_mask``), as ``response_logprobs``."""
-        B, T = response_ids_BT.shape
-        if T != self.S or B != self.B:
-            raise ValueError(f"recording of {self.B} rows × {self.S} steps, asked for {B} × {T}")
-        temperature = float(temperature or 1.0)
-        target_N = response_ids_BT.t().reshape(-1)
-        logp_N = torch.empty(self.S * B)
-        entropy_N = torch.empty(self.S * B) if with_entropy else None
-        chunk = max(1, CHUNK_BYTES // (4 * self.V))
-        for s in range(0, len(logp_N), chunk):
-            z = self._logits(slice(s, s + chunk))
-            z = z / temperature if temperature != 1.0 else z
-            logz = z.logsumexp(-1)
-            logp_N[s:s + chunk] = z.gather(-1, target_N[s:s + chunk, None]).squeeze(-1) - logz
-            if with_entropy:
-                entropy_N[s:s + chunk] = logz - ((z - logz[:, None]).exp() * z).sum(-1)
-        mask = response_mask_BT.bool()
-        logp_BT = logp_N.view(self.S, B).t().masked_fill(~mask, 0.0).contiguous()
-        entropy_BT = entropy_N.view(self.S, B).t().masked_fill(~mask, 0.0).contiguous() if with_entropy else None
-        return logp_BT, entropy_BT
+    def logprobs(self, response_ids_BT, response_mask_BT, temperature: float):
+        """Log-probabilities (B, T) of the response tokens and their entropies (B, T), from what decoding
+        computed at ``temperature`` (0 on positions outside ``response_mask``), as ``response_logprobs``."""
+        self._check(response_ids_BT, temperature)
+        keep = response_mask_BT.bool()
+        logp_BT = (self.target_SB - self.logz_SB).t().masked_fill(~keep, 0.0).contiguous()
+        return logp_BT, self.entropy_SB.t().masked_fill(~keep, 0.0).contiguous()
 
     # ------------------------------------------------------------------------------------------ backward
     def _attention(self, qkv_N: torch.Tensor) -> torch.Tensor:
@@ -178,8 +181,9 @@ class Recording:
     def backward(self, grad_logp_BT: torch.Tensor, response_ids_BT: torch.Tensor, temperature: float) -> None:
         """Accumulate dL/dθ into the model's ``.grad`` given dL/d logp (B, T) of :meth:`logprobs`' values for
         ``response_ids``. Uses up the recording."""
+        self._check(response_ids_BT, temperature)
         base, H, Hkv, D = self.base, self.H, self.Hkv, self.D
-        temperature = float(temperature or 1.0)
+        temperature = self.temperature
         N_prefix = self.U * self.P
         N = N_prefix + self.S * self.B
         grad_x = torch.zeros(N, self.finals_NH.shape[1])
@@ -188,6 +192,7 @@ class Recording:
         # The head: logp = z[target] − log Σ exp z with z = logits / temperature, so dlogp/dlogits = (onehot − p) / temperature.
         g_N = grad_logp_BT.t().reshape(-1).float()
         target_N = response_ids_BT.t().reshape(-1)
+        logz_N = self.logz_SB.reshape(-1)
         rows = g_N.nonzero().squeeze(-1)  # the positions the loss reaches
         norm = base.model.norm
         with torch.enable_grad():
@@ -199,7 +204,8 @@ class Recording:
         for s in range(0, len(rows), chunk):
             r, g = rows[s:s + chunk], g_N[rows[s:s + chunk]]
             z = self._logits(r)
-            grad_logits = (z / temperature if temperature != 1.0 else z).softmax(-1).mul_(-g[:, None])
+            z = z / temperature if temperature != 1.0 else z  # a fresh tensor either way: p = exp(z − log Z) in place
+            grad_logits = z.sub_(logz_N[r, None]).exp_().mul_(-g[:, None])
             grad_logits.scatter_add_(-1, target_N[r, None], g[:, None])
             if temperature != 1.0:
                 grad_logits.div_(temperature)
