@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cohortrl.rollout.decoder import _linear_parts, rotate
+from cohortrl.rollout.decoder import Unsupported, _base_model, _linear_parts, check_supported, rotate
 
 # Head gradients of at most this many bytes of logits at once (as ``hf.LOGPROB_CHUNK_BYTES``).
 CHUNK_BYTES = 32 * 2**20
@@ -96,6 +96,7 @@ class Recording:
     def __init__(self, decoder, prefix: tuple | None, prompt_mask_BT: torch.Tensor):
         self.base = decoder.base
         self.H, self.Hkv, self.D = decoder.H, decoder.Hkv, decoder.D
+        self.q_order, self.k_order = decoder.q_order, decoder.k_order  # the projections' features, paired for rotary
         self.q_back = torch.argsort(decoder.q_order)  # paired feature order → the projection's own
         self.k_back = torch.argsort(decoder.k_order)
         self.records = decoder.records
@@ -144,6 +145,46 @@ class Recording:
         keep = response_mask_BT.bool()
         logp_BT = (self.target_SB - self.logz_SB).t().masked_fill(~keep, 0.0).contiguous()
         return logp_BT, self.entropy_SB.t().masked_fill(~keep, 0.0).contiguous()
+
+    @staticmethod
+    def can_score(model) -> bool:
+        """Whether :meth:`logprobs_under` computes ``model`` (the lean decoder's models, under its kernel)."""
+        try:
+            check_supported(model)
+        except (Unsupported, AttributeError):
+            return False
+        return True
+
+    @torch.no_grad()
+    def logprobs_under(self, model, response_ids_BT, response_mask_BT) -> torch.Tensor:
+        """Log-probabilities (B, T) of the response tokens under another model of the same architecture (the
+        reference), at the recording's temperature, 0 outside ``response_mask``: ``response_logprobs``' numbers,
+        computed on the recording's rows in one pass. Every product sees all rows at once (each distinct
+        prompt's prefix once, then every row's fed tokens), the attention is the recording's, and the LM head
+        runs on the real response positions only, a chunk at a time."""
+        self._check(response_ids_BT, self.temperature)
+        base = _base_model(model)
+        x = F.embedding(torch.cat([self.prefix_ids, self.fed]), base.get_input_embeddings().weight)  # (N, d)
+        for layer in base.model.layers:
+            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            h = rms_norm(x, norm.weight, norm.variance_epsilon)
+            x = x + attn.o_proj(self._attention(torch.cat(
+                [attn.q_proj(h)[:, self.q_order], attn.k_proj(h)[:, self.k_order], attn.v_proj(h)], -1)))
+            norm = layer.post_attention_layernorm
+            h = rms_norm(x, norm.weight, norm.variance_epsilon)
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        keep_N = response_mask_BT.t().reshape(-1).bool()  # step-major, as the rows
+        rows = keep_N.nonzero().squeeze(-1)
+        norm, head = base.model.norm, base.get_output_embeddings()
+        h = rms_norm(x[self.U * self.P:][rows], norm.weight, norm.variance_epsilon)
+        target_N = response_ids_BT.t().reshape(-1)[rows]
+        logp_N = torch.zeros(self.S * self.B)
+        chunk = max(1, CHUNK_BYTES // (4 * self.V))
+        for s in range(0, len(rows), chunk):
+            z = head(h[s:s + chunk]).float()
+            z = z / self.temperature if self.temperature != 1.0 else z
+            logp_N[rows[s:s + chunk]] = z.gather(-1, target_N[s:s + chunk, None]).squeeze(-1) - z.logsumexp(-1)
+        return logp_N.view(self.S, self.B).t().contiguous()
 
     # ------------------------------------------------------------------------------------------ backward
     def _attention(self, qkv_N: torch.Tensor) -> torch.Tensor:

@@ -326,7 +326,11 @@ class RLTrainer:
             ref_logp = old_logp = None
             if self.reference is not None:
                 with self.reference() as ref_model:
-                    ref_logp = self._logprobs(ref_model, input_ids, attention_mask, rollout.response_ids)
+                    if rollout.replay is not None and rollout.replay.can_score(ref_model):
+                        # on decoding's recorded rows, every product over all of them at once (rollout/replay.py)
+                        ref_logp = rollout.replay.logprobs_under(ref_model, rollout.response_ids, rollout.response_mask)
+                    else:
+                        ref_logp = self._logprobs(ref_model, input_ids, attention_mask, rollout.response_ids)
             if self._needs_old_logp():
                 old_logp = self._logprobs(self.model, input_ids, attention_mask, rollout.response_ids)
 

@@ -3,6 +3,8 @@ entropies and every parameter's gradient are those of autograd through transform
 responses, for left-padded prompts shared by groups, responses ending at different steps, grouped-query
 attention, q/k/v biases, a tied head and LoRA adapters."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -91,3 +93,32 @@ def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
         assert g.abs().max() > 0, n  # every trainable parameter is reached
         scale = g.abs().max()
         torch.testing.assert_close(got[n], g, rtol=0, atol=1e-4 * scale, msg=lambda m: f"{n}: {m}")
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", ["tiny-llama-4l", "qwen2", "tied", "tiny-llama-4l+lora"])
+def test_another_models_logprobs_on_the_recording_equal_its_own_forward(name):
+    """The reference's log-probs, computed on the policy's recording in one pass, are ``response_logprobs``'
+    under the reference: a second model of the same architecture with other weights, or under LoRA the
+    policy with its adapter disabled."""
+    model, tok = build(name)
+    if name.endswith("+lora"):
+        reference = model
+    else:
+        other, _ = build(name)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        reference = other
+    rows = [{"prompt": p} for p in PROMPTS]
+    with linear_kernels("onednn"):
+        torch.manual_seed(0)
+        rollout, _ = generate(model, tok, rows, 3, Sampling(temperature=0.8, max_new_tokens=8), record=True)
+        ids, mask, response_ids = rollout.input_ids(), rollout.attention_mask(), rollout.response_ids
+        with torch.no_grad():
+            policy, _ = response_logprobs(model, ids, mask, response_ids, temperature=0.8)
+            with reference.disable_adapter() if reference is model else contextlib.nullcontext():
+                expected, _ = response_logprobs(reference, ids, mask, response_ids, temperature=0.8)
+                got = rollout.replay.logprobs_under(reference, response_ids, rollout.response_mask)
+    assert (expected - policy).abs().max() > 1e-3  # the reference is another function
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)

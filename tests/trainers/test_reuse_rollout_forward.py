@@ -25,6 +25,9 @@ def replays(monkeypatch) -> list:
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_step_on_decodings_forward_matches_a_step_on_its_own(tmp_path, addition_jsonl, monkeypatch, lora):
     calls = replays(monkeypatch)
+    scored = []  # the reference's log-probs on the recording's rows
+    real = Recording.logprobs_under
+    monkeypatch.setattr(Recording, "logprobs_under", lambda self, *a: scored.append(1) or real(self, *a))
     rows = {}
     for reuse in (True, False):
         cfg = tiny_config(addition_jsonl, train={"steps": 1, "reuse_rollout_forward": reuse},
@@ -34,6 +37,7 @@ def test_a_step_on_decodings_forward_matches_a_step_on_its_own(tmp_path, additio
         before = len(calls)
         rows[reuse] = trainer.step()
         assert len(calls) - before == (1 if reuse else 0)
+        assert len(scored) == len(calls)
     on, off = rows[True], rows[False]
     assert on["response_length_mean"] == off["response_length_mean"]  # the same sampled batch (same seed)
     for key in ("loss", "policy_loss", "grad_norm", "entropy", "kl"):
