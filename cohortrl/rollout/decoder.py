@@ -201,8 +201,7 @@ class LlamaDecoder:
         keep[:, : prompt_mask_BT.shape[1]] = prompt_mask_BT.bool()
         key_bias = torch.zeros(B, 1, 1, T, dtype=dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
         self.key_bias_groups = key_bias.expand(B, self.Hkv, 1, T).reshape(B * self.Hkv, 1, T)  # per KV head
-        cos, sin = base.model.rotary_emb(self.embed[:1], positions_BS)  # (B, S, D) each, halves equal
-        self.rotation = torch.complex(cos[..., : D // 2], sin[..., : D // 2]).unsqueeze(2)  # (B, S, 1, D/2)
+        self.rotation = self.rotation_for(positions_BS)  # (B, S, 1, D/2)
         self.s = 0
         self.record = record
         self.records: list[list[tuple]] = [[] for _ in self.layers]  # per layer: (x_in, qkv, x_mid, gate_up) per call
@@ -219,7 +218,8 @@ class LlamaDecoder:
             self._prefill(*prefix)
 
     def rotation_for(self, positions: torch.Tensor) -> torch.Tensor:
-        """The rotary factors (..., 1, D/2) for positions (...), as complex numbers (see :func:`rotate`)."""
+        """The rotary factors (..., 1, D/2) for positions (...), as complex numbers (see :func:`rotate`), from the
+        model's own rotary module (any rope type it has; its cos and sin repeat over the two halves)."""
         D = self.D
         cos, sin = self.base.model.rotary_emb(self.embed[:1], positions)
         return torch.complex(cos[..., : D // 2], sin[..., : D // 2]).unsqueeze(-2)
@@ -231,14 +231,16 @@ class LlamaDecoder:
         cache. Padding queries attend to themselves only: their outputs reach nothing."""
         U, P = ids_UP.shape
         H, Hkv, D = self.H, self.Hkv, self.D
-        rotation = self.rotation_for((mask_UP.cumsum(-1) - 1).clamp(min=0))  # (U, P, 1, D/2)
-        allowed = (torch.ones(P, P, dtype=torch.bool).tril() & mask_UP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool)
+        # kept: the recording's attention over the prefix is this one (rollout/replay.py)
+        self.prefix_rotation = rotation = self.rotation_for((mask_UP.cumsum(-1) - 1).clamp(min=0))  # (U, P, 1, D/2)
+        self.prefix_allowed = allowed = (  # (U, P, P): causal over the prompt's real positions, padding sees itself
+            torch.ones(P, P, dtype=torch.bool).tril() & mask_UP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool)
         x = F.embedding(ids_UP, self.embed)  # (U, P, d)
         for i, layer in enumerate(self.base.model.layers):
             w_in, eps_in, _, _, w_post, eps_post, _, _ = self.layers[i]
             attn, mlp = layer.self_attn, layer.mlp
-            h = self._rms_norm(x, w_in, eps_in)
-            qkv = torch.cat([attn.q_proj(h)[..., self.q_order], attn.k_proj(h)[..., self.k_order], attn.v_proj(h)], -1)
+            h = rms_norm(x, w_in, eps_in)
+            qkv = paired_qkv(attn, h, self.q_order, self.k_order)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             q, k = rotate(q.view(U, P, H, D), rotation), rotate(k.view(U, P, Hkv, D), rotation)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(U, P, Hkv, D).transpose(1, 2)  # (U, heads, P, D)
@@ -246,7 +248,7 @@ class LlamaDecoder:
             self.v[i][:, :, :P] = v[index_B]
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=H != Hkv)
             x_mid = x + attn.o_proj(a.transpose(1, 2).reshape(U, P, H * D))
-            h = self._rms_norm(x_mid, w_post, eps_post)
+            h = rms_norm(x_mid, w_post, eps_post)
             gate_up = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], -1)
             gate, up = gate_up.chunk(2, dim=-1)
             out = x_mid + mlp.down_proj(F.silu(gate) * up)
@@ -265,11 +267,6 @@ class LlamaDecoder:
         weight, bias = packed
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
 
-    @staticmethod
-    def _rms_norm(x, weight, eps):
-        # transformers' RMSNorm, term for term (F.rms_norm is one call but slower on a CPU at 8 rows)
-        return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt_() * weight
-
     @torch.no_grad()
     def step(self, token_B: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (the next column); the next-token logits (B, V)."""
@@ -279,7 +276,7 @@ class LlamaDecoder:
         bias = self.key_bias_groups[..., : c + 1]  # (B·Hkv, 1, c+1)
         rotation = self.rotation[:, self.s]  # (B, 1, D/2)
         for i, (w_in, eps_in, qkv, o, w_post, eps_post, gate_up, down) in enumerate(self.layers):
-            y_qkv = self._linear(self._rms_norm(x, w_in, eps_in), qkv)
+            y_qkv = self._linear(rms_norm(x, w_in, eps_in), qkv)
             q_k = rotate(y_qkv[:, :qk].view(B, H + Hkv, D), rotation)  # queries and keys rotated together
             keys, values = self.k[i], self.v[i]
             keys[:, :, c] = q_k[:, H:]
@@ -289,7 +286,7 @@ class LlamaDecoder:
                                    keys[:, :, : c + 1].flatten(0, 1).transpose(1, 2), alpha=self.scale)
             attn = torch.bmm(scores.softmax(-1), values[:, :, : c + 1].flatten(0, 1)).view(B, H * D)
             x_mid = self._linear_add(attn, o, x)  # x + o_proj(attn), the add inside the product
-            y_gu = self._linear(self._rms_norm(x_mid, w_post, eps_post), gate_up)
+            y_gu = self._linear(rms_norm(x_mid, w_post, eps_post), gate_up)
             half = y_gu.shape[1] // 2
             out = self._linear_add(F.silu(y_gu[:, :half]).mul_(y_gu[:, half:]), down, x_mid)
             if self.record:
@@ -297,7 +294,7 @@ class LlamaDecoder:
             x = out
         self.col += 1
         self.s += 1
-        logits = self._linear(self._rms_norm(x, *self.norm), self.head)
+        logits = self._linear(rms_norm(x, *self.norm), self.head)
         if self.record:  # the caller may mask the returned logits in place (min_new_tokens)
             self.fed.append(token_B)
             self.finals.append(x)
@@ -315,6 +312,18 @@ class LlamaDecoder:
         """Record the token sampled from the last step's logits (the response token of that step)."""
         self.target.append(self._z.gather(-1, token_B[:, None]).squeeze(-1))
         self._z = None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm, term for term (``F.rms_norm`` is one call but slower on a CPU at 8 rows);
+    differentiable (``rollout/replay.py`` recomputes it under autograd: ``rsqrt_`` acts on a temporary)."""
+    return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt_() * weight
+
+
+def paired_qkv(attn, h: torch.Tensor, q_order: torch.Tensor, k_order: torch.Tensor) -> torch.Tensor:
+    """An attention block's q, k and v projections of h, concatenated, q and k in the decoder's paired feature
+    order (see :class:`LlamaDecoder`), through the modules themselves (LoRA adapters included)."""
+    return torch.cat([attn.q_proj(h)[..., q_order], attn.k_proj(h)[..., k_order], attn.v_proj(h)], -1)
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

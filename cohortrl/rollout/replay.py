@@ -8,12 +8,13 @@ decoder (``rollout/decoder.py``, ``record=True``) keeps what a backward needs fr
 - per layer and per call (the prompt prefix once per distinct prompt, then one call per decoding step): the
   layer's input x, its q/k/v products (rotary not yet applied), the residual after attention and its gate/up
   products;
-- per step: the last layer's output and the logits.
+- per step: the last layer's output, the tokens fed, log Z and the entropy of the logits at the sampling
+  temperature, the sampled token's logit, and the logits themselves while they fit (``RECORD_LOGITS_BYTES``).
 
-:meth:`Recording.logprobs` turns the logits into the log-probabilities and entropies of the sampled tokens
-(what ``response_logprobs`` computes with a forward). The trainer builds the same loss on them and
-differentiates it down to the log-probabilities; :meth:`Recording.backward` continues from there, layer by
-layer, top to bottom, over every recorded row at once:
+:meth:`Recording.logprobs` gives the log-probabilities and entropies of the sampled tokens from those (what
+``response_logprobs`` computes with a forward). The trainer builds the same loss on them and differentiates it
+down to the log-probabilities; :meth:`Recording.backward` continues from there, layer by layer, top to bottom,
+over every recorded row at once:
 
 - the linear layers' input and weight gradients as products with all of the batch's rows (the shapes a
   training backward has, and what a CPU runs fastest), from the recorded inputs;
@@ -21,10 +22,11 @@ layer, top to bottom, over every recorded row at once:
   values with autograd, locally, for their own gradients.
 
 Gradients land in ``.grad`` as ``loss.backward()`` would leave them (LoRA adapters, norm weights, biases, a tied
-head and embedding included), each parameter's through autograd once, so its hooks run. The numbers are those of autograd through transformers' forward to float
-rounding: the decoding kernels sum in another order than a training forward does
-(``tests/rollout/test_replay.py`` checks each parameter's gradient). What it saves is the update's forward:
-about a third of its FLOPs (``docs/performance.md``).
+head and embedding included), each parameter's through autograd once, so its hooks run. The numbers are those
+of autograd through transformers' forward to float rounding: the decoding kernels sum in another order than a
+training forward does (``tests/rollout/test_replay.py`` checks each parameter's gradient). What it saves is the
+update's forward: about a third of its FLOPs (``docs/performance.md``). :meth:`Recording.logprobs_under`
+scores the same rows under another model of the architecture (the reference) in one pass.
 """
 
 from __future__ import annotations
@@ -32,15 +34,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cohortrl.rollout.decoder import Unsupported, _base_model, _linear_parts, check_supported, rotate
+from cohortrl.rollout.decoder import (Unsupported, _base_model, _linear_parts, check_supported, paired_qkv, rms_norm,
+                                      rotate)
 
 # Head gradients of at most this many bytes of logits at once (as ``hf.LOGPROB_CHUNK_BYTES``).
 CHUNK_BYTES = 32 * 2**20
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm, as the decoder computes it, differentiable."""
-    return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * weight
 
 
 class Gradients(dict):
@@ -112,11 +110,10 @@ class Recording:
         self.target_SB = torch.stack(decoder.target) if self.S else empty  # the sampled tokens' logits / temperature
         self.rotation_d = decoder.rotation[:, : self.S]  # (B, S, 1, D/2)
         if prefix is not None:
-            ids_UP, mask_UP, self.index_B = prefix
+            ids_UP, _, self.index_B = prefix
             self.prefix_ids = ids_UP.reshape(-1)
             self.U, self.P = ids_UP.shape
-            self.mask_UP = mask_UP.bool()
-            self.rotation_p = decoder.rotation_for((mask_UP.cumsum(-1) - 1).clamp(min=0))
+            self.rotation_p, self.allowed_p = decoder.prefix_rotation, decoder.prefix_allowed  # as the prefill ran it
             self.prefix_keep_B = prompt_mask_BT[:, : self.P].bool()
         else:
             self.U = self.P = 0
@@ -168,8 +165,7 @@ class Recording:
         for layer in base.model.layers:
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             h = rms_norm(x, norm.weight, norm.variance_epsilon)
-            x = x + attn.o_proj(self._attention(torch.cat(
-                [attn.q_proj(h)[:, self.q_order], attn.k_proj(h)[:, self.k_order], attn.v_proj(h)], -1)))
+            x = x + attn.o_proj(self._attention(paired_qkv(attn, h, self.q_order, self.k_order)))
             norm = layer.post_attention_layernorm
             h = rms_norm(x, norm.weight, norm.variance_epsilon)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
@@ -205,8 +201,7 @@ class Recording:
         causal = torch.ones(S, S, dtype=torch.bool).tril()
         if P:
             q_p, k_p, v_p = heads(qkv_N[: U * P].view(U, P, -1), self.rotation_p)
-            allowed = (torch.ones(P, P, dtype=torch.bool).tril() & self.mask_UP[:, None, :]) | torch.eye(P, dtype=torch.bool)
-            out_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=allowed[:, None], enable_gqa=gqa)
+            out_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=self.allowed_p[:, None], enable_gqa=gqa)
             k_d = torch.cat([k_p[self.index_B], k_d], 2)
             v_d = torch.cat([v_p[self.index_B], v_d], 2)
             mask_d = torch.cat([self.prefix_keep_B[:, None, :].expand(B, S, P), causal.expand(B, S, S)], -1)
