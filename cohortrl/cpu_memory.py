@@ -8,15 +8,19 @@ decoding layout), so under these defaults each step touches fresh pages again, a
 every 4 KiB page at its first touch. On the machine this library is developed on, a SmolLM2-135M GRPO step
 (``benchmarks/vs_trl.py``'s) faulted in 215,000-248,000 pages per step this way, 0.4-0.9 s of system CPU time.
 
-:func:`retain_freed_memory` sets two documented ``mallopt(3)`` parameters: ``M_MMAP_THRESHOLD`` to 32 MiB,
-the largest glibc allows on 64-bit (the ceiling its dynamic threshold reaches anyway), and
-``M_TRIM_THRESHOLD`` to -1, never trim. Blocks up to 32 MiB then come from the heap, and freed ones stay
-mapped and resident for the next step's requests: the GPU's caching allocator, on a CPU. The same step then
-faulted in no pages at all from its fourth step on, with 0.06-0.19 s of system time. Larger blocks are
-mapped and unmapped as before. The blocks are the same, so peak resident memory stays about where it was
-(the benchmark's SmolLM2 worker peaked at 3848-4057 MB, against 3851 MB before), though how the heap lays
-them out varies between processes. What changes is that the heap is not handed back to the OS between steps,
-nor at the end. ``train.cpu_allocator: system`` leaves glibc's defaults alone.
+:func:`retain_freed_memory` sets three documented ``mallopt(3)`` parameters: ``M_MMAP_THRESHOLD`` to 32 MiB,
+the largest glibc allows on 64-bit (the ceiling its dynamic threshold reaches anyway), ``M_MMAP_MAX`` to 0,
+no mmap for any request, and ``M_TRIM_THRESHOLD`` to -1, never trim. Every block then comes from the heap,
+and freed ones stay mapped and resident for the next step's requests: the GPU's caching allocator, on a
+CPU. With the first and last alone, the same step faulted in no pages from its fourth step on, except the
+blocks above the 32 MiB ceiling, which glibc kept mapping afresh: SmolLM2's LM head in decoding's layout
+and its weight gradient (113 MB each) and decoding's kept logits (75 MB), 46,000-101,000 faults and
+0.16-0.39 s of system time per step. Without mmap they too are reused (0-2,000 faults, 0.04-0.06 s). A
+thread's arena cannot grow past 64 MiB, so a larger request from another thread is served by the main
+heap instead (glibc retries there). The blocks are the same, so peak resident memory stays about where it
+was (the benchmark's SmolLM2 worker peaked at 3848-4072 MB, against 3851 MB before), though how the heap
+lays them out varies between processes. What changes is that the heap is not handed back to the OS between
+steps, nor at the end. ``train.cpu_allocator: system`` leaves glibc's defaults alone.
 
 Process-wide and once: it applies to every later allocation of the process, including other libraries'.
 Only glibc has these parameters; on macOS, Windows or musl ``auto`` leaves the allocator alone.
@@ -32,6 +36,7 @@ log = logging.getLogger("cohortrl")
 
 M_TRIM_THRESHOLD = -1  # <malloc.h>
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 
 _retaining = False
@@ -73,10 +78,13 @@ def retain_freed_memory() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    # mallopt returns 1 on success; -1 for M_TRIM_THRESHOLD is documented as "never trim".
-    _retaining = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1 and libc.mallopt(M_TRIM_THRESHOLD, -1) == 1
+    # mallopt returns 1 on success; -1 for M_TRIM_THRESHOLD is documented as "never trim", 0 for M_MMAP_MAX as
+    # "never mmap". The threshold is still set: should M_MMAP_MAX be refused, blocks up to it are retained.
+    _retaining = all(libc.mallopt(param, value) == 1 for param, value in (
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, -1), (M_MMAP_MAX, 0)))
     if not _retaining:
-        log.warning("mallopt refused M_MMAP_THRESHOLD/M_TRIM_THRESHOLD; freed CPU memory goes back to the OS as usual")
+        log.warning("mallopt refused M_MMAP_THRESHOLD, M_TRIM_THRESHOLD or M_MMAP_MAX; freed CPU memory may go back "
+                    "to the OS as usual")
     return _retaining
 
 

@@ -12,10 +12,11 @@ from cohortrl.cpu_memory import resolve_cpu_allocator
 
 glibc_only = pytest.mark.skipif(cpu_memory._glibc() is None, reason="mallopt is glibc's")
 
-# Eight 16 MiB blocks, written and freed in reverse (a step's buffers), four times over; the minor page faults
-# of each round. Straight from libc's malloc, so nothing else allocates in between. Each fresh 4 KiB page
-# faults once at its first write. glibc's defaults map the first round and trim the heap's freed top after
-# every later one, so every round faults its pages in again; retained, only the first does.
+# Eight blocks of the given MiB, written and freed in reverse (a step's buffers), four times over; the minor
+# page faults of each round. Straight from libc's malloc, so nothing else allocates in between. Each fresh 4 KiB
+# page faults once at its first write. glibc's defaults map the first round and trim the heap's freed top (or
+# unmap blocks above the mmap threshold) after every later one, so every round faults its pages in again;
+# retained, only the first does.
 _PROBE = textwrap.dedent("""
     import ctypes, resource, sys
     from cohortrl.cpu_memory import retain_freed_memory
@@ -23,7 +24,7 @@ _PROBE = textwrap.dedent("""
         assert retain_freed_memory()
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
-    size, faults = 16 * 1024 * 1024, []
+    size, faults = int(sys.argv[2]) * 1024 * 1024, []
     for _ in range(4):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         blocks = [libc.malloc(size) for _ in range(8)]
@@ -36,15 +37,16 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def _faults(mode: str) -> list[int]:
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True)
+def _faults(mode: str, mib: int) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode, str(mib)], capture_output=True, text=True, check=True)
     return [int(n) for n in out.stdout.split()]
 
 
 @glibc_only
-def test_freed_blocks_stay_resident_for_the_next_round():
-    pages = 8 * 16 * 1024 * 1024 // 4096  # one round's fresh pages: 32,768
-    system, retained = _faults("system"), _faults("retain")
+@pytest.mark.parametrize("mib", [16, 48])  # below and above glibc's largest mmap threshold (32 MiB)
+def test_freed_blocks_stay_resident_for_the_next_round(mib):
+    pages = 8 * mib * 1024 * 1024 // 4096  # one round's fresh pages
+    system, retained = _faults("system", mib), _faults("retain", mib)
     assert all(n > pages * 0.9 for n in system)  # glibc's defaults: every round faults in again
     assert retained[0] > pages * 0.9  # the first touch is paid once either way
     assert all(n < pages * 0.01 for n in retained[1:])  # then the heap's freed blocks are reused as they are

@@ -54,7 +54,7 @@ from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
 from cohortrl.trainers.evaluate import evaluate_config, rollout_columns, score_rollout
 from cohortrl.trainers.inputs import resolve_inputs
 from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, peak_rss_mb, plot_curves
-from cohortrl.trainers.setup import Reference, build_optimizer, build_policy, build_scheduler
+from cohortrl.trainers.setup import Reference, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler
 
 log = logging.getLogger("cohortrl")
 
@@ -200,6 +200,8 @@ class RLTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, policy_updates)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler), **self.optimised}
+        for o in self.optimised.values():  # AdamW's moments now, before the first rollout (a resume overwrites them)
+            allocate_optimizer_state(o.optimizer)
         self.sampling = cfg.sampling
         self.pool = self._reward_pool(inputs.reward_fns)
         p = cfg.reward.process

@@ -67,6 +67,38 @@ def build_optimizer(model, optim_cfg) -> torch.optim.Optimizer:
                              fused=fused or None)
 
 
+def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimiser's state (AdamW's two moment buffers per parameter) now, as its first step would,
+    so that a run that does not fit fails at the start rather than after its first rollout, and so that the
+    first steps' activations are laid out around the state instead of being displaced by it (on a CPU, the
+    second step then reuses the first's freed memory instead of faulting in fresh pages: see
+    ``cpu_memory.py``). Done by torch's own code: one step with zero gradients at learning rate 0 (the moments
+    stay 0 and the weights unchanged, weight decay included), then the step counters back to 0. The state is
+    the one a first step would have started from; ``tests/trainers/test_setup.py`` checks that the first real
+    step gives bit-identical weights and state."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
+    if not params:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p in params:
+            p.grad = None
+    for p in params:
+        step = optimizer.state[p].get("step")
+        if torch.is_tensor(step):
+            step.zero_()
+        elif step is not None:
+            optimizer.state[p]["step"] = 0
+
+
 def build_scheduler(optimizer, optim_cfg, total_updates: int):
     """Linear warmup, then constant / linear decay / cosine decay to 0 over ``total_updates`` optimiser steps."""
     warmup = optim_cfg.warmup_steps

@@ -1,9 +1,13 @@
-"""The optimiser: fused AdamW on plain CPU tensors, the same update as the reference implementation."""
+"""The optimiser: fused AdamW on plain CPU tensors, the same update as the reference implementation; its state
+allocated before the first step."""
 
+import copy
+
+import pytest
 import torch
 
 from cohortrl.config import OptimConfig
-from cohortrl.trainers.setup import build_optimizer
+from cohortrl.trainers.setup import allocate_optimizer_state, build_optimizer, build_scheduler
 
 
 def test_fused_adamw_takes_the_same_steps_as_the_plain_one():
@@ -24,3 +28,43 @@ def test_fused_adamw_takes_the_same_steps_as_the_plain_one():
     for p, q in zip(model.parameters(), twin):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
     assert all(not torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start))  # the steps moved them
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_state_allocated_up_front_is_the_state_a_first_step_starts_from(fused, weight_decay):
+    """allocate_optimizer_state creates AdamW's state before any step without moving a weight, and three
+    steps from there give bit-identical weights and state to three steps from lazily created state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model[0].bias.requires_grad_(False)  # a frozen parameter gets no state
+    twin = copy.deepcopy(model)
+    cfg = OptimConfig(lr=1e-2, weight_decay=weight_decay)
+    early, lazy = build_optimizer(model, cfg), build_optimizer(twin, cfg)
+    for opt in (early, lazy):
+        opt.param_groups[0]["fused"] = fused
+    scheduler = build_scheduler(early, cfg, total_updates=3)  # the trainer builds its scheduler first
+    start = [p.detach().clone() for p in model.parameters()]
+    allocate_optimizer_state(early)
+    assert all(torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start))
+    assert all(p.grad is None for p in model.parameters())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert set(early.state) == set(trained) and model[0].bias not in early.state
+    for p in trained:
+        state = early.state[p]
+        assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    assert early.param_groups[0]["lr"] == cfg.lr
+    for step in range(3):
+        for m in (model, twin):
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.grad = torch.cos(p.detach() * (step + 1))
+        early.step()
+        scheduler.step()
+        lazy.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    for p, q in zip(trained, [q for q in twin.parameters() if q.requires_grad]):
+        for key, value in lazy.state[q].items():
+            assert torch.equal(torch.as_tensor(early.state[p][key]), torch.as_tensor(value)), key
+    assert not torch.equal(model[1].weight.detach(), start[2])  # the steps moved it

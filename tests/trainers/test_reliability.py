@@ -155,7 +155,10 @@ def test_nonfinite_loss_skips_the_update_saves_the_samples_and_stops_after_k_in_
     )
     after = params_of(trainer)
     assert all(torch.equal(before[n], after[n]) for n in before)
-    assert trainer.optimizer.state_dict()["state"] == {} and trainer.scheduler.last_epoch == 0
+    # AdamW never stepped: its state is as allocated before the first step (counters 0, moments 0)
+    state = trainer.optimizer.state_dict()["state"]
+    assert state and all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in state.values())
+    assert trainer.scheduler.last_epoch == 0
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["skipped_nonfinite"] == 1 and row["grad_norm"] is None
     samples = [json.loads(line) for line in (tmp_path / "nonfinite" / "step_000002.jsonl").read_text().splitlines()]
