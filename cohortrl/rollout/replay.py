@@ -85,6 +85,30 @@ def linear_backward(module, x_N: torch.Tensor, grad_y_N: torch.Tensor, grads: Gr
     return grad_x
 
 
+def rms_norm_backward(x_N: torch.Tensor, norm, grad_y_N: torch.Tensor, grads: Gradients) -> torch.Tensor:
+    """For y = rms_norm(x) = x·r·w with r = (mean(x²) + ε)^-½: dL/dx given dL/dy, and dL/dw into ``grads``.
+    With x̂ = x·r and g = dL/dy ⊙ w: dx = r·(g − x̂·mean(g ⊙ x̂)), dw = Σ_rows dL/dy ⊙ x̂ (the derivative of
+    transformers' LlamaRMSNorm, written out instead of recomputed under autograd)."""
+    r = x_N.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()
+    x_hat = x_N * r
+    if norm.weight.requires_grad:
+        grads.add(norm.weight, (grad_y_N * x_hat).sum(0))
+    g = grad_y_N * norm.weight.detach()
+    return g.sub_(x_hat.mul_((g * x_hat).mean(-1, keepdim=True))).mul_(r)
+
+
+def silu_mul_backward(gate_up_N: torch.Tensor, grad_act_N: torch.Tensor) -> torch.Tensor:
+    """For act = silu(gate)·up, [gate | up] = gate_up: dL/d[gate | up] given dL/dact. With σ = sigmoid(gate):
+    d gate = dact·up·σ·(1 + gate·(1 − σ)), d up = dact·gate·σ."""
+    gate, up = gate_up_N.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    grad = torch.empty_like(gate_up_N)
+    grad_gate, grad_up = grad.chunk(2, dim=-1)
+    torch.mul(gate, sig, out=grad_up).mul_(grad_act_N)  # dact · silu(gate)
+    torch.mul(sig, -1, out=grad_gate).add_(1).mul_(gate).add_(1).mul_(sig).mul_(up).mul_(grad_act_N)
+    return grad
+
+
 class Recording:
     """What a recording :class:`~cohortrl.rollout.decoder.LlamaDecoder` kept, for the update's backward.
 
@@ -213,6 +237,33 @@ class Recording:
             return out_d
         return torch.cat([out_p.transpose(1, 2).reshape(U * P, H * D), out_d])
 
+    def _qkv_backward(self, attn, h1_N: torch.Tensor, grad_qkv_N: torch.Tensor, grads: Gradients) -> torch.Tensor:
+        """dL/dh1 for [q | k | v] = the projections of h1, q and k in the decoder's paired feature order, given
+        their gradient; the projections' own gradients into ``grads``. Without adapters, one product for dh1 and
+        one for the three weights (k and v are narrow), in the paired order, the weights' rows then put back in
+        the projections' own order; with LoRA adapters, each projection through :func:`linear_backward`."""
+        sizes = [self.H * self.D, self.Hkv * self.D, self.Hkv * self.D]
+        modules, backs = (attn.q_proj, attn.k_proj, attn.v_proj), (self.q_back, self.k_back, None)
+        parts = [_linear_parts(m) for m in modules]
+        if any(adapters for _, adapters in parts):
+            return sum(linear_backward(m, h1_N, g if back is None else g[:, back], grads)
+                       for m, g, back in zip(modules, grad_qkv_N.split(sizes, dim=-1), backs))
+        bases = [base for base, _ in parts]
+        grad_qkv_N = grad_qkv_N.contiguous()
+        weight = torch.cat([bases[0].weight.detach()[self.q_order], bases[1].weight.detach()[self.k_order],
+                            bases[2].weight.detach()])
+        grad_h1 = F.linear(grad_qkv_N, weight.t())  # dy·W; oneDNN under the trainer's kernel (kernels.py)
+        if any(b.weight.requires_grad for b in bases):
+            grad_w = grad_qkv_N.t() @ h1_N  # (H·D + 2·Hkv·D, d), rows in the paired order
+            for base, g, back in zip(bases, grad_w.split(sizes), backs):
+                if base.weight.requires_grad:
+                    grads.add(base.weight, g if back is None else g[back])
+        if any(b.bias is not None and b.bias.requires_grad for b in bases):
+            for base, g, back in zip(bases, grad_qkv_N.sum(0).split(sizes), backs):
+                if base.bias is not None and base.bias.requires_grad:
+                    grads.add(base.bias, g if back is None else g[back])
+        return grad_h1
+
     @torch.no_grad()
     def backward(self, grad_logp_BT: torch.Tensor, response_ids_BT: torch.Tensor, temperature: float) -> None:
         """Accumulate dL/dθ into the model's ``.grad`` given dL/d logp (B, T) of :meth:`logprobs`' values for
@@ -231,9 +282,8 @@ class Recording:
         logz_N = self.logz_SB.reshape(-1)
         rows = g_N.nonzero().squeeze(-1)  # the positions the loss reaches
         norm = base.model.norm
-        with torch.enable_grad():
-            final = self.finals_NH[rows].requires_grad_()
-            h = rms_norm(final, norm.weight, norm.variance_epsilon)
+        final = self.finals_NH[rows]
+        h = rms_norm(final, norm.weight.detach(), norm.variance_epsilon)
         head = base.get_output_embeddings()
         grad_h = torch.empty_like(h)
         chunk = max(1, CHUNK_BYTES // (4 * self.V))
@@ -245,9 +295,8 @@ class Recording:
             grad_logits.scatter_add_(-1, target_N[r, None], g[:, None])
             if temperature != 1.0:
                 grad_logits.div_(temperature)
-            grad_h[s:s + chunk] = linear_backward(head, h[s:s + chunk].detach(), grad_logits, grads)
-        torch.autograd.backward(h, grad_h)
-        grad_x[N_prefix + rows] = final.grad
+            grad_h[s:s + chunk] = linear_backward(head, h[s:s + chunk], grad_logits, grads)
+        grad_x[N_prefix + rows] = rms_norm_backward(final, norm, grad_h, grads)
         self.finals_NH = self.logits_NV = None
 
         for i in reversed(range(len(base.model.layers))):
@@ -255,37 +304,21 @@ class Recording:
             attn, mlp = layer.self_attn, layer.mlp
             x_in, qkv, x_mid, gate_up = (torch.cat(parts) for parts in zip(*self.records[i]))
             self.records[i] = None
-            # out = x_mid + down(silu(gate) · up)
-            with torch.enable_grad():
-                gate_up.requires_grad_()
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            torch.autograd.backward(act, linear_backward(mlp.down_proj, act.detach(), grad_x, grads))
-            grad_gate, grad_up = gate_up.grad.chunk(2, dim=-1)
-            # gate, up = gate_proj(h2), up_proj(h2), h2 = norm(x_mid)
-            norm = layer.post_attention_layernorm
-            with torch.enable_grad():
-                x_mid.requires_grad_()
-                h2 = rms_norm(x_mid, norm.weight, norm.variance_epsilon)
-            h2_ = h2.detach()
-            torch.autograd.backward(h2, linear_backward(mlp.gate_proj, h2_, grad_gate, grads) + linear_backward(mlp.up_proj, h2_, grad_up, grads))
-            grad_mid = grad_x + x_mid.grad  # x_mid = x_in + o_proj(attention)
+            # out = x_mid + down(silu(gate) · up), gate, up = gate_proj(h2), up_proj(h2), h2 = norm(x_mid)
+            gate, up = gate_up.chunk(2, dim=-1)
+            grad_act = linear_backward(mlp.down_proj, F.silu(gate).mul_(up), grad_x, grads)
+            grad_gate, grad_up = silu_mul_backward(gate_up, grad_act).chunk(2, dim=-1)
+            h2 = rms_norm(x_mid, layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
+            grad_h2 = linear_backward(mlp.gate_proj, h2, grad_gate, grads).add_(linear_backward(mlp.up_proj, h2, grad_up, grads))
+            grad_mid = rms_norm_backward(x_mid, layer.post_attention_layernorm, grad_h2, grads).add_(grad_x)
+            # x_mid = x_in + o_proj(attention(q, k, v)), q, k, v = projections of h1 = norm(x_in)
             with torch.enable_grad():
                 qkv.requires_grad_()
                 a = self._attention(qkv)
             torch.autograd.backward(a, linear_backward(attn.o_proj, a.detach(), grad_mid, grads))
-            grad_q, grad_k, grad_v = qkv.grad.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            # q, k, v = projections of h1 = norm(x_in), q and k in the decoder's paired feature order
-            norm = layer.input_layernorm
-            with torch.enable_grad():
-                x_in.requires_grad_()
-                h1 = rms_norm(x_in, norm.weight, norm.variance_epsilon)
-            h1_ = h1.detach()
-            grad_h1 = (linear_backward(attn.q_proj, h1_, grad_q[:, self.q_back], grads)
-                       + linear_backward(attn.k_proj, h1_, grad_k[:, self.k_back], grads)
-                       + linear_backward(attn.v_proj, h1_, grad_v, grads))
-            torch.autograd.backward(h1, grad_h1)
-            grad_x = grad_mid + x_in.grad
+            h1 = rms_norm(x_in, layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
+            grad_h1 = self._qkv_backward(attn, h1, qkv.grad, grads)
+            grad_x = rms_norm_backward(x_in, layer.input_layernorm, grad_h1, grads).add_(grad_mid)
 
         module = base.get_input_embeddings()
         embedding = module.weight
