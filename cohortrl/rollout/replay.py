@@ -98,14 +98,13 @@ def rms_norm_backward(x_N: torch.Tensor, norm, grad_y_N: torch.Tensor, grads: Gr
 
 
 def silu_mul_backward(gate_up_N: torch.Tensor, grad_act_N: torch.Tensor) -> torch.Tensor:
-    """For act = silu(gate)·up, [gate | up] = gate_up: dL/d[gate | up] given dL/dact. With σ = sigmoid(gate):
-    d gate = dact·up·σ·(1 + gate·(1 − σ)), d up = dact·gate·σ."""
+    """For act = silu(gate)·up, [gate | up] = gate_up: dL/d[gate | up] given dL/dact: d gate = silu'(gate)·up·dact
+    (aten's own SiLU derivative), d up = silu(gate)·dact."""
     gate, up = gate_up_N.chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
     grad = torch.empty_like(gate_up_N)
     grad_gate, grad_up = grad.chunk(2, dim=-1)
-    torch.mul(gate, sig, out=grad_up).mul_(grad_act_N)  # dact · silu(gate)
-    torch.mul(sig, -1, out=grad_gate).add_(1).mul_(gate).add_(1).mul_(sig).mul_(up).mul_(grad_act_N)
+    grad_gate.copy_(torch.ops.aten.silu_backward(grad_act_N * up, gate))
+    torch.mul(F.silu(gate), grad_act_N, out=grad_up)
     return grad
 
 
@@ -207,35 +206,122 @@ class Recording:
         return logp_N.view(self.S, self.B).t().contiguous()
 
     # ------------------------------------------------------------------------------------------ backward
-    def _attention(self, qkv_N: torch.Tensor) -> torch.Tensor:
-        """Every row's attention output (N, H·D) from its q/k/v products, as the decoder computed it: the
-        prefix causally over its own prompt, each decoding row over its prompt's prefix and its own earlier
-        steps."""
-        H, Hkv, D, U, P, S, B = self.H, self.Hkv, self.D, self.U, self.P, self.S, self.B
-        gqa = H != Hkv
-
-        def heads(y, rotation):  # (n, L, ·) → q (n, H, L, D), k and v (n, Hkv, L, D)
-            q, k, v = y.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            n, L = y.shape[:2]
-            q = rotate(q.unflatten(-1, (H, D)), rotation).transpose(1, 2)
-            k = rotate(k.unflatten(-1, (Hkv, D)), rotation).transpose(1, 2)
-            return q, k, v.unflatten(-1, (Hkv, D)).transpose(1, 2)
-
-        q_d, k_d, v_d = heads(qkv_N[U * P:].view(S, B, -1).transpose(0, 1), self.rotation_d)
+    def _blocks(self) -> list[tuple]:
+        """The attention as independent blocks, each (kind, first, last, keys (n, L, M)): the prefix's prompts
+        first:last (U prompts × P columns, causal over each prompt's real positions, a padding column seeing
+        itself) and the decoding rows first:last (B rows × S steps over their prompt's P prefix columns, then
+        their own steps causally), split so that a block's probabilities stay within ``CHUNK_BYTES``."""
+        if getattr(self, "_block_list", None) is not None:
+            return self._block_list
+        H, U, P, S, B = self.H, self.U, self.P, self.S, self.B
+        blocks = []
+        n_chunk = max(1, CHUNK_BYTES // (4 * H * max(1, P * P)))
+        for u in range(0, U, n_chunk):
+            blocks.append(("prefix", u, min(U, u + n_chunk), self.allowed_p[u:u + n_chunk]))
         causal = torch.ones(S, S, dtype=torch.bool).tril()
-        if P:
-            q_p, k_p, v_p = heads(qkv_N[: U * P].view(U, P, -1), self.rotation_p)
-            out_p = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=self.allowed_p[:, None], enable_gqa=gqa)
-            k_d = torch.cat([k_p[self.index_B], k_d], 2)
-            v_d = torch.cat([v_p[self.index_B], v_d], 2)
-            mask_d = torch.cat([self.prefix_keep_B[:, None, :].expand(B, S, P), causal.expand(B, S, S)], -1)
+        n_chunk = max(1, CHUNK_BYTES // (4 * H * max(1, S * (P + S))))
+        for b in range(0, B, n_chunk):
+            n = min(B, b + n_chunk) - b
+            keep = causal.expand(n, S, S)
+            if P:
+                keep = torch.cat([self.prefix_keep_B[b:b + n, None, :].expand(n, S, P), keep], -1)
+            blocks.append(("decode", b, b + n, keep))
+        self._block_list = blocks
+        return blocks
+
+    def _rows(self, t_N: torch.Tensor, kind: str, first: int, last: int) -> torch.Tensor:
+        """A block's rows of a per-row tensor (N, ·) as a view (n, L, ·): prompts first:last of the prefix, or
+        decoding rows first:last over all steps."""
+        UP = self.U * self.P
+        if kind == "prefix":
+            return t_N[first * self.P:last * self.P].view(last - first, self.P, -1)
+        return t_N[UP:].view(self.S, self.B, -1)[:, first:last].transpose(0, 1)
+
+    def _heads(self, qkv: torch.Tensor, rotation: torch.Tensor):
+        """qkv (n, L, ·) → q (n, H, L, D) and k, v (n, Hkv, L, D), q and k rotated, all contiguous."""
+        H, Hkv, D = self.H, self.Hkv, self.D
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = rotate(q.unflatten(-1, (H, D)), rotation).transpose(1, 2).contiguous()
+        k = rotate(k.unflatten(-1, (Hkv, D)), rotation).transpose(1, 2).contiguous()
+        return q, k, v.unflatten(-1, (Hkv, D)).transpose(1, 2).contiguous()
+
+    def _block_forward(self, qkv_N: torch.Tensor, block) -> tuple:
+        """A block's q (n, H, L, D), keys and values (n, Hkv, M, D) (a decoding block's: its rows' prompt prefix,
+        then its own steps), probabilities softmax(q kᵀ / √D) over the allowed keys (n·Hkv, g·L, M) (each KV
+        head with its g query heads) and output (n·Hkv, g·L, D) = (n, H, L, D)."""
+        kind, first, last, keep = block
+        D = self.D
+        if kind == "prefix":
+            q, k, v = self._heads(self._rows(qkv_N, kind, first, last), self.rotation_p[first:last])
         else:
-            mask_d = causal.expand(B, S, S)
-        out_d = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=mask_d[:, None], enable_gqa=gqa)
-        out_d = out_d.permute(2, 0, 1, 3).reshape(S * B, H * D)  # (B, H, S, D) → rows s·B + b
-        if not P:
-            return out_d
-        return torch.cat([out_p.transpose(1, 2).reshape(U * P, H * D), out_d])
+            q, k, v = self._heads(self._rows(qkv_N, kind, first, last), self.rotation_d[first:last])
+            if self.P:
+                index = self.index_B[first:last]
+                _, k_p, v_p = self._heads(qkv_N[: self.U * self.P].view(self.U, self.P, -1)[index], self.rotation_p[index])
+                k, v = torch.cat([k_p, k], 2), torch.cat([v_p, v], 2)
+        n, H, L, _ = q.shape
+        Hkv, M = k.shape[1], k.shape[2]
+        scores = torch.bmm(q.view(n * Hkv, H // Hkv * L, D) * D ** -0.5, k.view(n * Hkv, M, D).transpose(1, 2))
+        scores.view(n, Hkv, H // Hkv, L, M).masked_fill_(~keep[:, None, None], float("-inf"))
+        probs = scores.softmax(-1)
+        return q, k, v, probs, torch.bmm(probs, v.view(n * Hkv, M, D))
+
+    def _attention(self, qkv_N: torch.Tensor, keep_for_backward: bool = False) -> torch.Tensor:
+        """Every row's attention output (N, H·D) from its q/k/v products, as the decoder computed it: the prefix
+        causally over its own prompt, each decoding row over its prompt's prefix and its own earlier steps.
+        Written out as products (the shapes are small: SDPA's CPU kernel spends more around them).
+        ``keep_for_backward``: keep each block's values for :meth:`_attention_backward` while their
+        probabilities fit in ``CHUNK_BYTES`` in all; else it recomputes them."""
+        H, D = self.H, self.D
+        out = qkv_N.new_empty(qkv_N.shape[0], H * D)
+        self._kept, kept_bytes = [], 0
+        for block in self._blocks():
+            saved = self._block_forward(qkv_N, block)
+            o = saved[-1]
+            kind, first, last, _ = block
+            n = last - first
+            self._rows(out, kind, first, last).copy_(o.view(n, H, -1, D).transpose(1, 2).flatten(-2))
+            kept_bytes += saved[3].numel() * 4
+            if keep_for_backward and kept_bytes <= CHUNK_BYTES:
+                self._kept.append(saved)
+        return out
+
+    def _attention_backward(self, qkv_N: torch.Tensor, grad_out_N: torch.Tensor) -> torch.Tensor:
+        """dL/d qkv_N given dL/d :meth:`_attention`'s output. Per block, with P the probabilities and O the output:
+        dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = dS K / √D, dK = dSᵀ Q / √D; a decoding block's
+        prefix keys and values pass their gradients to the prefix rows they came from; the rotary embedding's
+        gradient is the inverse rotation."""
+        H, Hkv, D, U, P = self.H, self.Hkv, self.D, self.U, self.P
+        grad_qkv = torch.empty_like(qkv_N)
+        grad_prefix_kv = qkv_N.new_zeros(U, Hkv, P, 2, D) if P else None  # from decoding rows, before rotation back
+        scale = D ** -0.5
+        blocks, kept = self._blocks(), self._kept
+        self._kept = []
+        for i in reversed(range(len(blocks))):  # decoding blocks first: they add to the prefix's keys and values
+            kind, first, last, _ = blocks[i]
+            q, k, v, p, o = kept[i] if i < len(kept) else self._block_forward(qkv_N, blocks[i])
+            n, g, L, M = last - first, H // Hkv, q.shape[2], k.shape[2]
+            v_ = v.view(n * Hkv, M, D)
+            do = self._rows(grad_out_N, kind, first, last).view(n, L, H, D).transpose(1, 2).reshape(n * Hkv, g * L, D)
+            dv = torch.bmm(p.transpose(1, 2), do).view(n, Hkv, M, D)
+            ds = torch.bmm(do, v_.transpose(1, 2)).sub_((do * o).sum(-1, keepdim=True)).mul_(p)
+            dq = torch.bmm(ds, k.view(n * Hkv, M, D)).mul_(scale).view(n, H, L, D)
+            dk = torch.bmm(ds.transpose(1, 2), q.view(n * Hkv, g * L, D)).mul_(scale).view(n, Hkv, M, D)
+            if kind == "decode":
+                rotation = self.rotation_d[first:last]
+                if P:
+                    grad_prefix_kv.index_add_(0, self.index_B[first:last], torch.stack([dk[:, :, :P], dv[:, :, :P]], 3))
+                    dk, dv = dk[:, :, P:], dv[:, :, P:]
+            else:
+                rotation = self.rotation_p[first:last]
+                dk = dk + grad_prefix_kv[first:last, :, :, 0]
+                dv = dv + grad_prefix_kv[first:last, :, :, 1]
+            back = rotation.conj()  # the rotation's transpose is its inverse
+            grad = self._rows(grad_qkv, kind, first, last)  # (n, L, ·), a view
+            grad[..., : H * D] = rotate(dq.transpose(1, 2), back).flatten(-2)
+            grad[..., H * D:(H + Hkv) * D] = rotate(dk.transpose(1, 2), back).flatten(-2)
+            grad[..., (H + Hkv) * D:] = dv.transpose(1, 2).flatten(-2)
+        return grad_qkv
 
     def _qkv_backward(self, attn, h1_N: torch.Tensor, grad_qkv_N: torch.Tensor, grads: Gradients) -> torch.Tensor:
         """dL/dh1 for [q | k | v] = the projections of h1, q and k in the decoder's paired feature order, given
@@ -312,12 +398,10 @@ class Recording:
             grad_h2 = linear_backward(mlp.gate_proj, h2, grad_gate, grads).add_(linear_backward(mlp.up_proj, h2, grad_up, grads))
             grad_mid = rms_norm_backward(x_mid, layer.post_attention_layernorm, grad_h2, grads).add_(grad_x)
             # x_mid = x_in + o_proj(attention(q, k, v)), q, k, v = projections of h1 = norm(x_in)
-            with torch.enable_grad():
-                qkv.requires_grad_()
-                a = self._attention(qkv)
-            torch.autograd.backward(a, linear_backward(attn.o_proj, a.detach(), grad_mid, grads))
+            a = self._attention(qkv, keep_for_backward=True)
+            grad_qkv = self._attention_backward(qkv, linear_backward(attn.o_proj, a, grad_mid, grads))
             h1 = rms_norm(x_in, layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
-            grad_h1 = self._qkv_backward(attn, h1, qkv.grad, grads)
+            grad_h1 = self._qkv_backward(attn, h1, grad_qkv, grads)
             grad_x = rms_norm_backward(x_in, layer.input_layernorm, grad_h1, grads).add_(grad_mid)
 
         module = base.get_input_embeddings()

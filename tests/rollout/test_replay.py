@@ -12,6 +12,7 @@ from cohortrl import kernels
 from cohortrl.kernels import linear_kernels
 from cohortrl.models import load_model
 from cohortrl.rollout import decoder as decoder_module
+from cohortrl.rollout import replay as replay_module
 from cohortrl.rollout.hf import Sampling, generate, response_logprobs
 from tests.rollout.test_decoder import PROMPTS, tiny_qwen2, with_lora
 
@@ -55,11 +56,14 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 @needs_onednn
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-4l", "qwen2", "tied", "tiny-llama-4l+lora", "qwen2+lora",
-                                  "tied/recomputed", "qwen2+lora/recomputed"])
+                                  "tied/recomputed", "qwen2+lora/recomputed", "qwen2/blocks"])
 def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
-    name, _, recomputed = name.partition("/")
+    name, _, variant = name.partition("/")
+    recomputed = variant == "recomputed"
     if recomputed:  # logits too big to keep: the update recomputes them from the final hidden states
         monkeypatch.setattr(decoder_module, "RECORD_LOGITS_BYTES", 0)
+    if variant == "blocks":  # the attention one prompt or one row at a time, the head one position at a time
+        monkeypatch.setattr(replay_module, "CHUNK_BYTES", 1)
     model, tok = build(name)
     temperature = 0.8
     rows = [{"prompt": p} for p in PROMPTS]
@@ -96,11 +100,14 @@ def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
 
 
 @needs_onednn
-@pytest.mark.parametrize("name", ["tiny-llama-4l", "qwen2", "tied", "tiny-llama-4l+lora"])
-def test_another_models_logprobs_on_the_recording_equal_its_own_forward(name):
+@pytest.mark.parametrize("name", ["tiny-llama-4l", "qwen2", "tied", "tiny-llama-4l+lora", "qwen2/blocks"])
+def test_another_models_logprobs_on_the_recording_equal_its_own_forward(name, monkeypatch):
     """The reference's log-probs, computed on the policy's recording in one pass, are ``response_logprobs``'
     under the reference: a second model of the same architecture with other weights, or under LoRA the
     policy with its adapter disabled."""
+    name, _, variant = name.partition("/")
+    if variant == "blocks":  # the attention one prompt or one row at a time, the head one position at a time
+        monkeypatch.setattr(replay_module, "CHUNK_BYTES", 1)
     model, tok = build(name)
     if name.endswith("+lora"):
         reference = model
