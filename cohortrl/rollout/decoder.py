@@ -204,11 +204,16 @@ class LlamaDecoder:
         self.rotation = self.rotation_for(positions_BS)  # (B, S, 1, D/2)
         self.s = 0
         self.record = record
-        self.records: list[list[tuple]] = [[] for _ in self.layers]  # per layer: (x_in, qkv, x_mid, gate_up) per call
-        self.finals: list[torch.Tensor] = []  # per step: the last layer's output (B, d), before the final norm
-        self.logits: list[torch.Tensor] = []  # per step: the logits (B, V) as returned, while they fit (below)
         V = base.get_output_embeddings().weight.shape[0]
         self.keep_logits = record and B * S * V * 4 <= RECORD_LOGITS_BYTES
+        # Recorded rows (rollout/replay.py): the prefix's U·P rows, then step s's B rows at U·P + s·B, written in
+        # place as they are computed (no concatenation afterwards); a run that ends early leaves the tail unused.
+        self.n_prefix = prefix[0].numel() if record and prefix is not None else 0
+        rows, d = self.n_prefix + S * B, cfg.hidden_size
+        widths = (d, (self.H + 2 * self.Hkv) * D, d, 2 * cfg.intermediate_size)  # x_in, qkv, x_mid, gate_up
+        self.records = [[torch.empty(rows, w, dtype=dtype) for w in widths] for _ in self.layers] if record else []
+        self.finals = torch.empty(S * B, d, dtype=dtype) if record else None  # the last layer's output, before the final norm
+        self.logits = torch.empty(S * B, V, dtype=torch.float32) if self.keep_logits else None  # as returned, while they fit
         self.fed: list[torch.Tensor] = []  # per step: the tokens fed (B,)
         self.temperature = float(temperature or 1.0)  # greedy decoding is scored at temperature 1, as response_logprobs does
         self.logz: list[torch.Tensor] = []  # per step (B,): log Σ exp(logits / temperature)
@@ -253,7 +258,8 @@ class LlamaDecoder:
             gate, up = gate_up.chunk(2, dim=-1)
             out = x_mid + mlp.down_proj(F.silu(gate) * up)
             if self.record:
-                self.records[i].append(tuple(t.reshape(U * P, -1) for t in (x, qkv, x_mid, gate_up)))
+                for buffer, t in zip(self.records[i], (x, qkv, x_mid, gate_up)):
+                    buffer[: U * P] = t.reshape(U * P, -1)
             x = out
 
     @staticmethod
@@ -272,6 +278,7 @@ class LlamaDecoder:
         """Feed one token per row (the next column); the next-token logits (B, V)."""
         B, H, Hkv, D = token_B.shape[0], self.H, self.Hkv, self.D
         c, qk = self.col, (H + Hkv) * D
+        first = self.n_prefix + self.s * B  # this step's recorded rows
         x = F.embedding(token_B, self.embed)  # (B, d)
         bias = self.key_bias_groups[..., : c + 1]  # (B·Hkv, 1, c+1)
         rotation = self.rotation[:, self.s]  # (B, 1, D/2)
@@ -290,22 +297,26 @@ class LlamaDecoder:
             half = y_gu.shape[1] // 2
             out = self._linear_add(F.silu(y_gu[:, :half]).mul_(y_gu[:, half:]), down, x_mid)
             if self.record:
-                self.records[i].append((x, y_qkv, x_mid, y_gu))
+                for buffer, t in zip(self.records[i], (x, y_qkv, x_mid, y_gu)):
+                    buffer[first:first + B] = t
             x = out
+        logits = self._linear(rms_norm(x, *self.norm), self.head)
+        s = self.s
         self.col += 1
         self.s += 1
-        logits = self._linear(rms_norm(x, *self.norm), self.head)
-        if self.record:  # the caller may mask the returned logits in place (min_new_tokens)
+        if self.record:  # the caller may mask the returned logits in place (min_new_tokens): z is a copy
             self.fed.append(token_B)
-            self.finals.append(x)
+            self.finals[s * B:(s + 1) * B] = x
             if self.keep_logits:
-                self.logits.append(logits)
-            z = logits / self.temperature if self.temperature != 1.0 else logits
+                kept = self.logits[s * B:(s + 1) * B]
+                kept.copy_(logits)
+            else:
+                kept = logits.clone()
+            z = kept / self.temperature if self.temperature != 1.0 else kept
             logz = z.logsumexp(-1)
             self.logz.append(logz)
             self.entropy.append(logz - (z - logz[:, None]).exp_().mul_(z).sum(-1))
             self._z = z
-            return logits.clone()
         return logits
 
     def sampled(self, token_B: torch.Tensor) -> None:

@@ -120,11 +120,12 @@ class Recording:
         self.q_order, self.k_order = decoder.q_order, decoder.k_order  # the projections' features, paired for rotary
         self.q_back = torch.argsort(decoder.q_order)  # paired feature order → the projection's own
         self.k_back = torch.argsort(decoder.k_order)
-        self.records = decoder.records
         self.S, self.B = len(decoder.fed), prompt_mask_BT.shape[0]
+        n = self.S * self.B  # the steps decoding ran (it may end before its last)
+        self.records = [[buffer[: decoder.n_prefix + n] for buffer in layer] for layer in decoder.records]
         self.V = self.base.get_output_embeddings().weight.shape[0]
-        self.finals_NH = torch.cat(decoder.finals) if self.S else None  # (S·B, d)
-        self.logits_NV = torch.cat(decoder.logits) if decoder.logits else None  # (S·B, V), or recomputed (_logits)
+        self.finals_NH = decoder.finals[:n] if self.S else None  # (S·B, d)
+        self.logits_NV = decoder.logits[:n] if decoder.logits is not None else None  # (S·B, V), or recomputed (_logits)
         self.fed = torch.cat(decoder.fed) if self.S else torch.zeros(0, dtype=torch.long)
         self.temperature = decoder.temperature
         empty = torch.zeros(0, self.B)
@@ -144,10 +145,12 @@ class Recording:
 
     # ------------------------------------------------------------------------------------------ log-probs
     def _logits(self, rows) -> torch.Tensor:
-        """Decoding's logits (n, V) for step-major rows: kept, or recomputed from the final hidden states through
-        the final norm and the head when they did not fit (``RECORD_LOGITS_BYTES``)."""
+        """Decoding's logits (n, V) for step-major rows: kept (the kept tensor itself for a contiguous range of
+        rows, which the caller may then overwrite), or recomputed from the final hidden states through the final
+        norm and the head when they did not fit (``RECORD_LOGITS_BYTES``)."""
         if self.logits_NV is not None:
-            return self.logits_NV[rows]
+            first, last = int(rows[0]), int(rows[-1]) + 1
+            return self.logits_NV[first:last] if last - first == len(rows) else self.logits_NV[rows]
         norm = self.base.model.norm
         return self.base.get_output_embeddings()(rms_norm(self.finals_NH[rows], norm.weight, norm.variance_epsilon)).float()
 
@@ -375,8 +378,8 @@ class Recording:
         chunk = max(1, CHUNK_BYTES // (4 * self.V))
         for s in range(0, len(rows), chunk):
             r, g = rows[s:s + chunk], g_N[rows[s:s + chunk]]
-            z = self._logits(r)
-            z = z / temperature if temperature != 1.0 else z  # a fresh tensor either way: p = exp(z − log Z) in place
+            z = self._logits(r)  # used up here: p = exp(z − log Z) in place
+            z = z / temperature if temperature != 1.0 else z
             grad_logits = z.sub_(logz_N[r, None]).exp_().mul_(-g[:, None])
             grad_logits.scatter_add_(-1, target_N[r, None], g[:, None])
             if temperature != 1.0:
@@ -388,7 +391,7 @@ class Recording:
         for i in reversed(range(len(base.model.layers))):
             layer = base.model.layers[i]
             attn, mlp = layer.self_attn, layer.mlp
-            x_in, qkv, x_mid, gate_up = (torch.cat(parts) for parts in zip(*self.records[i]))
+            x_in, qkv, x_mid, gate_up = self.records[i]
             self.records[i] = None
             # out = x_mid + down(silu(gate) · up), gate, up = gate_proj(h2), up_proj(h2), h2 = norm(x_mid)
             gate, up = gate_up.chunk(2, dim=-1)
