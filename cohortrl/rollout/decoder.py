@@ -71,10 +71,10 @@ def _weight_and_bias(module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, None if base.bias is None else base.bias.detach()
 
 
-def _merged(modules, rows: int, orders=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight for several linear layers with the same input (rows stacked), in oneDNN's layout for
-    ``rows``-row products, and their stacked bias (None if none has one). ``orders``: per module, an order of
-    its output features (None: as they are)."""
+def _stacked(modules, orders=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight for several linear layers with the same input (their rows stacked, contiguous) and their
+    stacked bias (None if none has one). ``orders``: per module, an order of its output features (None: as
+    they are)."""
     pairs = [_weight_and_bias(m) for m in modules]
     if orders is not None:
         pairs = [(w, b) if o is None else (w[o], None if b is None else b[o]) for (w, b), o in zip(pairs, orders)]
@@ -83,7 +83,13 @@ def _merged(modules, rows: int, orders=None) -> tuple[torch.Tensor, torch.Tensor
         bias = torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in pairs])
     else:
         bias = None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows), bias
+    return weight.contiguous(), bias
+
+
+def _merged(modules, rows: int, orders=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_stacked`, the weight in oneDNN's layout for ``rows``-row products."""
+    weight, bias = _stacked(modules, orders)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows), bias
 
 
 def _cached(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,15 +332,16 @@ class LlamaDecoder:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm, term for term (``F.rms_norm`` is one call but slower on a CPU at 8 rows);
-    differentiable (``rollout/replay.py`` recomputes it under autograd: ``rsqrt_`` acts on a temporary)."""
+    """transformers' Llama RMSNorm, term for term (``F.rms_norm`` is one call but no faster on a CPU); also what
+    ``rollout/replay.py`` recomputes (its derivative is ``replay.rms_norm_backward``)."""
     return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt_() * weight
 
 
 def paired_qkv(attn, h: torch.Tensor, q_order: torch.Tensor, k_order: torch.Tensor) -> torch.Tensor:
     """An attention block's q, k and v projections of h, concatenated, q and k in the decoder's paired feature
-    order (see :class:`LlamaDecoder`), through the modules themselves (LoRA adapters included)."""
-    return torch.cat([attn.q_proj(h)[..., q_order], attn.k_proj(h)[..., k_order], attn.v_proj(h)], -1)
+    order (see :class:`LlamaDecoder`): one product with the three weights stacked in that order (active LoRA
+    adapters merged in, as the decoding step has them)."""
+    return F.linear(h, *_stacked([attn.q_proj, attn.k_proj, attn.v_proj], [q_order, k_order, None]))
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
