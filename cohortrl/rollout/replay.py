@@ -43,7 +43,8 @@ CHUNK_BYTES = 32 * 2**20
 
 class Gradients(dict):
     """Parameter → its gradient from this backward, summed here and handed to autograd once per parameter
-    (:meth:`deliver`): ``.grad`` accumulates and the parameter's hooks run as in ``loss.backward()``."""
+    (:meth:`deliver`, through :class:`_Handover`): ``.grad`` accumulates and the parameter's hooks run as in
+    ``loss.backward()``."""
 
     def add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         if param in self:
@@ -59,9 +60,31 @@ class Gradients(dict):
             self[param] = a @ b
 
     def deliver(self) -> None:
-        for param, grad in self.items():
-            torch.autograd.backward(param, grad)
-        self.clear()
+        if not self:
+            return
+        params = list(self)
+        handed = [self.pop(p) for p in params]  # from here on _Handover's backward is their only holder
+        with torch.enable_grad():
+            torch.autograd.backward(_Handover.apply(handed, *params))
+
+
+class _Handover(torch.autograd.Function):
+    """A scalar whose backward gives each parameter its precomputed gradient. Handed over this way, from
+    inside a backward pass, the gradient tensor has no other owner when it reaches the parameter's
+    AccumulateGrad, which then keeps it as ``.grad`` instead of copying it (``torch.autograd.backward(param,
+    grad)`` from Python always copies: the caller still holds ``grad``); every hook runs as in
+    ``loss.backward()``."""
+
+    @staticmethod
+    def forward(ctx, handed: list, *params):
+        ctx.handed = handed
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grads = (None, *ctx.handed)
+        ctx.handed.clear()  # the list is also the caller's: it must not keep the tensors alive
+        return grads
 
 
 def linear_backward(module, x_N: torch.Tensor, grad_y_N: torch.Tensor, grads: Gradients) -> torch.Tensor:
@@ -97,15 +120,11 @@ def rms_norm_backward(x_N: torch.Tensor, norm, grad_y_N: torch.Tensor, grads: Gr
     return g.sub_(x_hat.mul_((g * x_hat).mean(-1, keepdim=True))).mul_(r)
 
 
-def silu_mul_backward(gate_up_N: torch.Tensor, grad_act_N: torch.Tensor) -> torch.Tensor:
-    """For act = silu(gate)·up, [gate | up] = gate_up: dL/d[gate | up] given dL/dact: d gate = silu'(gate)·up·dact
-    (aten's own SiLU derivative), d up = silu(gate)·dact."""
+def silu_mul_backward(gate_up_N: torch.Tensor, grad_act_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For act = silu(gate)·up, [gate | up] = gate_up: dL/dgate and dL/dup (each contiguous) given dL/dact:
+    d gate = silu'(gate)·up·dact (aten's own SiLU derivative), d up = silu(gate)·dact."""
     gate, up = gate_up_N.chunk(2, dim=-1)
-    grad = torch.empty_like(gate_up_N)
-    grad_gate, grad_up = grad.chunk(2, dim=-1)
-    grad_gate.copy_(torch.ops.aten.silu_backward(grad_act_N * up, gate))
-    torch.mul(F.silu(gate), grad_act_N, out=grad_up)
-    return grad
+    return torch.ops.aten.silu_backward(grad_act_N * up, gate), F.silu(gate).mul_(grad_act_N)
 
 
 class Recording:
@@ -396,7 +415,7 @@ class Recording:
             # out = x_mid + down(silu(gate) · up), gate, up = gate_proj(h2), up_proj(h2), h2 = norm(x_mid)
             gate, up = gate_up.chunk(2, dim=-1)
             grad_act = linear_backward(mlp.down_proj, F.silu(gate).mul_(up), grad_x, grads)
-            grad_gate, grad_up = silu_mul_backward(gate_up, grad_act).chunk(2, dim=-1)
+            grad_gate, grad_up = silu_mul_backward(gate_up, grad_act)
             h2 = rms_norm(x_mid, layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
             grad_h2 = linear_backward(mlp.gate_proj, h2, grad_gate, grads).add_(linear_backward(mlp.up_proj, h2, grad_up, grads))
             grad_mid = rms_norm_backward(x_mid, layer.post_attention_layernorm, grad_h2, grads).add_(grad_x)

@@ -129,3 +129,31 @@ def test_another_models_logprobs_on_the_recording_equal_its_own_forward(name, mo
                 got = rollout.replay.logprobs_under(reference, response_ids, rollout.response_mask)
     assert (expected - policy).abs().max() > 1e-3  # the reference is another function
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+
+
+def test_gradients_are_handed_to_autograd_as_a_backward_would_leave_them():
+    """Gradients.deliver: tensor hooks transform the gradient, post-accumulate hooks run, an existing .grad
+    accumulates, and a gradient that nothing else holds becomes .grad itself (kept, not copied)."""
+    from cohortrl.rollout.replay import Gradients
+
+    hooked, plain, accumulated = (torch.nn.Parameter(torch.randn(3, 4)) for _ in range(3))
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    hooked.register_hook(lambda g: g * 2)
+    seen = []
+    plain.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    accumulated.grad = torch.ones(3, 4)
+    g_hooked, g_plain, g_acc = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+    expected = {"hooked": g_hooked * 2, "plain": g_plain.clone(), "accumulated": g_acc + 1}
+    plain_storage = g_plain.data_ptr()
+    grads = Gradients()
+    grads.add(hooked, g_hooked)
+    grads.add(plain, g_plain)
+    grads.add(accumulated, g_acc)
+    del g_plain  # the caller keeps no reference, as in Recording.backward
+    grads.deliver()
+    assert not grads and frozen.grad is None
+    torch.testing.assert_close(hooked.grad, expected["hooked"], rtol=0, atol=0)
+    torch.testing.assert_close(plain.grad, expected["plain"], rtol=0, atol=0)
+    torch.testing.assert_close(accumulated.grad, expected["accumulated"], rtol=0, atol=0)
+    assert len(seen) == 1 and torch.equal(seen[0], expected["plain"])
+    assert plain.grad.data_ptr() == plain_storage  # kept as it was computed, no copy
