@@ -120,11 +120,11 @@ def rms_norm_backward(x_N: torch.Tensor, norm, grad_y_N: torch.Tensor, grads: Gr
     return g.sub_(x_hat.mul_((g * x_hat).mean(-1, keepdim=True))).mul_(r)
 
 
-def silu_mul_backward(gate_up_N: torch.Tensor, grad_act_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For act = silu(gate)·up, [gate | up] = gate_up: dL/dgate and dL/dup (each contiguous) given dL/dact:
-    d gate = silu'(gate)·up·dact (aten's own SiLU derivative), d up = silu(gate)·dact."""
-    gate, up = gate_up_N.chunk(2, dim=-1)
-    return torch.ops.aten.silu_backward(grad_act_N * up, gate), F.silu(gate).mul_(grad_act_N)
+def silu_mul_backward(gate_N: torch.Tensor, up_N: torch.Tensor, silu_gate_N: torch.Tensor,
+                      grad_act_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For act = silu(gate)·up: dL/dgate and dL/dup (each contiguous) given dL/dact and silu(gate), which it
+    overwrites: d gate = silu'(gate)·up·dact (aten's own SiLU derivative), d up = silu(gate)·dact."""
+    return torch.ops.aten.silu_backward(grad_act_N * up_N, gate_N), silu_gate_N.mul_(grad_act_N)
 
 
 class Recording:
@@ -377,7 +377,7 @@ class Recording:
         """Accumulate dL/dθ into the model's ``.grad`` given dL/d logp (B, T) of :meth:`logprobs`' values for
         ``response_ids``. Uses up the recording."""
         self._check(response_ids_BT, temperature)
-        base, H, Hkv, D = self.base, self.H, self.Hkv, self.D
+        base = self.base
         temperature = self.temperature
         N_prefix = self.U * self.P
         N = N_prefix + self.S * self.B
@@ -414,8 +414,9 @@ class Recording:
             self.records[i] = None
             # out = x_mid + down(silu(gate) · up), gate, up = gate_proj(h2), up_proj(h2), h2 = norm(x_mid)
             gate, up = gate_up.chunk(2, dim=-1)
-            grad_act = linear_backward(mlp.down_proj, F.silu(gate).mul_(up), grad_x, grads)
-            grad_gate, grad_up = silu_mul_backward(gate_up, grad_act)
+            silu_gate = F.silu(gate)
+            grad_act = linear_backward(mlp.down_proj, silu_gate * up, grad_x, grads)
+            grad_gate, grad_up = silu_mul_backward(gate, up, silu_gate, grad_act)
             h2 = rms_norm(x_mid, layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
             grad_h2 = linear_backward(mlp.gate_proj, h2, grad_gate, grads).add_(linear_backward(mlp.up_proj, h2, grad_up, grads))
             grad_mid = rms_norm_backward(x_mid, layer.post_attention_layernorm, grad_h2, grads).add_(grad_x)
