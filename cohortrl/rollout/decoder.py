@@ -237,35 +237,32 @@ class LlamaDecoder:
 
     @torch.no_grad()
     def _prefill(self, ids_UP: torch.Tensor, mask_UP: torch.Tensor, index_B: torch.Tensor) -> None:
-        """The first P prompt columns of each distinct prompt, all at once through the model's own modules (one
-        call on many rows, where transformers' machinery costs little); keys and values go to the rows'
-        cache. Padding queries attend to themselves only: their outputs reach nothing."""
+        """The first P prompt columns of each distinct prompt, all at once (U·P rows per product, through the
+        same laid-out weights as the decoding step: oneDNN's blocked layout is faster than the plain one at any
+        row count); keys and values go to the rows' cache. Padding queries attend to themselves only: their
+        outputs reach nothing."""
         U, P = ids_UP.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         # kept: the recording's attention over the prefix is this one (rollout/replay.py)
         self.prefix_rotation = rotation = self.rotation_for((mask_UP.cumsum(-1) - 1).clamp(min=0))  # (U, P, 1, D/2)
         self.prefix_allowed = allowed = (  # (U, P, P): causal over the prompt's real positions, padding sees itself
             torch.ones(P, P, dtype=torch.bool).tril() & mask_UP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool)
-        x = F.embedding(ids_UP, self.embed)  # (U, P, d)
-        for i, layer in enumerate(self.base.model.layers):
-            w_in, eps_in, _, _, w_post, eps_post, _, _ = self.layers[i]
-            attn, mlp = layer.self_attn, layer.mlp
-            h = rms_norm(x, w_in, eps_in)
-            qkv = paired_qkv(attn, h, self.q_order, self.k_order)
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q, k = rotate(q.view(U, P, H, D), rotation), rotate(k.view(U, P, Hkv, D), rotation)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(U, P, Hkv, D).transpose(1, 2)  # (U, heads, P, D)
+        x = F.embedding(ids_UP.reshape(-1), self.embed)  # (U·P, d)
+        for i, (w_in, eps_in, qkv_w, o_w, w_post, eps_post, gate_up_w, down_w) in enumerate(self.layers):
+            qkv = self._linear(rms_norm(x, w_in, eps_in), qkv_w)  # q and k in the paired order
+            q, k, v = qkv.view(U, P, -1).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k = rotate(q.unflatten(-1, (H, D)), rotation), rotate(k.unflatten(-1, (Hkv, D)), rotation)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.unflatten(-1, (Hkv, D)).transpose(1, 2)  # (U, heads, P, D)
             self.k[i][:, :, :P] = k[index_B]
             self.v[i][:, :, :P] = v[index_B]
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=H != Hkv)
-            x_mid = x + attn.o_proj(a.transpose(1, 2).reshape(U, P, H * D))
-            h = rms_norm(x_mid, w_post, eps_post)
-            gate_up = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], -1)
-            gate, up = gate_up.chunk(2, dim=-1)
-            out = x_mid + mlp.down_proj(F.silu(gate) * up)
+            x_mid = self._linear_add(a.transpose(1, 2).reshape(U * P, H * D), o_w, x)
+            gate_up = self._linear(rms_norm(x_mid, w_post, eps_post), gate_up_w)
+            half = gate_up.shape[1] // 2
+            out = self._linear_add(F.silu(gate_up[:, :half]).mul_(gate_up[:, half:]), down_w, x_mid)
             if self.record:
                 for buffer, t in zip(self.records[i], (x, qkv, x_mid, gate_up)):
-                    buffer[: U * P] = t.reshape(U * P, -1)
+                    buffer[: U * P] = t
             x = out
 
     @staticmethod
