@@ -668,13 +668,18 @@ class RLTrainer:
                     faults.point("update")
                     n_updates += 1
                     # No optimiser or scheduler step on a non-finite update; every rank decides alike.
-                    if not guards.finite(d.sum({"loss": mb_loss})["loss"], norms):
+                    finite = guards.finite(d.sum({"loss": mb_loss})["loss"], norms)
+                    for o in trained:
+                        if finite:
+                            grad_norms[o.metric].append(norms[o.metric])
+                            o.optimizer.step()
+                            o.scheduler.step()
+                        # Gradients freed once used (as transformers' Trainer does): the next rollout and reference
+                        # pass run without them (SmolLM2: 540 MB), and lay their buffers out as every later step will.
+                        o.optimizer.zero_grad(set_to_none=True)
+                    if not finite:
                         skipped += 1
                         continue
-                    for o in trained:
-                        grad_norms[o.metric].append(norms[o.metric])
-                        o.optimizer.step()
-                        o.scheduler.step()
                 self._engine_stale = self.generator is not None and train_policy
         rollout.replay = None  # used up (or unused): free decoding's activations
         sums = d.sum(sums)

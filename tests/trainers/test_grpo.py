@@ -105,8 +105,12 @@ def test_micro_batches_give_the_same_gradient_as_one_batch(tmp_path, addition_js
     for micro in (0, 3):
         cfg = tiny_config(addition_jsonl, algorithm={"micro_batch_size": micro, "aggregation": "token-mean"}, train={"steps": 1})
         trainer = GRPOTrainer(cfg, tmp_path / str(micro))
+        seen = {}  # the gradient AdamW steps with (the trainer frees .grad after the step)
+        trainer.optimizer.register_step_pre_hook(lambda *_: seen.update(
+            {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
         trainer.train()
-        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        assert all(p.grad is None for p in trainer.model.parameters())  # freed once used
+        grads.append(seen)
     scale = max(g.abs().max().item() for g in grads[0].values())
     assert scale > 0
     for name in grads[0]:
