@@ -21,9 +21,10 @@ What the model assumes (each is a choice a reader can check and change):
 * the reference model is a frozen copy, or with LoRA no copy at all (the adapter is disabled,
   ``trainers/setup.Reference``); the reward is rule-based unless ``reward_model`` is set (then a model of
   the policy's shape, forward only);
-* generation and the update do not overlap: the peak is the persistent states plus the larger of the
-  generation phase (KV cache; on a CPU in fp32 also the linear weights in oneDNN's layout, which
-  ``kernels.decoding_weights`` holds while decoding) and the update phase (activations and logits of one
+* generation and the update do not overlap: the peak is the persistent states (weights, optimiser states,
+  models) plus the larger of the generation phase (KV cache; on a CPU in fp32 also the linear weights in
+  oneDNN's layout, which ``kernels.decoding_weights`` holds while decoding) and the update phase (the
+  gradients, which the trainer frees after each optimiser step, and the activations and logits of one
   micro-batch);
 * attention runs in a fused kernel (SDPA / FlashAttention) that does not keep the S×S score matrix.
 """
@@ -292,7 +293,8 @@ LOGPROB_KEEP_BYTES = 128 * 2**20  # = rollout.hf.LOGPROB_KEEP_BYTES
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes per device by component; ``peak`` = persistent states + the larger of the two phases."""
+    """Bytes per device by component; ``peak`` = persistent states + the larger of the two phases. Gradients
+    belong to the update phase: the trainer frees them after each optimiser step (``trainers/loop.py``)."""
 
     policy: ModelStates
     critic: ModelStates | None
@@ -307,13 +309,17 @@ class Memory:
     decode_layout: float = 0.0  # cpu, fp32: the linear weights' oneDNN layout while decoding (rollout/decoder.py, kernels.decoding_weights)
 
     @property
+    def gradients(self) -> float:
+        return self.policy.gradients + (self.critic.gradients if self.critic else 0.0)
+
+    @property
     def persistent(self) -> float:
         critic = self.critic.total if self.critic else 0.0
-        return self.baseline + self.policy.total + critic + self.reference + self.reward_model
+        return self.baseline + self.policy.total + critic + self.reference + self.reward_model - self.gradients
 
     @property
     def update_phase(self) -> float:
-        return self.activations + self.logits
+        return self.activations + self.logits + self.gradients
 
     @property
     def generation_phase(self) -> float:
@@ -486,8 +492,8 @@ def format_plan(p: Plan) -> str:
     lines += [f"| {name} | {value / GIB:.3f} |" for name, value in memory_rows(p)]
     mem = p.memory
     lines += [
-        f"| **persistent (states + models{' + baseline' if mem.baseline else ''})** | {mem.persistent / GIB:.3f} |",
-        f"| **update phase (activations as chosen + logits)** | {mem.update_phase / GIB:.3f} |",
+        f"| **persistent (weights, optimizer states, models{' + baseline' if mem.baseline else ''})** | {mem.persistent / GIB:.3f} |",
+        f"| **update phase (gradients + activations as chosen + logits)** | {mem.update_phase / GIB:.3f} |",
         f"| **peak = persistent + max(update phase, generation phase{' (KV cache + weight layout)' if mem.decode_layout else ' (KV cache)'})** | {mem.peak / GIB:.3f} |",
         "",
         f"| FLOPs per step (all devices) | TFLOP | s on one device ({r.peak_flops / 1e12:g} TFLOP/s peak) |",

@@ -90,7 +90,18 @@ def test_ppo_adds_exactly_the_critic_and_its_activations():
     assert ppo.critic.total == pytest.approx(16 * critic_params / 8)
     assert ppo.critic.total / GIB == pytest.approx(12.31, abs=0.01)
     assert ppo.activations == 2 * grpo.activations  # cohortrl backpropagates policy and critic together
-    assert ppo.persistent - grpo.persistent == pytest.approx(ppo.critic.total)
+    # its weights and optimiser states persist; its gradients, like the policy's, live in the update phase only
+    assert ppo.persistent - grpo.persistent == pytest.approx(ppo.critic.weights + ppo.critic.optimizer)
+    assert ppo.gradients - grpo.gradients == pytest.approx(ppo.critic.gradients)
+
+
+def test_gradients_count_in_the_update_phase_not_in_generation():
+    """The trainer frees the gradients after each optimiser step, so generation runs without them."""
+    m = plan("7b", RunSpec(dtype="bf16")).memory
+    assert m.gradients == m.policy.gradients == LLAMA2_7B.params * 2  # bf16, full fine-tuning
+    assert m.update_phase == m.activations + m.logits + m.gradients
+    assert m.persistent == m.baseline + m.policy.weights + m.policy.optimizer + m.reference + m.reward_model
+    assert m.peak == m.persistent + max(m.update_phase, m.generation_phase)
 
 
 def test_lora_has_no_reference_copy():
