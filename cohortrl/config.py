@@ -315,7 +315,7 @@ class TrainConfig:
     (``cohortrl/kernels.py``). Ignored on a GPU."""
     cpu_allocator: Literal["auto", "retain", "system"] = "auto"
     """Freed CPU memory: ``retain`` keeps it mapped in the process for the next step's tensors (glibc's
-    ``mallopt``: blocks up to 32 MiB from the heap, no heap trimming), so a step does not fault its pages in again;
+    ``mallopt``: every block from the heap, no mmap, no heap trimming), so a step does not fault its pages in again;
     ``system`` leaves glibc's defaults; ``auto`` retains on a CPU under glibc. Process-wide; peak memory stays
     about where it was, but it is not returned to the OS until the process ends (``cohortrl/cpu_memory.py``)."""
     reuse_rollout_forward: bool = True
