@@ -18,11 +18,13 @@ over every recorded row at once:
 
 - the linear layers' input and weight gradients as products with all of the batch's rows (the shapes a
   training backward has, and what a CPU runs fastest), from the recorded inputs;
-- the cheap non-linear parts (RMSNorm, rotary embedding, attention, SiLU) recomputed from the recorded
-  values with autograd, locally, for their own gradients.
+- the cheap non-linear parts recomputed from the recorded values and differentiated by their written-out
+  derivatives: RMSNorm (:func:`rms_norm_backward`), SiLU·up (:func:`silu_mul_backward`), the rotary embedding
+  (the inverse rotation) and attention (batched products per block of rows, :meth:`Recording._attention_backward`).
 
 Gradients land in ``.grad`` as ``loss.backward()`` would leave them (LoRA adapters, norm weights, biases, a tied
-head and embedding included), each parameter's through autograd once, so its hooks run. The numbers are those
+head and embedding included), each parameter's through autograd once and without a copy (:class:`_Handover`),
+so its hooks run. The numbers are those
 of autograd through transformers' forward to float rounding: the decoding kernels sum in another order than a
 training forward does (``tests/rollout/test_replay.py`` checks each parameter's gradient). What it saves is the
 update's forward: about a third of its FLOPs (``docs/performance.md``). :meth:`Recording.logprobs_under`
