@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cohortrl.rollout.decoder import (Unsupported, _base_model, _linear_parts, check_supported, paired_qkv, rms_norm,
-                                      rotate)
+from cohortrl.rollout.decoder import (Unsupported, _base_model, _linear_parts, _stacked, check_supported, paired_qkv,
+                                      rms_norm, rotate)
 
 # Head gradients of at most this many bytes of logits at once (as ``hf.LOGPROB_CHUNK_BYTES``).
 CHUNK_BYTES = 32 * 2**20
@@ -163,6 +163,7 @@ class Recording:
         else:
             self.U = self.P = 0
             self.prefix_ids = torch.zeros(0, dtype=torch.long)
+        self.blocks = self._blocks()
 
     # ------------------------------------------------------------------------------------------ log-probs
     def _logits(self, rows) -> torch.Tensor:
@@ -212,7 +213,7 @@ class Recording:
         for layer in base.model.layers:
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             h = rms_norm(x, norm.weight, norm.variance_epsilon)
-            x = x + attn.o_proj(self._attention(paired_qkv(attn, h, self.q_order, self.k_order)))
+            x = x + attn.o_proj(self._attention(paired_qkv(attn, h, self.q_order, self.k_order))[0])
             norm = layer.post_attention_layernorm
             h = rms_norm(x, norm.weight, norm.variance_epsilon)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
@@ -235,8 +236,6 @@ class Recording:
         first:last (U prompts × P columns, causal over each prompt's real positions, a padding column seeing
         itself) and the decoding rows first:last (B rows × S steps over their prompt's P prefix columns, then
         their own steps causally), split so that a block's probabilities stay within ``CHUNK_BYTES``."""
-        if getattr(self, "_block_list", None) is not None:
-            return self._block_list
         H, U, P, S, B = self.H, self.U, self.P, self.S, self.B
         blocks = []
         n_chunk = max(1, CHUNK_BYTES // (4 * H * max(1, P * P)))
@@ -250,7 +249,6 @@ class Recording:
             if P:
                 keep = torch.cat([self.prefix_keep_B[b:b + n, None, :].expand(n, S, P), keep], -1)
             blocks.append(("decode", b, b + n, keep))
-        self._block_list = blocks
         return blocks
 
     def _rows(self, t_N: torch.Tensor, kind: str, first: int, last: int) -> torch.Tensor:
@@ -290,16 +288,16 @@ class Recording:
         probs = scores.softmax(-1)
         return q, k, v, probs, torch.bmm(probs, v.view(n * Hkv, M, D))
 
-    def _attention(self, qkv_N: torch.Tensor, keep_for_backward: bool = False) -> torch.Tensor:
+    def _attention(self, qkv_N: torch.Tensor, keep_for_backward: bool = False) -> tuple[torch.Tensor, list]:
         """Every row's attention output (N, H·D) from its q/k/v products, as the decoder computed it: the prefix
         causally over its own prompt, each decoding row over its prompt's prefix and its own earlier steps.
-        Written out as products (the shapes are small: SDPA's CPU kernel spends more around them).
-        ``keep_for_backward``: keep each block's values for :meth:`_attention_backward` while their
-        probabilities fit in ``CHUNK_BYTES`` in all; else it recomputes them."""
+        Written out as products (the shapes are small: SDPA's CPU kernel spends more around them). Also, with
+        ``keep_for_backward``, the first blocks' values for :meth:`_attention_backward`, as many as have their
+        probabilities fit in ``CHUNK_BYTES`` in all (it recomputes the others); else an empty list."""
         H, D = self.H, self.D
         out = qkv_N.new_empty(qkv_N.shape[0], H * D)
-        self._kept, kept_bytes = [], 0
-        for block in self._blocks():
+        kept, kept_bytes = [], 0
+        for block in self.blocks:
             saved = self._block_forward(qkv_N, block)
             o = saved[-1]
             kind, first, last, _ = block
@@ -307,11 +305,12 @@ class Recording:
             self._rows(out, kind, first, last).copy_(o.view(n, H, -1, D).transpose(1, 2).flatten(-2))
             kept_bytes += saved[3].numel() * 4
             if keep_for_backward and kept_bytes <= CHUNK_BYTES:
-                self._kept.append(saved)
-        return out
+                kept.append(saved)
+        return out, kept
 
-    def _attention_backward(self, qkv_N: torch.Tensor, grad_out_N: torch.Tensor) -> torch.Tensor:
-        """dL/d qkv_N given dL/d :meth:`_attention`'s output. Per block, with P the probabilities and O the output:
+    def _attention_backward(self, qkv_N: torch.Tensor, grad_out_N: torch.Tensor, kept: list) -> torch.Tensor:
+        """dL/d qkv_N given dL/d :meth:`_attention`'s output and the blocks it kept. Per block, with P the
+        probabilities and O the output:
         dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = dS K / √D, dK = dSᵀ Q / √D; a decoding block's
         prefix keys and values pass their gradients to the prefix rows they came from; the rotary embedding's
         gradient is the inverse rotation."""
@@ -319,8 +318,7 @@ class Recording:
         grad_qkv = torch.empty_like(qkv_N)
         grad_prefix_kv = qkv_N.new_zeros(U, Hkv, P, 2, D) if P else None  # from decoding rows, before rotation back
         scale = D ** -0.5
-        blocks, kept = self._blocks(), self._kept
-        self._kept = []
+        blocks = self.blocks
         for i in reversed(range(len(blocks))):  # decoding blocks first: they add to the prefix's keys and values
             kind, first, last, _ = blocks[i]
             q, k, v, p, o = kept[i] if i < len(kept) else self._block_forward(qkv_N, blocks[i])
@@ -360,8 +358,7 @@ class Recording:
                        for m, g, back in zip(modules, grad_qkv_N.split(sizes, dim=-1), backs))
         bases = [base for base, _ in parts]
         grad_qkv_N = grad_qkv_N.contiguous()
-        weight = torch.cat([bases[0].weight.detach()[self.q_order], bases[1].weight.detach()[self.k_order],
-                            bases[2].weight.detach()])
+        weight, _ = _stacked(modules, [self.q_order, self.k_order, None])  # as decoding multiplied by it
         grad_h1 = F.linear(grad_qkv_N, weight.t())  # dy·W; oneDNN under the trainer's kernel (kernels.py)
         if any(b.weight.requires_grad for b in bases):
             grad_w = grad_qkv_N.t() @ h1_N  # (H·D + 2·Hkv·D, d), rows in the paired order
@@ -423,8 +420,8 @@ class Recording:
             grad_h2 = linear_backward(mlp.gate_proj, h2, grad_gate, grads).add_(linear_backward(mlp.up_proj, h2, grad_up, grads))
             grad_mid = rms_norm_backward(x_mid, layer.post_attention_layernorm, grad_h2, grads).add_(grad_x)
             # x_mid = x_in + o_proj(attention(q, k, v)), q, k, v = projections of h1 = norm(x_in)
-            a = self._attention(qkv, keep_for_backward=True)
-            grad_qkv = self._attention_backward(qkv, linear_backward(attn.o_proj, a, grad_mid, grads))
+            a, kept = self._attention(qkv, keep_for_backward=True)
+            grad_qkv = self._attention_backward(qkv, linear_backward(attn.o_proj, a, grad_mid, grads), kept)
             h1 = rms_norm(x_in, layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
             grad_h1 = self._qkv_backward(attn, h1, grad_qkv, grads)
             grad_x = rms_norm_backward(x_in, layer.input_layernorm, grad_h1, grads).add_(grad_mid)
