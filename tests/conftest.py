@@ -9,7 +9,6 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 REPO = Path(__file__).resolve().parent.parent
-GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"
 
 
 @pytest.fixture(scope="session")

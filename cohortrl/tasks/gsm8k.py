@@ -28,13 +28,15 @@ any way it likes. So that statements cannot be farmed:
 - identities that restate a number (``48 * 1 = 48``, ``48 + 0 = 48``) count for nothing;
 - as everywhere, no credit without exactly one ANSWER line.
 
-Data: ``$COHORTRL_GSM8K_DIR`` if set, else ``<repo root>/../shared/data/gsm8k`` if it exists (files
-``train.jsonl`` and ``test.jsonl`` with columns question, answer), else ``openai/gsm8k`` from the
-Hugging Face hub through ``datasets`` (``pip install cohortrl[hub]``).
+Data: ``$COHORTRL_GSM8K_DIR`` if set (a directory with ``train.jsonl`` and ``test.jsonl``, columns question,
+answer), else the copy shipped inside the package (``cohortrl/tasks/gsm8k_data``, MIT, with its LICENSE), so
+the family works offline everywhere. Another dataset or split (``hf:openai/gsm8k@socratic``) goes through
+the ``hf:`` data source instead (``cohortrl.data``).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -42,6 +44,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 
 from cohortrl.tasks.answer_format import (
@@ -62,27 +65,25 @@ _QUESTION_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
 
 def local_data_dir() -> Path | None:
-    """The directory holding train.jsonl and test.jsonl, if there is one on this machine."""
-    if env := os.environ.get("COHORTRL_GSM8K_DIR"):
-        return Path(env)
-    shared = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k"
-    return shared if shared.is_dir() else None
+    """``$COHORTRL_GSM8K_DIR`` when set: a directory holding train.jsonl and test.jsonl that replaces the
+    packaged copy (another revision of the data, or a smaller one for tests)."""
+    env = os.environ.get("COHORTRL_GSM8K_DIR")
+    return Path(env) if env else None
 
 
 @lru_cache(maxsize=2)
 def load_rows(split: str) -> list[dict]:
     directory = local_data_dir()
     if directory is not None:
-        with open(directory / f"{split}.jsonl", encoding="utf-8") as f:
+        path = directory / f"{split}.jsonl"
+        if not path.is_file():
+            raise RuntimeError(f"COHORTRL_GSM8K_DIR={directory} has no {split}.jsonl: point it at a directory "
+                               "with train.jsonl and test.jsonl, or unset it to use the packaged copy")
+        with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
-    try:
-        import datasets  # lazily: only users without the local copy need it
-    except ImportError as error:
-        raise RuntimeError(
-            "GSM8K not found locally (set COHORTRL_GSM8K_DIR) and the `datasets` package is not installed "
-            "to fetch openai/gsm8k: pip install 'cohortrl[hub]'"
-        ) from error
-    return [dict(row) for row in datasets.load_dataset("openai/gsm8k", "main", split=split)]
+    packaged = resources.files("cohortrl.tasks") / "gsm8k_data" / f"{split}.jsonl.gz"
+    with packaged.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 @dataclass(frozen=True)

@@ -8,18 +8,12 @@ from fractions import Fraction
 import pytest
 
 from cohortrl import tasks
-from cohortrl.tasks import gsm8k
 from cohortrl.tasks.answer_format import format_sig
-
-GSM8K_DIR = gsm8k.local_data_dir()
-HAVE_GSM8K = GSM8K_DIR is not None and (GSM8K_DIR / "train.jsonl").is_file() and (GSM8K_DIR / "test.jsonl").is_file()
-needs_gsm8k = pytest.mark.skipif(not HAVE_GSM8K, reason="GSM8K data not found (set COHORTRL_GSM8K_DIR or put it at ../shared/data/gsm8k)")
 
 
 def param(name: str, *rest):
-    """A pytest param for a family test, skipped for gsm8k when its data is absent."""
-    marks = [needs_gsm8k] if name == "gsm8k" else []
-    return pytest.param(name, *rest, marks=marks, id="-".join(map(str, (name, *rest))))
+    """A pytest param for a family test, named after its family and arguments."""
+    return pytest.param(name, *rest, id="-".join(map(str, (name, *rest))))
 
 
 # The code families answer with programs, not KEY = value lines: they have their own tests

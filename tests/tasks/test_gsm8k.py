@@ -1,12 +1,11 @@
 import json
 import sys
+from importlib import resources
 
 import pytest
 
 from cohortrl import tasks
 from cohortrl.tasks import gsm8k
-
-from .helpers import needs_gsm8k
 
 NATALIA = {
     "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -94,18 +93,30 @@ def test_numbers_from_nowhere_are_not_grounded(tiny_gsm8k):
     assert not family.grade(sample, "48 * 0.5 = 24\nANSWER: 72").steps[0].correct
 
 
-def test_without_local_data_or_datasets_the_error_says_what_to_do(monkeypatch):
-    monkeypatch.setattr(gsm8k, "local_data_dir", lambda: None)
-    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+def test_the_packaged_copy_is_read_without_network_or_datasets(monkeypatch):
+    monkeypatch.delenv("COHORTRL_GSM8K_DIR", raising=False)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` would raise ImportError
     _clear_caches()
     try:
-        with pytest.raises(RuntimeError, match="COHORTRL_GSM8K_DIR"):
+        rows = gsm8k.load_rows("test")
+        assert len(rows) == 1319 and set(rows[0]) == {"question", "answer"}
+        assert rows[0]["answer"].rsplit("####", 1)[-1].strip() == "18"  # Janet's ducks, the test split's first row
+        licence = resources.files("cohortrl.tasks") / "gsm8k_data" / "LICENSE"
+        assert "MIT License" in licence.read_text() and "OpenAI" in licence.read_text()
+    finally:
+        _clear_caches()
+
+
+def test_a_directory_without_the_split_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("COHORTRL_GSM8K_DIR", str(tmp_path))
+    _clear_caches()
+    try:
+        with pytest.raises(RuntimeError, match="has no train.jsonl.*unset it"):
             gsm8k.load_rows("train")
     finally:
         _clear_caches()
 
 
-@needs_gsm8k
 def test_real_data_levels():
     sizes = {level: len(gsm8k.pool(level)) for level in gsm8k.LEVELS}
     assert sum(sizes[l] for l in (1, 2, 3)) == 7473 and sum(sizes[l] for l in (4, 5, 6)) == 1319

@@ -13,7 +13,6 @@ from cohortrl import tasks
 from .helpers import (
     corrupt,
     grade,
-    needs_gsm8k,
     param,
     partial_response,
     perturbed_answer,
@@ -179,7 +178,6 @@ def test_stopping_after_the_steps_without_an_answer(name, level):
         assert not any(s.correct for s in g.steps)
 
 
-@needs_gsm8k
 def test_gsm8k_padding_with_arithmetic():
     # Every correct statement over the question's numbers (a combinatorial "cover everything" attempt) is
     # cut by the cap of 2 R + 2 statements; it earns less than the worked solution and, before it, pushes the
@@ -196,7 +194,6 @@ def test_gsm8k_padding_with_arithmetic():
             assert buried.step_credit < 1.0 or not sample.steps
 
 
-@needs_gsm8k
 def test_gsm8k_enumerating_statements_runs_past_the_cap():
     sample = tasks.get("gsm8k").sample(1, seed=0, level=1)[0]
     enumeration = "\n".join(f"1 + {k} = {k + 1}" for k in range(1, 400))
