@@ -60,7 +60,7 @@ class ModelConfig:
 class DataConfig:
     source: str = "task:arithmetic"
     """Where prompts come from: ``task:NAME`` (a gym family, see ``cohortrl tasks list``; ``task:gsm8k`` reads
-    the local GSM8K copy, else the hub), ``jsonl:PATH``, ``hf:DATASET_ID`` (Hugging Face hub, needs internet),
+    the copy shipped in the package), ``jsonl:PATH``, ``hf:DATASET_ID`` (Hugging Face hub, needs internet),
     or ``python:NAME`` (rows handed to the Python API as ``train_dataset=``; a config file cannot hold them)."""
     transform: Optional[str] = None
     """User code applied to every row before use, ``path/to/file.py:fn`` or ``module:fn``: ``fn(row: dict)
