@@ -32,8 +32,9 @@ _KEY = re.compile(r"^(?P<key>[^\W\d][\w]*)\s*=(?P<rest>.*)$")
 _ANSWER = re.compile(r"^ANSWER\s*:(?P<rest>.*)$", re.IGNORECASE)
 _VERDICT = re.compile(r"^VERDICT\s*:(?P<rest>.*)$", re.IGNORECASE)
 _BULLET = re.compile(r"^(?:[-*•>]+\s+|\d+[.)]\s+)")
-_REMARK = re.compile(r"\s*\([^()]*\)\s*$")
 _KEY_ALIASES = {"σ": "sigma", "δ": "delta", "Δ": "delta"}
+# Exponents beyond this are not a quantity anyone means; reading them exactly would take unbounded time.
+MAX_EXPONENT = 400
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -42,9 +43,12 @@ def parse_number(text: str) -> Fraction | None:
     if not _NUMBER_ONLY.match(text):
         return None  # Fraction() would also read "3/4" and " 1_000"; answers are decimals
     text = text.replace("$", "").replace(",", "")
+    digits = text.lower().partition("e")[2].lstrip("+-").lstrip("0")
+    if len(digits) > 3 or int(digits or 0) > MAX_EXPONENT:
+        return None  # Fraction("1e999999999") would build a billion-digit integer: a hang, not an answer
     try:
         return Fraction(text)
-    except (ValueError, ZeroDivisionError):
+    except (ValueError, ZeroDivisionError):  # also digits beyond Python's int-conversion limit (4300)
         return None
 
 
@@ -73,8 +77,21 @@ class ParsedResponse:
     verdicts: list[ValueLine]  # every VERDICT line; value is None, text is "SAFE"/"FAIL" or what was written
 
 
+def _strip_remark(text: str) -> str:
+    """``"-6.25 kN (compression)"`` → ``"-6.25 kN"``: one trailing parenthesised remark without nested
+    brackets. String searches rather than a regex: the regex backtracks quadratically over a long run of
+    spaces, which a model can write."""
+    text = text.strip()
+    if not text.endswith(")"):
+        return text
+    start = text.rfind("(", 0, len(text) - 1)
+    if start < 0 or ")" in text[start + 1 : -1]:
+        return text
+    return text[:start].rstrip()
+
+
 def _split_value_unit(text: str) -> tuple[Fraction | None, str]:
-    text = _REMARK.sub("", text.strip()).rstrip(" .,;").strip()
+    text = _strip_remark(text).rstrip(" .,;").strip()
     match = _VALUE_UNIT.match(text)
     if match is None:
         return None, ""
@@ -170,8 +187,13 @@ def format_exact(value: Fraction) -> str:
 # Free-text arithmetic statements "a op b = c" (the GSM8K family's steps).
 
 _LHS_START = re.compile(r"[$(\-]*\.?\d")
+# The left-hand side is at most MAX_LHS characters: unbounded, the lazy search from every start in a long
+# run of digits and operators without "=" took quadratic time (seconds for a 20,000-character line).
+MAX_LHS = 200
+MAX_NESTING = 50  # brackets and unary minus signs in one statement
 _STATEMENT = re.compile(
-    r"(?P<lhs>[$(\-]*\.?\d[\d$.,() \tx×÷*/+\-]*?)[ \t]*=[ \t]*(?P<rhs>-?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))"
+    r"(?P<lhs>[$(\-]*\.?\d[\d$.,() \tx×÷*/+\-]{0,%d}?)[ \t]*=[ \t]*(?P<rhs>-?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))"
+    % MAX_LHS
 )
 _TOKEN = re.compile(r"\s*(?:(?P<num>\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\$?\.\d+)|(?P<op>[-+*/x×÷()]))")
 _OPS = {"x": "*", "×": "*", "÷": "/"}
@@ -200,8 +222,8 @@ def evaluate(text: str) -> tuple[Fraction, list[Fraction]] | None:
     Requires at least one binary operator, so a bare number is not a statement.
     """
     tokens = _tokenize(text)
-    if not tokens:
-        return None
+    if not tokens or sum(t in ("(", "-") for t in tokens) > MAX_NESTING:
+        return None  # each "(" or unary "-" is a level of recursion below: bounded, never a RecursionError
     pos = 0
     operands: list[Fraction] = []
     binary_ops = 0
@@ -323,10 +345,14 @@ def _statement_at(lhs_text: str, rhs_text: str, span: tuple[int, int]) -> Statem
 def find_statements(text: str) -> list[Statement]:
     """Every ``a op b = c`` in ``text``, in order. Chains ``2 * 3 = 6 * 4 = 24`` give two statements."""
     found: list[Statement] = []
-    pos = 0
-    while match := _STATEMENT.search(text, pos):
-        statement = _statement_at(match["lhs"], match["rhs"], (match.start(), match.end()))
-        if statement is not None:
-            found.append(statement)
-        pos = match.start("rhs")  # the right-hand side may start the next statement of a chain
+    line_start = 0
+    for line in text.split("\n"):  # a statement never spans lines; most lines have no "=" to search for
+        pos = 0
+        while "=" in line and (match := _STATEMENT.search(line, pos)):
+            span = (line_start + match.start(), line_start + match.end())
+            statement = _statement_at(match["lhs"], match["rhs"], span)
+            if statement is not None:
+                found.append(statement)
+            pos = match.start("rhs")  # the right-hand side may start the next statement of a chain
+        line_start += len(line) + 1
     return found

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import re
 
-_FENCED = re.compile(r"```[ \t]*[A-Za-z0-9_+-]*[ \t]*\n(.*?)```", re.DOTALL)
+# The optional tag and the spaces around it are one group, so a long run of spaces after a fence has one way
+# to match, not quadratically many (``[ \t]*[tag]*[ \t]*`` backtracked over every split of the run).
+_FENCED = re.compile(r"```[ \t]*(?:[A-Za-z0-9_+-]+[ \t]*)?\n(.*?)```", re.DOTALL)
 
 
 def extract_code(completion: str, marker: str) -> tuple[str, tuple[int, int]] | None:
