@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import math
 import random
+import unicodedata
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -111,7 +112,25 @@ class Grade:
         return sum(s.correct for s in self.steps) / len(self.steps) if self.steps else 0.0
 
 
+# A step's ``written`` text is shown to people and written to logs; model text can make it anything.
+MAX_WRITTEN_CHARS = 500
+
+
+def clean_text(text: str | None, limit: int = MAX_WRITTEN_CHARS) -> str | None:
+    """``text`` safe to print, log and encode as UTF-8: at most ``limit`` characters (a note says how many
+    more there were), and every control, format or surrogate character except tab and newline (NUL, bidi
+    overrides, zero-width characters, lone surrogates) replaced by U+FFFD, so it stays visible without
+    acting. Cut first, so a megabyte of text costs no more than ``limit`` characters."""
+    if text is None:
+        return None
+    head = text[:limit]
+    head = "".join(c if c in "\t\n" or unicodedata.category(c) not in ("Cc", "Cf", "Cs") else "\ufffd" for c in head)
+    return head if len(text) <= limit else f"{head}… ({len(text) - limit} more characters)"
+
+
 def make_grade(outcome: float, steps: list[StepResult], committed: bool, step_weight: float) -> Grade:
+    """The grade of a response from its step verdicts; every ``written`` text is cleaned (`clean_text`)."""
+    steps = [dataclasses.replace(s, written=clean_text(s.written)) if s.written else s for s in steps]
     stated = steps
     if not committed:
         steps = [dataclasses.replace(s, correct=False) for s in steps]

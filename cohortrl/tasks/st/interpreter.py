@@ -18,12 +18,14 @@ Semantics (IEC 61131-3, the parts the subset has):
   Q1: set-dominant latch). Inputs not given in a call keep their previous values.
 - Functions: ABS, SQRT (NaN below 0), MIN, MAX (two or more arguments), LIMIT(MN, IN, MX), TRUNC (REAL → INT).
 - Bounded work: the subset has no loops or recursion, so one scan evaluates each node at most once;
-  programs over ``max_nodes`` nodes, or with expressions nested deeper than `MAX_DEPTH`, are refused.
+  programs over ``max_nodes`` nodes, with expressions nested deeper than `MAX_DEPTH` or IF statements
+  deeper than `MAX_NESTING`, are refused.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -32,7 +34,11 @@ from lark import Token, Tree
 from cohortrl.tasks.st.syntax import KEYWORDS, STError, parse, position
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
-MAX_DEPTH = 200  # well inside Python's recursion limit, for compiling and for running the closures
+# Compiling an expression level takes up to 3 Python frames and running it 1-2, an IF level 4 and 1: at
+# these limits a program needs at most ~260 frames whatever it is, far inside Python's limit of 1000 even
+# when grading is itself called deep in a stack, so whether a program is accepted never depends on the caller.
+MAX_DEPTH = 64  # expression nesting
+MAX_NESTING = 16  # IF statements inside IF statements
 TYPE_NAMES = {"BOOL": "BOOL", "REAL": "REAL", "LREAL": "REAL", "TIME": "REAL", "INT": "INT", "DINT": "INT",
               "SINT": "INT", "LINT": "INT", "UINT": "INT", "UDINT": "INT"}
 # Function blocks: member -> (type, is an input). Internal state lives in extra slots.
@@ -102,6 +108,7 @@ class _Compiler:
         self.assigned: set[str] = set()
         self.nodes = 0
         self.max_nodes = max_nodes
+        self.nesting = 0  # IF statements open around the one being compiled
         for var in interface:
             self.declare(var.name, var.type, None)
 
@@ -231,6 +238,9 @@ class _Compiler:
         raise STError(f"{position(where)}: cannot assign {article} {source} value to {target} variable {name!r}{hint}")
 
     def if_statement(self, node: Tree) -> Thunk:
+        if self.nesting >= MAX_NESTING:
+            raise STError(f"{position(node)}: IF statements are nested more than {MAX_NESTING} deep")
+        self.nesting += 1
         branches: list[tuple[Thunk, list[Thunk]]] = []
         condition, body, *rest = node.children
         branches.append((self.condition(condition), self.body(body)))
@@ -240,6 +250,7 @@ class _Compiler:
                 branches.append((self.condition(part.children[0]), self.body(part.children[1])))
             else:
                 otherwise = self.body(part.children[0])
+        self.nesting -= 1
 
         def run() -> None:
             for test, statements in branches:
@@ -533,18 +544,20 @@ def trunc(x: float, where: str) -> int:
 _UNITS = (("d", 86400.0), ("h", 3600.0), ("ms", 0.001), ("m", 60.0), ("s", 1.0))
 
 
+_TIME_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(d|h|ms|m|s)")
+
+
 def parse_time(text: str, node) -> float:
-    """``T#1m30s`` → 90.0, ``TIME#250ms`` → 0.25, ``T#1.5s`` → 1.5 (seconds)."""
+    """``T#1m30s`` → 90.0, ``TIME#250ms`` → 0.25, ``T#1.5s`` → 1.5 (seconds): each part a number (at least
+    one digit, at most one point: the lone ``.`` of ``T#1s.s`` is refused) and a unit."""
     body = text.split("#", 1)[1].lower().replace("_", "")
     total, pos = 0.0, 0
     while pos < len(body):
-        number = ""
-        while pos < len(body) and (body[pos].isdigit() or body[pos] == "."):
-            number += body[pos]
-            pos += 1
-        unit = next((u for u, _ in _UNITS if body.startswith(u, pos)), None)
-        if not number or unit is None or number.count(".") > 1:
-            raise STError(f"{position(node)}: {text!r} is not a TIME literal (write e.g. T#2s, T#500ms, T#1m30s)")
-        total += float(number) * dict(_UNITS)[unit]
-        pos += len(unit)
+        part = _TIME_PART.match(body, pos)
+        if part is None:
+            raise STError(f"{position(node)}: {text[:40]!r} is not a TIME literal (write e.g. T#2s, T#500ms, T#1m30s)")
+        total += float(part[1]) * dict(_UNITS)[part[2]]
+        pos = part.end()
+    if not math.isfinite(total):
+        raise STError(f"{position(node)}: {text[:40]!r} is longer than a TIME can be")
     return total

@@ -20,6 +20,7 @@ runs it. Model text never becomes Python.
 from __future__ import annotations
 
 import re
+import unicodedata
 from functools import lru_cache
 
 from lark import Lark, Token, Tree
@@ -118,7 +119,7 @@ def parse(text: str) -> Tree:
 
 
 def _explain(text: str, e: UnexpectedInput) -> str:
-    lines = text.splitlines()
+    lines = text.split("\n")  # as lark counts lines (splitlines would also split at \x0c, \x85, U+2028, ...)
     line_no = e.line if isinstance(getattr(e, "line", None), int) and e.line > 0 else len(lines)
     where = f"line {line_no}, column {e.column}" if isinstance(getattr(e, "column", None), int) else f"line {line_no}"
     # Name a construct outside the subset if the failing line (or the one before) reaches for one.
@@ -131,14 +132,21 @@ def _explain(text: str, e: UnexpectedInput) -> str:
     if isinstance(e, UnexpectedToken):
         word = str(e.token)
     else:
-        word = re.match(r"[A-Za-z_][A-Za-z0-9_]*|\S", text[e.pos_in_stream:]).group(0)
+        pos = e.pos_in_stream if isinstance(getattr(e, "pos_in_stream", None), int) else len(text)
+        name = re.match(r"[A-Za-z_][A-Za-z0-9_]*", text[pos:])
+        word = name.group(0) if name else text[pos : pos + 1]
+    source = lines[line_no - 1].strip()[:120] if 0 < line_no <= len(lines) else ""
+    if len(word) == 1 and (word.isspace() or not word.isprintable()):
+        # A no-break or em space pasted from a document: invisible in the message unless named.
+        what = unicodedata.name(word, "a control character")
+        return (f"{where}: unexpected character U+{ord(word):04X} ({what}) in {source!r}; write programs with "
+                "plain spaces, tabs and newlines")
     hint = ""
     if word == ".":
         hint = " (only variables can be assigned; set a function block's inputs in its call: t(IN := x);)"
     elif word.upper() in KEYWORDS:
         hint = f" ({word.upper()} is a keyword)"
-    source = lines[line_no - 1].strip() if 0 < line_no <= len(lines) else ""
-    return f"{where}: unexpected {word!r} in {source!r}{hint}"
+    return f"{where}: unexpected {word[:40]!r} in {source!r}{hint}"
 
 
 def position(node: Tree | Token) -> str:
