@@ -73,8 +73,10 @@ class DataConfig:
     """Column holding the reference answer (jsonl / hf sources)."""
     train_size: int = 2000
     """Number of training prompts to draw (task sources) or keep (other sources; 0 keeps all)."""
-    eval_size: int = 200
-    """Held-out prompts for evaluation (disjoint from training)."""
+    eval_size: Optional[int] = None
+    """Held-out prompts for evaluation (disjoint from training). Unset: 200 from a gym task or a hub dataset's
+    ``eval_split``; none from your own rows (``jsonl:`` / ``python:``), which are all trained on unless you set
+    this (or pass ``eval_dataset=``)."""
     split: str = "train"
     """Dataset split for training (hf sources); evaluation uses ``eval_split``."""
     eval_split: str = "test"
@@ -630,7 +632,7 @@ def validate(cfg: Config) -> None:
     _require(o.max_grad_norm >= 0, "optim.max_grad_norm", o.max_grad_norm, "must be >= 0 (0 disables clipping)")
     _require(d.level >= 1, "data.level", d.level, "levels start at 1")
     _require(d.train_size >= 0, "data.train_size", d.train_size, "must be >= 0")
-    _require(d.eval_size >= 0, "data.eval_size", d.eval_size, "must be >= 0")
+    _require(d.eval_size is None or d.eval_size >= 0, "data.eval_size", d.eval_size, "must be >= 0")
     _require(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "must be at least 1")
     _require(
         d.source.split(":", 1)[0] in ("task", "jsonl", "hf", "python") and ":" in d.source,

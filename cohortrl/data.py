@@ -1,7 +1,11 @@
 """Prompts for training and evaluation: gym tasks, JSONL files and Hugging Face datasets, as rows of dicts.
 
-Every row has ``prompt`` (the user message) and usually ``answer``; other columns are passed to reward
-functions by name (TRL's convention). Rows from a gym task also carry ``sample`` (the task sample as a dict).
+Every row has ``prompt`` and usually ``answer``; other columns are passed to reward functions by name (TRL's
+convention). Rows from a gym task also carry ``sample`` (the task sample as a dict).
+
+A prompt is either text (the user's message) or, as in TRL's conversational format, a conversation: a list of
+``{"role": ..., "content": ...}`` messages, rendered with the model's chat template (:func:`render_prompt`).
+One dataset holds one kind or the other, not both.
 """
 
 from __future__ import annotations
@@ -16,11 +20,79 @@ class DataError(ValueError):
     pass
 
 
+ROLES = ("system", "user", "assistant", "tool")
+# Held-out prompts drawn from a gym task or a hub dataset's eval split when data.eval_size is not set.
+DEFAULT_EVAL_SIZE = 200
+
+
+def is_conversation(prompt) -> bool:
+    """Whether ``prompt`` is in TRL's conversational format (a list of messages) rather than text."""
+    return isinstance(prompt, list)
+
+
+def check_prompt(prompt, where: str, column: str | None = None) -> None:
+    """Raise :class:`DataError` naming ``where`` (and the ``column`` read) unless ``prompt`` is non-empty text or a well-formed conversation:
+    messages with a known ``role`` and text ``content``, at least one of them from the user."""
+    what = "the prompt" if column is None else f"the prompt (column {column!r})"
+    if isinstance(prompt, str) and not prompt.strip() or not isinstance(prompt, (str, list)) or not prompt:
+        raise DataError(
+            f"{where}: {what} is {repr(prompt)[:100]}; it must be non-empty text or a "
+            "list of {'role': ..., 'content': ...} messages (fix or remove the row, or set data.prompt_column)"
+        )
+    if isinstance(prompt, str):
+        return
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict) or set(message) - {"role", "content", "name"} or "role" not in message:
+            raise DataError(
+                f"{where}: message {j} of the conversation is {str(message)[:100]!r}; each message must be a dict "
+                "with 'role' and 'content' (and nothing else but an optional 'name')"
+            )
+        if message["role"] not in ROLES:
+            raise DataError(f"{where}: message {j} has role {message['role']!r}; use one of {', '.join(ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise DataError(
+                f"{where}: message {j} ({message['role']}) has content {message.get('content')!r}; it must be text"
+            )
+    if not any(m["role"] == "user" for m in prompt):
+        raise DataError(f"{where}: the conversation has no user message; give at least one {{'role': 'user', ...}}")
+
+
+def render_prompt(tokenizer, prompt, system_prompt: str | None = None) -> str:
+    """The prompt as the model sees it, through its chat template, ready for the assistant's answer.
+
+    Text becomes the user's turn after ``system_prompt`` (when not None). A conversation is rendered as it
+    stands; ``system_prompt`` goes first only if it has no system message of its own. A conversation that ends
+    with an assistant message is continued inside that message (``continue_final_message``, as TRL does),
+    otherwise the assistant's header is added."""
+    if is_conversation(prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        messages = [{"role": "user", "content": prompt}]
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if messages[-1]["role"] == "assistant":
+        return tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_key(prompt) -> str:
+    """A hashable identity of a prompt (text or conversation), for de-duplication and held-out exclusion."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def prompt_preview(prompt, limit: int = 200) -> str:
+    """A prompt shortened for error messages: the text, or a conversation's last message."""
+    text = prompt if isinstance(prompt, str) else f"[{len(prompt)} messages] ... {prompt[-1].get('content', '')}"
+    return text[:limit]
+
+
 def load_rows(cfg, seed: int, rows: list[dict] | None = None, eval_rows: list[dict] | None = None):
     """(train rows, held-out eval rows) for a ``config.DataConfig``; eval prompts never appear in train.
 
-    ``rows`` are the Python API's in-memory rows (``data.source = python:NAME``); they are split into train and
-    held-out exactly as a JSONL file's rows are, unless ``eval_rows`` are given (then used as held-out)."""
+    ``rows`` are the Python API's in-memory rows (``data.source = python:NAME``). A user's own rows (in Python or
+    a JSONL file) are all trained on unless ``data.eval_size`` is set, which holds that many out; ``eval_rows``
+    are used as the held-out set instead. Gym tasks and hub datasets hold out ``data.eval_size`` prompts
+    (default :data:`DEFAULT_EVAL_SIZE`)."""
     kind, _, arg = cfg.source.partition(":")
     if kind == "python":
         if rows is None:
@@ -31,11 +103,12 @@ def load_rows(cfg, seed: int, rows: list[dict] | None = None, eval_rows: list[di
         loaded = [_rename(_transformed(dict(r), cfg, f"{cfg.source} row {i}"), cfg, f"{cfg.source} row {i}") for i, r in enumerate(rows)]
         if not loaded:
             raise DataError(f"data.source {cfg.source!r}: train_dataset holds no rows")
-        train, held_out = (loaded, []) if eval_rows is not None else _split(loaded, cfg.eval_size, seed)
+        train, held_out = (loaded, []) if eval_rows is not None else _split(loaded, cfg.eval_size or 0, seed)
     elif kind == "task":
         train, held_out = _task_rows(arg, cfg, seed)
     elif kind == "jsonl":
-        train, held_out = (_jsonl_rows(Path(arg), cfg), []) if eval_rows is not None else _split(_jsonl_rows(Path(arg), cfg), cfg.eval_size, seed)
+        loaded = _jsonl_rows(Path(arg), cfg)
+        train, held_out = (loaded, []) if eval_rows is not None else _split(loaded, cfg.eval_size or 0, seed)
     elif kind == "hf":
         train, held_out = _hf_rows(arg, cfg)
     else:
@@ -44,15 +117,30 @@ def load_rows(cfg, seed: int, rows: list[dict] | None = None, eval_rows: list[di
         held_out = [_rename(_transformed(dict(r), cfg, f"eval_dataset row {i}"), cfg, f"eval_dataset row {i}") for i, r in enumerate(eval_rows)]
     if cfg.train_size and kind != "task":
         train = train[: cfg.train_size]
-    eval_prompts = {r["prompt"] for r in held_out}
-    train = [r for r in train if r["prompt"] not in eval_prompts]
+    eval_prompts = {prompt_key(r["prompt"]) for r in held_out}
+    train = [r for r in train if prompt_key(r["prompt"]) not in eval_prompts]
     if not train:
         raise DataError(f"data.source {cfg.source!r} left no training prompts after holding out {len(held_out)} for evaluation")
     for rows, what in ((train, "training"), (held_out, "evaluation")):
         for i, r in enumerate(rows):
-            if not isinstance(r["prompt"], str) or not r["prompt"].strip():
-                raise DataError(f"{what} row {i} of {cfg.source!r} has an empty prompt")
+            check_prompt(r["prompt"], f"{what} row {i} of {cfg.source!r}")
+    _check_one_format(train, held_out, cfg.source)
     return train, held_out
+
+
+def _check_one_format(train: list[dict], held_out: list[dict], source: str) -> None:
+    """Text and conversational prompts in one dataset are refused, naming the first row of the rarer kind."""
+    rows = [(f"training row {i}", r) for i, r in enumerate(train)] + [(f"evaluation row {i}", r) for i, r in enumerate(held_out)]
+    chats = [where for where, r in rows if is_conversation(r["prompt"])]
+    texts = [where for where, r in rows if not is_conversation(r["prompt"])]
+    if not chats or not texts:
+        return
+    odd, usual, odd_kind, usual_kind = (chats, texts, "a conversation", "text") if len(chats) <= len(texts) else (
+        texts, chats, "text", "a conversation")
+    raise DataError(
+        f"{odd[0]} of {source!r} has {odd_kind} as its prompt, but {usual[0]} (and {len(usual) - 1} more) has "
+        f"{usual_kind}; a dataset's prompts must all be text or all be conversations (lists of messages)"
+    )
 
 
 def _task_rows(name: str, cfg, seed: int):
@@ -64,13 +152,14 @@ def _task_rows(name: str, cfg, seed: int):
         return [{"prompt": x.prompt, "answer": x.answer, "sample": x.to_dict()} for x in family.sample(n, s, cfg.level)]
 
     # Easy levels have small pools of distinct problems: draw until eval_size distinct prompts are found.
-    held_out, drawn = [], cfg.eval_size
-    while len(held_out) < cfg.eval_size:
-        held_out = _dedupe(rows(drawn, seed + 1_000_003))[: cfg.eval_size]
-        if len(held_out) < cfg.eval_size and drawn >= 8 * cfg.eval_size:
+    eval_size = DEFAULT_EVAL_SIZE if cfg.eval_size is None else cfg.eval_size
+    held_out, drawn = [], eval_size
+    while len(held_out) < eval_size:
+        held_out = _dedupe(rows(drawn, seed + 1_000_003))[:eval_size]
+        if len(held_out) < eval_size and drawn >= 8 * eval_size:
             raise DataError(
                 f"task {name!r} level {cfg.level} has only about {len(held_out)} distinct prompts; "
-                f"lower data.eval_size (now {cfg.eval_size}) or raise data.level"
+                f"lower data.eval_size (now {eval_size}) or raise data.level"
             )
         drawn *= 2
     return rows(cfg.train_size, seed), held_out
@@ -79,8 +168,8 @@ def _task_rows(name: str, cfg, seed: int):
 def _dedupe(rows):
     seen, out = set(), []
     for r in rows:
-        if r["prompt"] not in seen:
-            seen.add(r["prompt"])
+        if prompt_key(r["prompt"]) not in seen:
+            seen.add(prompt_key(r["prompt"]))
             out.append(r)
     return out
 
@@ -121,12 +210,7 @@ def _rename(row: dict, cfg, where: str) -> dict:
     missing = [c for c in (cfg.prompt_column,) if c not in row]
     if missing:
         raise DataError(f"{where}: missing column(s) {missing}; columns found: {sorted(row)} (set data.prompt_column)")
-    prompt = row[cfg.prompt_column]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise DataError(
-            f"{where}: the prompt (column {cfg.prompt_column!r}) is {prompt!r}; it must be non-empty text "
-            "(fix or remove the row, or set data.prompt_column)"
-        )
+    check_prompt(row[cfg.prompt_column], where, cfg.prompt_column)
     out = {k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)}
     out["prompt"] = row[cfg.prompt_column]
     if cfg.answer_column in row:
@@ -164,6 +248,8 @@ def _split(rows: list[dict], eval_size: int, seed: int):
     if eval_size >= len(rows):
         raise DataError(f"data.eval_size={eval_size} leaves no training rows out of {len(rows)}; lower it")
     return [rows[i] for i in order[eval_size:]], [rows[i] for i in order[:eval_size]]
+    if not eval_size:
+        return list(rows), []
 
 
 def _hf_rows(dataset_id: str, cfg):
@@ -176,7 +262,7 @@ def _hf_rows(dataset_id: str, cfg):
     train = [_rename(_transformed(dict(r), cfg, f"{name}[{cfg.split}] row {i}"), cfg, f"{name}[{cfg.split}] row {i}")
              for i, r in enumerate(ds[cfg.split])]
     held_out = [_rename(_transformed(dict(r), cfg, f"{name}[{cfg.eval_split}] row {i}"), cfg, f"{name}[{cfg.eval_split}] row {i}")
-                for i, r in enumerate(ds[cfg.eval_split])][: cfg.eval_size]
+                for i, r in enumerate(ds[cfg.eval_split])][: DEFAULT_EVAL_SIZE if cfg.eval_size is None else cfg.eval_size]
     return train, held_out
 
 

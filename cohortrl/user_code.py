@@ -64,22 +64,24 @@ def import_plugin(ref: str) -> ModuleType:
 
 
 def check_reward_signature(fn: Callable, name: str, error: type[Exception] = UserCodeError) -> None:
-    """A reward function takes ``(prompts, completions, **columns)``: two positional parameters and a
-    ``**kwargs`` that receives the dataset's columns (TRL's signature). Further named parameters are fine:
-    they receive the columns of those names (``fn(prompts, completions, answer, **columns)``)."""
+    """A reward function is called as TRL calls it, by keyword: ``fn(prompts=, completions=, completion_ids=,
+    trainer_state=, **columns)``. So it needs a ``**kwargs`` for what it does not name, and no positional-only
+    parameter without a default. ``def f(completions, **kwargs)`` and ``def f(prompts, completions, answer,
+    **kwargs)`` both work (a named parameter receives the column of that name)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # a builtin or C callable: nothing to inspect, its call will tell
     params = list(sig.parameters.values())
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    var_positional = any(p.kind == p.VAR_POSITIONAL for p in params)
     var_keyword = any(p.kind == p.VAR_KEYWORD for p in params)
-    if (len(positional) >= 2 or var_positional) and var_keyword:
+    positional_only = [p.name for p in params if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
+    if var_keyword and not positional_only:
         return
     raise error(
-        f"reward function '{name}' has signature {fn.__name__}{sig}; a reward function must accept "
-        "(prompts, completions, **columns) and return one float or None per completion"
+        f"reward function '{name}' has signature {getattr(fn, '__name__', type(fn).__name__)}{sig}; reward functions "
+        "are called by keyword as in TRL (prompts=, completions=, completion_ids=, trainer_state= and every dataset "
+        "column), so it must take **kwargs and no positional-only parameters, e.g. def f(completions, **kwargs); "
+        "it returns one float or None per completion"
     )
 
 

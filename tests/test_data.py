@@ -51,9 +51,9 @@ EXACT = [
     (b'{"question": "a", "answer": "1"}\n',
      "{path}:1: missing column(s) ['prompt']; columns found: ['answer', 'question'] (set data.prompt_column)"),
     (b'{"prompt": "a"}\n{"prompt": ""}\n',
-     "{path}:2: the prompt (column 'prompt') is ''; it must be non-empty text (fix or remove the row, or set data.prompt_column)"),
+     "{path}:2: the prompt (column 'prompt') is ''; it must be non-empty text or a list of {{'role': ..., 'content': ...}} messages (fix or remove the row, or set data.prompt_column)"),
     (b'{"prompt": 7}\n',
-     "{path}:1: the prompt (column 'prompt') is 7; it must be non-empty text (fix or remove the row, or set data.prompt_column)"),
+     "{path}:1: the prompt (column 'prompt') is 7; it must be non-empty text or a list of {{'role': ..., 'content': ...}} messages (fix or remove the row, or set data.prompt_column)"),
     (b'{"prompt": "caf\xe9"}\n',
      "{path}:1: not valid UTF-8 ('utf-8' codec can't decode byte 0xe9 in position 15: invalid continuation byte); "
      "convert the file to UTF-8"),

@@ -168,14 +168,16 @@ def test_user_reward_function_errors_are_exact(tmp_path, addition_jsonl, user_fi
         "mine.py has no 'nothing' (from reward function 'mine.py:nothing'); it defines: add_hint, boom, drop, good, two_args, two_rows"
     )
     assert reward_error(tmp_path, addition_jsonl, "mine.py:two_args") == (
-        "reward function 'mine.py:two_args' has signature two_args(prompts, completions); a reward function must accept "
-        "(prompts, completions, **columns) and return one float or None per completion"
+        "reward function 'mine.py:two_args' has signature two_args(prompts, completions); reward functions are called "
+        "by keyword as in TRL (prompts=, completions=, completion_ids=, trainer_state= and every dataset column), so it "
+        "must take **kwargs and no positional-only parameters, e.g. def f(completions, **kwargs); it returns one float "
+        "or None per completion"
     )
     assert reward_error(tmp_path, addition_jsonl, "no_such_module_q:good").startswith(
         "cannot import module 'no_such_module_q' for reward function 'no_such_module_q:good': No module named"
     )
     assert reward_error(tmp_path, addition_jsonl, "mine.py:boom") == (
-        "reward function 'mine.py:boom' raised KeyError: 'answer' on sample 0 (prompt: 'What is 3 + 4?')"
+        "reward function 'mine.py:boom' raised KeyError: 'answer' at mine.py:6 (in boom) on sample 0 (prompt: 'What is 3 + 4?')"
     )
 
 

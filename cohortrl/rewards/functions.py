@@ -1,6 +1,7 @@
-"""Built-in reward functions, with the signature TRL users already write:
+"""Built-in reward functions, with the signature TRL users already write (they are called by keyword, see
+``scoring.py``; completions are text, or for conversational data lists of messages):
 
-    fn(prompts: list[str], completions: list[str], **dataset_columns) -> list[float | None]
+    fn(prompts, completions, **dataset_columns) -> list[float | None]
 
 ``None`` means "this function does not apply to this sample". Each built-in is made by a factory that takes the
 config's ``kwargs`` (``make_accuracy(mode="answer_line")``), so a YAML file can tune it.
@@ -24,6 +25,12 @@ RewardFn = Callable[..., list]
 _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
 _ANSWER_LINE = re.compile(r"^\s*\**ANSWER\**\s*:\s*(.+?)\s*$", re.MULTILINE | re.IGNORECASE)
 _NUMBER_RE = re.compile(_NUMBER)
+
+
+def completion_text(completion) -> str:
+    """A completion's text: the completion itself, or (conversational data, as TRL passes it) the content of its
+    last message."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
 def parse_number(text: str) -> float | None:
@@ -83,7 +90,7 @@ def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_colum
             if gold is None:
                 out.append(None)
                 continue
-            predicted = extract_answer(completion, mode)
+            predicted = extract_answer(completion_text(completion), mode)
             out.append(float(predicted is not None and answers_match(predicted, gold, rel_tol=rel_tol)))
         return out
 
@@ -96,7 +103,7 @@ def make_format() -> RewardFn:
     def format_reward(prompts, completions, **columns):
         out = []
         for completion in completions:
-            lines = [m.group(1) for m in _ANSWER_LINE.finditer(completion)]
+            lines = [m.group(1) for m in _ANSWER_LINE.finditer(completion_text(completion))]
             out.append(float(len(lines) == 1 and _NUMBER_RE.fullmatch(lines[0].split()[0].replace(",", "")) is not None))
         return out
 
@@ -130,7 +137,7 @@ def make_task(field: str = "score") -> RewardFn:
         out = []
         for completion, s in zip(completions, sample):
             family = tasks.get(s["family"])
-            grade = family.grade(family.sample_from_dict(s), completion)
+            grade = family.grade(family.sample_from_dict(s), completion_text(completion))
             out.append(float(getattr(grade, field)))
         return out
 
@@ -163,10 +170,11 @@ def make_reward_model(model: str, batch_size: int = 16, max_length: int = 1024) 
 
     @torch.no_grad()
     def reward_model(prompts, completions, **columns):
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
-            for p, c in zip(prompts, completions)
-        ]
+        def exchange(prompt, completion):  # text prompts as the user's turn; a conversation as it stands
+            asked = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            return [*asked, {"role": "assistant", "content": completion_text(completion)}]
+
+        texts = [tokenizer.apply_chat_template(exchange(p, c), tokenize=False) for p, c in zip(prompts, completions)]
         scores = []
         for start in range(0, len(texts), batch_size):
             enc = tokenizer(

@@ -1,21 +1,39 @@
 """Scoring a rollout: call every reward function, check what it returns, and combine with weights.
 
+Reward functions are called exactly as TRL's ``GRPOTrainer`` calls them, by keyword::
+
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)
+
+so a function written for TRL (``def reward_len(completions, **kwargs)``) works unchanged. For conversational
+data (prompts that are lists of messages) ``prompts`` are those lists and each completion is
+``[{"role": "assistant", "content": text}]``, as in TRL. cohortrl adds two columns of its own,
+``completion_lengths`` (tokens) and ``max_new_tokens``.
+
 A reward function that raises, returns the wrong number of values, or returns NaN / inf / a non-number
-stops the run with a :class:`RewardFunctionError` naming the function, the sample index and the prompt —
-never a silent zero. So does one that does not return within ``reward.timeout_s`` (a hung call).
+stops the run with a :class:`RewardFunctionError` naming the function, the sample index and the prompt (and,
+for an exception, the file and line that raised) — never a silent zero. So does one that does not return
+within ``reward.timeout_s`` (a hung call). ``None`` means "not scored by this function"; a sample that no
+function scores stops the run too.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
+import os
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from cohortrl.data import is_conversation, prompt_preview
 from cohortrl.rewards.functions import BUILTIN_REWARDS
 from cohortrl.user_code import check_reward_signature, load_object
+
+# The keyword arguments every call carries besides the dataset's columns (TRL's names).
+CALL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 
 class RewardFunctionError(RuntimeError):
@@ -24,6 +42,16 @@ class RewardFunctionError(RuntimeError):
 
 class RewardTimeoutError(RewardFunctionError):
     """A reward function that did not return within ``reward.timeout_s``."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function gets as ``trainer_state``: the attributes of transformers' ``TrainerState`` that
+    reward functions read (``global_step``: training steps done before this batch, ``max_steps``: the run's
+    total), with the same names, so schedules written for TRL (``trainer_state.global_step / max_steps``) work."""
+
+    global_step: int = 0
+    max_steps: int = 0
 
 
 @dataclass
@@ -96,12 +124,12 @@ def _check(values, name: str, prompts: list[str], expected: int) -> list[float |
             continue
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise RewardFunctionError(
-                f"reward function '{name}' returned {v!r} ({type(v).__name__}) for sample {i} (prompt: {prompts[i][:200]!r}); "
+                f"reward function '{name}' returned {v!r} ({type(v).__name__}) for sample {i} (prompt: {prompt_preview(prompts[i])!r}); "
                 "rewards must be numbers or None"
             )
         if not math.isfinite(v):
             raise RewardFunctionError(
-                f"reward function '{name}' returned {v} for sample {i} (prompt: {prompts[i][:200]!r}); rewards must be finite"
+                f"reward function '{name}' returned {v} for sample {i} (prompt: {prompt_preview(prompts[i])!r}); rewards must be finite"
             )
     return [None if v is None else float(v) for v in values]
 
@@ -126,8 +154,9 @@ def call_with_timeout(fn, timeout_s: float | None, name: str, /, *args, **kwargs
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        n = len(kwargs["completions"]) if "completions" in kwargs else len(args[0])
         raise RewardTimeoutError(
-            f"reward function '{name}' did not return within reward.timeout_s={timeout_s:g} s on {len(args[0])} "
+            f"reward function '{name}' did not return within reward.timeout_s={timeout_s:g} s on {n} "
             "sample(s); it may hang (its thread is left running in the background). Fix the function or raise "
             "reward.timeout_s"
         )
@@ -136,24 +165,77 @@ def call_with_timeout(fn, timeout_s: float | None, name: str, /, *args, **kwargs
     return result["value"]
 
 
-def _call(fn, name: str, prompts, completions, columns, timeout_s: float | None = None) -> list:
+def trl_completions(prompts: list, completions: list) -> list:
+    """Completions as TRL hands them to reward functions: text for text prompts; for conversational prompts
+    one assistant message each, ``[{"role": "assistant", "content": text}]``."""
+    if not prompts or not is_conversation(prompts[0]):
+        return completions
+    return [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
+
+
+def _unfilled(fn, kwargs: dict) -> list[str]:
+    """Parameters of ``fn`` without a default that no keyword argument fills (a column the data lacks, or a
+    parameter named otherwise than TRL names it, such as ``def f(p, c, **kw)``)."""
     try:
-        return call_with_timeout(fn, timeout_s, name, prompts, completions, **columns)
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds and p.default is p.empty and p.name not in kwargs]
+
+
+def raised_at(error: BaseException, fn) -> str:
+    """``file:line`` where ``error`` was raised: the deepest frame in ``fn``'s own file (where the user's code
+    went wrong), else the deepest frame of all. Paths under the working directory are shown relative to it."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "an unknown place"
+    code = getattr(inspect.unwrap(fn.func if isinstance(fn, functools.partial) else fn), "__code__", None)
+    own = [f for f in frames if code is not None and f.filename == code.co_filename]
+    frame = (own or frames)[-1]
+    path = frame.filename
+    try:
+        relative = os.path.relpath(path)
+        path = relative if not relative.startswith("..") else path
+    except ValueError:  # another drive (Windows)
+        pass
+    return f"{path}:{frame.lineno} (in {frame.name})"
+
+
+def _call(fn, name: str, prompts, completions, columns, timeout_s: float | None = None) -> list:
+    """``fn`` called as TRL calls a reward function (see the module docstring), with errors that name the
+    function, the first sample it fails on and the file and line that raised."""
+    clash = sorted(set(columns) & {"prompts", "completions"})
+    if clash:
+        raise RewardFunctionError(f"the data has column(s) {clash}, names reward functions get for the batch; rename the column(s)")
+    kwargs = {"prompts": prompts, "completions": trl_completions(prompts, completions), **columns}
+    unfilled = _unfilled(fn, kwargs)
+    if unfilled:
+        raise RewardFunctionError(
+            f"reward function '{name}' has parameter(s) {unfilled} that no argument fills: reward functions are called "
+            f"by keyword with {', '.join(k for k in kwargs)}; rename the parameter(s) or add the column(s) to the data"
+        )
+    try:
+        return call_with_timeout(fn, timeout_s, name, **kwargs)
     except RewardTimeoutError:
         raise
     except Exception as batch_error:
         # Find the first sample that fails on its own, so the error can name it.
         for i in range(len(prompts)):
-            one = {k: v[i : i + 1] for k, v in columns.items()}
+            one = {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()}
             try:
-                call_with_timeout(fn, timeout_s, name, prompts[i : i + 1], completions[i : i + 1], **one)
+                call_with_timeout(fn, timeout_s, name, **one)
             except RewardTimeoutError:
                 raise
             except Exception as e:
                 raise RewardFunctionError(
-                    f"reward function '{name}' raised {type(e).__name__}: {e} on sample {i} (prompt: {prompts[i][:200]!r})"
+                    f"reward function '{name}' raised {type(e).__name__}: {e} at {raised_at(e, fn)} on sample {i} "
+                    f"(prompt: {prompt_preview(prompts[i])!r})"
                 ) from e
-        raise RewardFunctionError(f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} on the batch") from batch_error
+        raise RewardFunctionError(
+            f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} at {raised_at(batch_error, fn)} "
+            "on the batch"
+        ) from batch_error
 
 
 def score(
@@ -173,7 +255,7 @@ def score(
         applied = [(r.weight, per_fn[r.name][i]) for r in rewards if per_fn[r.name][i] is not None]
         if not applied:
             raise RewardFunctionError(
-                f"no reward function applies to sample {i} (all returned None; prompt: {prompts[i][:200]!r}); "
+                f"no reward function applies to sample {i} (all returned None; prompt: {prompt_preview(prompts[i])!r}); "
                 "add a reward function that scores it or remove the sample from the data"
             )
         totals.append(sum(w * v for w, v in applied))

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from cohortrl.config import SamplingConfig
+from cohortrl.data import prompt_preview, render_prompt
 from cohortrl.kernels import decoding_weights
 from cohortrl.rollout.decoder import decoder_for
 from cohortrl.rollout.replay import Recording
@@ -35,12 +36,9 @@ class PromptTooLongError(ValueError):
     pass
 
 
-def chat_text(tokenizer, prompt: str, system_prompt: str | None) -> str:
-    """The prompt as the model sees it: chat template applied, ready for the assistant's answer."""
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + [
-        {"role": "user", "content": prompt}
-    ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def chat_text(tokenizer, prompt, system_prompt: str | None) -> str:
+    """The prompt (text or a conversation) as the model sees it: ``data.render_prompt``."""
+    return render_prompt(tokenizer, prompt, system_prompt)
 
 
 def encode_prompts(tokenizer, prompts: list[str], system_prompt: str | None, max_prompt_tokens: int, overlong: str):
@@ -54,7 +52,7 @@ def encode_prompts(tokenizer, prompts: list[str], system_prompt: str | None, max
             if overlong == "reject":
                 raise PromptTooLongError(
                     f"prompt {i} has {len(ids)} tokens after the chat template, more than "
-                    f"data.max_prompt_tokens={max_prompt_tokens}: {prompts[i][:200]!r}. "
+                    f"data.max_prompt_tokens={max_prompt_tokens}: {prompt_preview(prompts[i])!r}. "
                     "Raise data.max_prompt_tokens or set data.overlong_prompts=truncate."
                 )
             encoded[i] = ids[-max_prompt_tokens:]  # keep the end: the question and the assistant header

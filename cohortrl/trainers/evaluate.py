@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cohortrl.rewards.scoring import WeightedReward, score
+from cohortrl.rewards.scoring import TrainerState, WeightedReward, score
 from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.stats import wilson_interval
 
@@ -13,19 +13,23 @@ def _columns(rollout) -> dict[str, list]:
     """Dataset columns (everything but the prompt) plus what the trainer knows about each completion."""
     keys = [k for k in rollout.rows[0] if k != "prompt"]
     cols = {k: [row.get(k) for row in rollout.rows] for k in keys}
+    cols["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.response_ids, rollout.response_mask)]
     cols["completion_lengths"] = rollout.lengths.tolist()
     return cols
 
 
-def rollout_columns(rollout, max_new_tokens: int) -> dict[str, list]:
-    """The keyword arguments reward functions receive: the rows' columns, plus ``max_new_tokens``."""
+def rollout_columns(rollout, max_new_tokens: int, trainer_state: TrainerState | None = None) -> dict:
+    """The keyword arguments reward functions receive besides prompts and completions (TRL's, see
+    ``rewards/scoring.py``): the rows' columns, ``completion_ids``, ``trainer_state``, plus ``max_new_tokens``."""
     cols = _columns(rollout)
     cols["max_new_tokens"] = [max_new_tokens] * rollout.batch_size
+    cols["trainer_state"] = trainer_state or TrainerState()
     return cols
 
 
-def score_rollout(rewards: list[WeightedReward], rollout, max_new_tokens: int, computed: dict | None = None):
-    cols = rollout_columns(rollout, max_new_tokens)
+def score_rollout(rewards: list[WeightedReward], rollout, max_new_tokens: int, computed: dict | None = None,
+                  trainer_state: TrainerState | None = None):
+    cols = rollout_columns(rollout, max_new_tokens, trainer_state)
     return score(rewards, [r["prompt"] for r in rollout.rows], rollout.completions, cols, computed)
 
 
@@ -43,6 +47,7 @@ def evaluate(
     temperature: float = 1.0,
     max_prompt_tokens: int = 512,
     overlong_prompts: str = "reject",
+    trainer_state: TrainerState | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy with a 95% Wilson interval, and (if ``pass_k``) k samples per prompt at ``temperature``:
     pass@k and the sampled accuracy with a 95% interval over prompts. Sampling runs under a forked RNG so evaluating never changes the training
@@ -55,7 +60,7 @@ def evaluate(
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         rollout, _ = generate(model, tokenizer, chunk, 1, Sampling(temperature=0, max_new_tokens=max_new_tokens), **kw)
-        _, per_fn = score_rollout([correctness], rollout, max_new_tokens)
+        _, per_fn = score_rollout([correctness], rollout, max_new_tokens, trainer_state=trainer_state)
         correct += [float(v or 0.0) for v in per_fn[correctness.name]]
         lengths += rollout.lengths.tolist()
     n, hits = len(correct), int(sum(v >= 1.0 for v in correct))
@@ -72,7 +77,7 @@ def evaluate(
                 chunk = rows[start : start + per_batch]
                 sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens)
                 rollout, _ = generate(model, tokenizer, chunk, pass_k, sampling, **kw)
-                _, per_fn = score_rollout([correctness], rollout, max_new_tokens)
+                _, per_fn = score_rollout([correctness], rollout, max_new_tokens, trainer_state=trainer_state)
                 per_prompt.append((torch.tensor([float(v or 0.0) for v in per_fn[correctness.name]]) >= 1.0).float().view(-1, pass_k))
         hits_PK = torch.cat(per_prompt)
         mean_P = hits_PK.mean(-1)
@@ -84,7 +89,8 @@ def evaluate(
     return out
 
 
-def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedReward, cfg) -> dict[str, float]:
+def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedReward, cfg,
+                    trainer_state: TrainerState | None = None) -> dict[str, float]:
     """``evaluate`` with the settings of a run config (``eval``, ``sampling``, ``model``, ``data`` sections):
     the one place the trainer and ``cohortrl eval`` read them."""
     e = cfg.eval
@@ -92,5 +98,5 @@ def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedRew
         model, tokenizer, rows, correctness, system_prompt=cfg.model.system_prompt,
         max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens, batch_size=e.batch_size,
         pass_k=e.pass_k, temperature=e.temperature, max_prompt_tokens=cfg.data.max_prompt_tokens,
-        overlong_prompts=cfg.data.overlong_prompts,
+        overlong_prompts=cfg.data.overlong_prompts, trainer_state=trainer_state,
     )

@@ -45,7 +45,7 @@ from cohortrl.data import PromptStream, load_rows
 from cohortrl.kernels import linear_kernels, resolve_cpu_linear
 from cohortrl.models import load_model
 from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
-from cohortrl.rewards.scoring import RewardFunctionError, WeightedReward, resolve
+from cohortrl.rewards.scoring import RewardFunctionError, TrainerState, WeightedReward, resolve
 from cohortrl.rewards.steps import step_end_tokens, token_char_ends
 from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.types import Rollout
@@ -244,6 +244,11 @@ class RLTrainer:
             self.pool = None
         self.dist.barrier()
         self.dist.close()
+
+    @property
+    def trainer_state(self) -> TrainerState:
+        """What reward functions get as ``trainer_state`` (TRL's argument): steps done and the run's total."""
+        return TrainerState(global_step=self.step_count, max_steps=self.cfg.train.steps)
 
     def stop(self, reason: str) -> None:
         """Ask the loop to stop after the current step (from a callback); it checkpoints before returning."""
@@ -478,7 +483,7 @@ class RLTrainer:
                     rollout, n_trunc = self._generate(chunk, seed)
                 parts.append((rollout, n_trunc))
                 if self.pool is not None:
-                    cols = rollout_columns(rollout, self.sampling.max_new_tokens)
+                    cols = rollout_columns(rollout, self.sampling.max_new_tokens, self.trainer_state)
                     jobs.append(self.pool.submit([r["prompt"] for r in rollout.rows], rollout.completions, cols))
         n_truncated = sum(n for _, n in parts)
         parts = [r for r, _ in parts]
@@ -490,7 +495,7 @@ class RLTrainer:
             if jobs:
                 results = [self.pool.result(job) for job in jobs]
                 computed = {name: [v for res in results for v in res[name]] for name in results[0]}
-            rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens, computed)
+            rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens, computed, self.trainer_state)
         return rollout, rewards, per_fn, n_truncated
 
     def _score_steps(self, batch: ScoredBatch) -> dict:
@@ -498,7 +503,7 @@ class RLTrainer:
         ``rewards/process.py``) and return the step detectors' metrics (over the whole batch)."""
         p, rollout = self.cfg.reward.process, batch.rollout
         prompts = [r["prompt"] for r in rollout.rows]
-        cols = rollout_columns(rollout, self.sampling.max_new_tokens)
+        cols = rollout_columns(rollout, self.sampling.max_new_tokens, self.trainer_state)
         raw = self.process.score(rollout, cols)
         if not isinstance(raw, (list, tuple)) or len(raw) != rollout.batch_size:
             raise RewardFunctionError(
@@ -771,7 +776,8 @@ class RLTrainer:
     def evaluate(self) -> dict:
         """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers."""
         with self.dist.gathered(self.model), linear_kernels(self.cpu_linear):  # FSDP2: rank 0 runs forward passes the others do not
-            metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg) if self.dist.is_main else None
+            metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
+                                      self.trainer_state) if self.dist.is_main else None
         return self.dist.broadcast(metrics)
 
     def _log(self, row: dict) -> dict:

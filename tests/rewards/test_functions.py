@@ -76,7 +76,7 @@ def test_weighted_total_skips_functions_that_do_not_apply():
 )
 def test_bad_return_values(values, message):
     with pytest.raises(RewardFunctionError, match=message):
-        score([WeightedReward("f", lambda p, c, **k: values)], ["q0", "q1"], ["a", "b"], {})
+        score([WeightedReward("f", lambda prompts, completions, **k: values)], ["q0", "q1"], ["a", "b"], {})
 
 
 def test_resolve_user_code_and_unknown_names(tmp_path):

@@ -40,5 +40,5 @@ def test_results_and_errors_pass_through_the_timeout_unchanged(timeout_s):
 
     totals, _ = score([WeightedReward("length", length, timeout_s=timeout_s)], PROMPTS, COMPLETIONS, {"name": ["x", "y"]})
     assert totals == [1.0, 1.0]
-    with pytest.raises(RewardFunctionError, match=r"^reward function 'fails_on_4' raised ValueError: no fours on sample 1 "):
+    with pytest.raises(RewardFunctionError, match=r"^reward function 'fails_on_4' raised ValueError: no fours at tests/rewards/test_scoring.py:\d+ \(in fails_on_4\) on sample 1 "):
         score([WeightedReward("fails_on_4", fails_on_4, timeout_s=timeout_s)], PROMPTS, COMPLETIONS, {})
