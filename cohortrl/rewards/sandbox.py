@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 SERVER = Path(__file__).with_name("sandbox_server.py")
 MAX_CODE_CHARS = 100_000  # a longer "function" is refused before it reaches the server
+MAX_ATTEMPTS = 2  # a job in flight when the server crashes runs once more, on a new server
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Sandbox:
                        "fast_s": fast_s, "seccomp": seccomp}
         self._lock = threading.Lock()  # guards starting/stopping and writes to the server
         self._proc: subprocess.Popen | None = None
-        self._pending: dict[int, dict] = {}  # id -> {"event", "result"}
+        self._pending: dict[int, dict] = {}  # id -> a slot: {"event", "result", "proc", "attempts", "crash"}
         self._ids = itertools.count()
         self.isolation: Isolation | None = None
 
@@ -146,10 +147,15 @@ class Sandbox:
         proc = self._proc
         return proc.pid if proc is not None and proc.poll() is None else None
 
-    def close(self) -> None:
-        """Stop the server; its children are killed with it. Pending jobs fail."""
+    def close(self, reason: str = "the sandbox was closed") -> None:
+        """Stop the server; its children are killed with it. Pending jobs fail with ``reason``."""
         with self._lock:
             proc, self._proc = self._proc, None
+            for job_id, slot in list(self._pending.items()):
+                if slot["proc"] is proc:  # failed here, so that the reader does not take the exit for a crash
+                    del self._pending[job_id]
+                    slot["result"] = {"ok": False, "reason": reason}
+                    slot["event"].set()
         if proc is not None:
             proc.stdin.close()  # the server's loop ends on EOF and kills its children
             try:
@@ -160,18 +166,25 @@ class Sandbox:
 
     def _read_results(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
-            message = json.loads(line)
-            slot = self._pending.pop(message.get("id"), None)
+            try:
+                message = json.loads(line)
+                slot = self._pending.pop(message.get("id"), None)
+                result = message.get("result") or {"ok": False, "reason": str(message.get("error", "?"))}
+            except Exception:  # noqa: BLE001  (never expected: the server checks what it sends; the reader must live)
+                log.exception("sandbox: unreadable line from the server, ignored (its job fails at the wait guard)")
+                continue
             if slot is not None:
-                slot["result"] = message.get("result") or {"ok": False, "reason": message.get("error", "?")}
+                slot["result"] = result
                 slot["event"].set()
-        # EOF: the server died (or was closed). Whatever it still owed fails rather than hangs.
+        # EOF: the server crashed (a deliberate close has already failed its jobs). Whatever it still owed is
+        # run again once on a new server (`_wait`), rather than failed: an honest job did nothing wrong.
         code = proc.wait()
-        for job_id in list(self._pending):
-            if self._pending.get(job_id, {}).get("proc") is proc:
-                slot = self._pending.pop(job_id)
-                slot["result"] = {"ok": False, "reason": f"the sandbox server exited (code {code})"}
-                slot["event"].set()
+        with self._lock:
+            for job_id, slot in list(self._pending.items()):
+                if slot["proc"] is proc:
+                    del self._pending[job_id]
+                    slot["crash"] = f"the sandbox server exited (code {code})"
+                    slot["event"].set()
 
     # -- running -----------------------------------------------------------------------------------------
     def run(self, code: str, func_name: str, calls: Sequence[Sequence[Any]], timeout_s: float = 2.0,
@@ -180,46 +193,67 @@ class Sandbox:
         return self.run_many([Job(code, func_name, calls, timeout_s, memory_mb)])[0]
 
     def run_many(self, jobs: Sequence[Job]) -> list[JobResult]:
-        """Run every job (at most ``max_workers`` starting at once); results in the order of ``jobs``."""
+        """Run every job (at most ``max_workers`` starting at once); results in the order of ``jobs``.
+
+        If the server crashes while a job is in flight, the job runs once more on a new server; a second
+        crash fails it, with the reason."""
         self.start()
         slots: list[dict | JobResult] = []
+        for job in jobs:
+            refused = self._refuse(job)
+            slots.append(JobResult(False, refused) if refused else {"event": threading.Event(), "result": None,
+                                                                      "proc": None, "attempts": 0, "crash": ""})
+        self._submit([(job, slot) for job, slot in zip(jobs, slots) if isinstance(slot, dict)])
+        # A guard against a wedged server, never reached in normal operation: every job, one start slot
+        # at a time, at its full limit, twice over (afresh for a job run again after a crash).
+        guard = 10 + 2 * sum(job.timeout_s for job in jobs) / self.config["max_workers"]
+        deadline = time.monotonic() + guard
+        results = []
+        for job, slot in zip(jobs, slots):
+            if isinstance(slot, dict):
+                slot = self._wait(job, slot, deadline, guard)
+            results.append(slot)
+        return results
+
+    def _submit(self, pairs: list[tuple[Job, dict]]) -> None:
+        """Send each job to the server (started if it is not running); a job that cannot be sent is marked
+        as crashed, which `_wait` handles."""
+        if not pairs:
+            return
+        self.start()
         with self._lock:
             proc = self._proc
-            for job in jobs:
-                refused = self._refuse(job)
-                if refused:
-                    slots.append(JobResult(False, refused))
-                    continue
+            for job, slot in pairs:
                 job_id = next(self._ids)
-                slot = {"event": threading.Event(), "result": None, "proc": proc}
+                slot["event"].clear()
+                slot.update(proc=proc, attempts=slot["attempts"] + 1, crash="")
                 self._pending[job_id] = slot
-                slots.append(slot)
                 request = {"id": job_id, "code": job.code, "func": job.func_name, "calls": [list(a) for a in job.calls],
                            "timeout_s": float(job.timeout_s), "memory_mb": int(job.memory_mb)}
                 try:
                     proc.stdin.write((json.dumps(request) + "\n").encode())
-                except (BrokenPipeError, ValueError):
+                except (BrokenPipeError, ValueError, AttributeError):
                     self._pending.pop(job_id, None)
-                    slot["result"] = {"ok": False, "reason": "the sandbox server is not running"}
+                    slot["crash"] = "the sandbox server is not running"
                     slot["event"].set()
             try:
                 proc.stdin.flush()
-            except (BrokenPipeError, ValueError):
-                pass
-        # A guard against a wedged server, never reached in normal operation: every job, one start slot
-        # at a time, at its full limit, twice over.
-        guard = 10 + 2 * sum(job.timeout_s for job in jobs) / self.config["max_workers"]
-        deadline = time.monotonic() + guard
-        results = []
-        for slot in slots:
-            if isinstance(slot, JobResult):
-                results.append(slot)
-                continue
+            except (BrokenPipeError, ValueError, AttributeError):
+                pass  # the reader sees the server's exit and marks what it still owed
+
+    def _wait(self, job: Job, slot: dict, deadline: float, guard: float) -> JobResult:
+        while True:
             if not slot["event"].wait(max(0.0, deadline - time.monotonic())):
-                self.close()  # the server is not answering: start afresh next time
-                slot["result"] = {"ok": False, "reason": f"the sandbox server did not answer within {guard:.0f} s"}
-            results.append(_job_result(slot["result"]))
-        return results
+                self.close(f"the sandbox server did not answer within {guard:.0f} s")  # start afresh next time
+                slot["event"].wait(1.0)  # close() has failed the job, unless the server answered meanwhile
+                return _job_result(slot["result"] or {"ok": False, "reason": f"the sandbox server did not answer within {guard:.0f} s"})
+            if not slot["crash"]:
+                return _job_result(slot["result"])
+            if slot["attempts"] >= MAX_ATTEMPTS:
+                return JobResult(False, f"{slot['crash']} while this job ran, {slot['attempts']} times; the job was not graded")
+            log.warning("sandbox: %s with a job in flight; running it again on a new server", slot["crash"])
+            self._submit([(job, slot)])
+            deadline = time.monotonic() + guard
 
     @staticmethod
     def _refuse(job: Job) -> str:
@@ -231,9 +265,40 @@ class Sandbox:
 
 
 def _job_result(data: dict) -> JobResult:
-    calls = [CallResult(bool(c.get("ok")), c.get("value"), str(c.get("error", ""))) for c in data.get("calls", [])]
-    return JobResult(bool(data.get("ok")), str(data.get("reason", "")), calls, str(data.get("output", "")),
-                     float(data.get("seconds", 0.0)), bool(data.get("seccomp")), float(data.get("queued_s", 0.0)))
+    """The server's reply as a `JobResult`, checked once more (the server checks what its children write):
+    a reply of the wrong shape is a failed job, never an exception in the grader."""
+    try:
+        calls = [_call_result(c) for c in data.get("calls") or []]
+        return JobResult(data.get("ok") is True, _text(data.get("reason")), calls, _text(data.get("output")),
+                         float(data.get("seconds") or 0.0), data.get("seccomp") is True, float(data.get("queued_s") or 0.0))
+    except (AttributeError, TypeError, ValueError) as e:
+        return JobResult(False, f"the sandbox server's reply was malformed ({type(e).__name__}: {str(e)[:200]})")
+
+
+def _call_result(data: dict) -> CallResult:
+    if type(data) is not dict or type(data.get("ok")) is not bool:
+        raise TypeError("a call's result is not an object with a boolean 'ok'")
+    value = data.get("value")
+    if not _plain(value):
+        raise ValueError("a call's value is not plain JSON data nested at most 32 deep")
+    return CallResult(data["ok"], value, _text(data.get("error")))
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Plain JSON data (exact types) nested at most 32 deep; checked without deeper recursion than that."""
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    if depth >= 32:
+        return False
+    if type(value) is list:
+        return all(_plain(v, depth + 1) for v in value)
+    return type(value) is dict and all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
+
+
+def _text(value: Any) -> str:
+    if value is not None and type(value) is not str:
+        raise TypeError(f"expected text, got {type(value).__name__}")
+    return value or ""
 
 
 _shared: Sandbox | None = None

@@ -68,13 +68,18 @@ REMOVED_BUILTINS = ("open", "input", "breakpoint", "help", "exit", "quit", "copy
 SCMP_ACT_KILL_PROCESS = 0x80000000
 SCMP_ACT_ALLOW = 0x7FFF0000
 SCMP_ACT_ERRNO_EPERM = 0x00050000 | errno.EPERM
+SCMP_CMP_EQ = 4
 SCMP_CMP_MASKED_EQ = 7
 AT_EMPTY_PATH = 0x1000
+# fcntl only to read and set descriptor and status flags (F_GETFD, F_SETFD, F_GETFL, F_SETFL). F_SETOWN and
+# F_SETSIG would let a job have the kernel signal a process of its choice when a pipe is read: itself, with
+# a real-time signal (the server used to die naming it), or, where jobs share the server's uid, the server.
+FCNTL_COMMANDS = (1, 2, 3, 4)
 
 # What a pure computation needs once its interpreter is up: memory, reading and writing the descriptors
 # it already holds, time, sleeping, signal masks, random numbers, and exiting.
 ALLOWED_SYSCALLS = (
-    "read", "write", "readv", "writev", "pread64", "lseek", "close", "fstat", "fcntl",
+    "read", "write", "readv", "writev", "pread64", "lseek", "close", "fstat",
     "mmap", "munmap", "mremap", "mprotect", "brk", "madvise",
     "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "sigaltstack", "restart_syscall",
     "futex", "sched_yield", "getpid", "gettid", "getppid", "getuid", "geteuid", "getgid", "getegid",
@@ -130,10 +135,13 @@ class Seccomp:
                     self.error = f"seccomp_rule_add({name}) failed"
                     return
         # glibc's fstat() is newfstatat(fd, "", buf, AT_EMPTY_PATH); stat() of a path stays refused.
-        number = lib.seccomp_syscall_resolve_name(b"newfstatat")
-        if number >= 0:
-            rule = ArgCmp(3, SCMP_CMP_MASKED_EQ, AT_EMPTY_PATH, AT_EMPTY_PATH)
-            lib.seccomp_rule_add_array(ctx, SCMP_ACT_ALLOW, number, 1, ctypes.byref(rule))
+        rules = [(b"newfstatat", ArgCmp(3, SCMP_CMP_MASKED_EQ, AT_EMPTY_PATH, AT_EMPTY_PATH))]
+        rules += [(name, ArgCmp(1, SCMP_CMP_EQ, cmd, 0)) for name in (b"fcntl", b"fcntl64") for cmd in FCNTL_COMMANDS]
+        for name, rule in rules:
+            number = lib.seccomp_syscall_resolve_name(name)
+            if number >= 0 and lib.seccomp_rule_add_array(ctx, SCMP_ACT_ALLOW, number, 1, ctypes.byref(rule)) != 0:
+                self.error = f"seccomp_rule_add({name.decode()}) failed"
+                return
         self.ctx = ctx
 
     def load(self) -> bool:
@@ -192,6 +200,9 @@ def isolate_network() -> str:
 UID_BASE = 1_500_000  # each child slot gets uid UID_BASE + slot when the server is root
 RESULT_FD = 3
 MAX_RESULT_BYTES = 1 << 20
+MAX_VALUE_DEPTH = 20  # nesting of a returned value
+MAX_INT = 10**300  # a larger returned integer is refused (JSON readers elsewhere may not take it)
+MAX_ERROR_CHARS = 1000  # an exception's message is cut to this: it is feedback, not data
 SECCOMP_FAILED = 73  # a child's exit code when its filter would not load
 
 
@@ -213,23 +224,39 @@ def restricted_builtins() -> dict:
 
 
 def as_json(value, depth=0):
-    """The returned value as JSON data: tuples become lists; anything else non-JSON is an error."""
-    if depth > 20:
-        raise TypeError("returned data nested more than 20 levels deep")
-    if value is None or isinstance(value, (bool, int, float, str)):
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**300:
+    """The returned value as plain JSON data of exact types: tuples become lists, and a subclass of int,
+    float, str, list, tuple or dict is read through the base type's own methods, so none of its overrides
+    (``__abs__``, ``__iter__``, ``__eq__``, ...) runs and the client compares plain values. Anything else
+    non-JSON is an error. (Not a security boundary: the model's code can write its own result on the
+    result pipe, which is why the server checks what it reads, `check_result`.)"""
+    if depth > MAX_VALUE_DEPTH:
+        raise TypeError(f"returned data nested more than {MAX_VALUE_DEPTH} levels deep")
+    if value is None or type(value) is bool:
+        return value
+    if isinstance(value, int):
+        value = int.__int__(value)
+        if abs(value) > MAX_INT:
             raise TypeError("returned an integer too large to report")
         return value
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, str):
+        return str.__str__(value)
     if isinstance(value, (list, tuple)):
-        return [as_json(v, depth + 1) for v in value]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {k: as_json(v, depth + 1) for k, v in value.items()}
+        items = list.__iter__(value) if isinstance(value, list) else tuple.__iter__(value)
+        return [as_json(v, depth + 1) for v in items]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in dict.keys(value)):
+            raise TypeError("returned a dict whose keys are not all strings")
+        return {str.__str__(k): as_json(v, depth + 1) for k, v in dict.items(value)}
     raise TypeError(f"returned a {type(value).__name__}, which is not plain data (numbers, strings, lists)")
 
 
 def describe(error: BaseException, memory_mb: int) -> str:
     """One line: the exception and the line of the model's code it came from."""
     text = "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()[-1]
+    if len(text) > MAX_ERROR_CHARS:
+        text = f"{text[:MAX_ERROR_CHARS]}… ({len(text) - MAX_ERROR_CHARS} more characters)"
     if isinstance(error, MemoryError):
         text = f"MemoryError: the memory limit of {memory_mb} MB was exceeded"
     # walk_tb rather than extract_tb: looking up source lines would try to open files, which fails here.
@@ -333,6 +360,66 @@ SIGNAL_REASONS = {
 }
 
 
+def signal_name(sig: int) -> str:
+    """SIGTERM, SIGRTMIN+6, or "signal 99": any number a wait status can hold (real-time signals have no
+    member in `signal.Signals`, whose constructor raises for them)."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        if signal.SIGRTMIN <= sig <= signal.SIGRTMAX:
+            return f"SIGRTMIN+{sig - signal.SIGRTMIN}"
+        return f"signal {sig}"
+
+
+def plain_value(value, depth: int = 0) -> bool:
+    """Is ``value`` (parsed from a child's JSON) plain data that `as_json` could have produced? Bounded by
+    ``MAX_VALUE_DEPTH``, so a forged value nested a thousand deep is refused without deep recursion."""
+    if value is None or type(value) in (bool, float, str):
+        return True
+    if type(value) is int:
+        return abs(value) <= MAX_INT
+    if depth >= MAX_VALUE_DEPTH:
+        return False
+    if type(value) is list:
+        return all(plain_value(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(plain_value(v, depth + 1) for v in value.values())
+    return False
+
+
+def check_result(raw: bytes, n_calls: int) -> tuple[dict | None, str]:
+    """A child's result bytes as ``({"calls": [...]} or {"error": text}, "")``, or ``(None, why not)``.
+
+    The bytes are untrusted: the model's code can write anything on the result pipe. Only what `run_job`
+    writes passes: ``n_calls`` objects, each ``{"ok": true, "value": plain data}`` or ``{"ok": false,
+    "error": text}``, or one ``{"error": text}``; any parse failure (RecursionError for deep nesting
+    included) is a reason, never an exception."""
+    try:
+        data = json.loads(raw)
+    except Exception as e:  # noqa: BLE001  (ValueError, RecursionError, MemoryError: all the job's doing)
+        return None, f"its result is not valid JSON ({type(e).__name__})"
+    if not isinstance(data, dict):
+        return None, "its result is not a JSON object"
+    if "error" in data:
+        if type(data["error"]) is not str:
+            return None, "its result's error is not text"
+        return {"error": data["error"][: MAX_ERROR_CHARS + 200], "seccomp": data.get("seccomp") is True}, ""
+    calls = data.get("calls")
+    if type(calls) is not list or len(calls) != n_calls:
+        return None, f"its result does not hold one entry per call ({n_calls})"
+    clean = []
+    for i, call in enumerate(calls):
+        if type(call) is not dict or type(call.get("ok")) is not bool:
+            return None, f"its result for call {i + 1} is not an object with a boolean 'ok'"
+        if call["ok"] and not plain_value(call.get("value")):
+            return None, f"its result for call {i + 1} is not plain data nested at most {MAX_VALUE_DEPTH} deep"
+        if not call["ok"] and type(call.get("error")) is not str:
+            return None, f"its result for call {i + 1} has no error text"
+        clean.append({"ok": True, "value": call.get("value")} if call["ok"]
+                     else {"ok": False, "error": call["error"][: MAX_ERROR_CHARS + 200]})
+    return {"calls": clean, "seccomp": data.get("seccomp") is True}, ""
+
+
 class Server:
     def __init__(self, config: dict) -> None:
         self.max_workers = config["max_workers"]
@@ -372,7 +459,7 @@ class Server:
                 "python": sys.version.split()[0]}
 
     def send(self, message: dict) -> None:
-        view = memoryview((json.dumps(message) + "\n").encode())
+        view = memoryview((json.dumps(message) + "\n").encode())  # ensure_ascii: lone surrogates are escaped
         while view:
             view = view[os.write(1, view):]
 
@@ -415,8 +502,8 @@ class Server:
                 job["as_bytes"] = job["memory_mb"] << 20
                 job["received"] = time.monotonic()
                 self.queue.append(job)
-            except (ValueError, KeyError, TypeError) as e:
-                self.send({"id": None, "error": f"bad request: {e}"})
+            except Exception as e:  # noqa: BLE001  (a bad request fails alone; the server carries on)
+                self.send({"id": None, "error": f"bad request: {type(e).__name__}: {str(e)[:200]}"})
         return True
 
     def drain_wakeups(self) -> None:
@@ -510,7 +597,15 @@ class Server:
         out_r, out_w = os.pipe()
         result_r, result_w = os.pipe()
         server_pid = os.getpid()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:  # out of memory or processes: this job fails, the server carries on
+            for fd in (out_r, out_w, result_r, result_w):
+                os.close(fd)
+            self.free_slots.append(slot)
+            self.send({"id": job["id"], "result": {"ok": False, "reason": f"the sandbox could not start the job ({e})",
+                                                   "seccomp": self.seccomp.ctx is not None}})
+            return
         if pid == 0:
             child_main(job, {"null": self.null_fd, "out": out_w, "result": result_w}, slot, self.seccomp, server_pid)
         try:
@@ -533,6 +628,22 @@ class Server:
             os.chown(path, UID_BASE + slot, UID_BASE + slot)
         return path
 
+    def empty_slot_dir(self, slot: int) -> None:
+        """Only where seccomp is off can a job leave anything behind (or, without chroot, remove its
+        directory): start the slot afresh. A directory that cannot be made again fails that slot's next
+        job at its set-up (exit code 72), never the server."""
+        path = self.slot_dirs[slot]
+        try:
+            if not os.listdir(path):
+                return
+        except OSError:
+            pass
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            self.make_slot_dir(slot)
+        except OSError:
+            pass
+
     @staticmethod
     def address_space_in_use() -> int:
         """The server's own address space, which a child starts with: memory_mb is on top of it."""
@@ -542,10 +653,12 @@ class Server:
     def finish(self, child: Child) -> None:
         del self.children[child.pid]
         self.free_slots.append(child.slot)
-        if os.listdir(child.job["dir"]):  # only where seccomp is off can a job leave anything behind
-            shutil.rmtree(child.job["dir"], ignore_errors=True)
-            self.make_slot_dir(child.slot)
-        result = self.verdict(child)
+        self.empty_slot_dir(child.slot)
+        try:
+            result = self.verdict(child)
+        except Exception as e:  # noqa: BLE001  (a job must never take the server down with it)
+            result = {"ok": False, "reason": f"the sandbox could not judge this job ({type(e).__name__}: {str(e)[:200]})",
+                      "seccomp": self.seccomp.ctx is not None}
         result["output"] = child.out.decode("utf-8", errors="replace")
         result["seconds"] = round(time.monotonic() - child.started, 4)
         result["queued_s"] = round(child.started - child.job["received"], 4)
@@ -560,7 +673,7 @@ class Server:
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             cpu = max(1, math.ceil(child.job["timeout_s"]))
-            reason = SIGNAL_REASONS.get(sig, f"killed by signal {signal.Signals(sig).name}").format(cpu=cpu)
+            reason = SIGNAL_REASONS[sig].format(cpu=cpu) if sig in SIGNAL_REASONS else f"killed by signal {signal_name(sig)}"
             if sig == signal.SIGKILL:
                 reason = f"killed (SIGKILL): the CPU-time hard limit of {cpu + 1} s or the kernel's OOM killer"
             return {"ok": False, "reason": reason, "seccomp": seccomp_on}
@@ -568,23 +681,19 @@ class Server:
         if code == SECCOMP_FAILED:
             return {"ok": False, "reason": "the seccomp filter could not be loaded, so the code was not run",
                     "seccomp": False}
-        try:
-            data = json.loads(child.result) if code == 0 else None
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
+        if code != 0 or not child.result:
             return {"ok": False, "reason": f"exited with code {code} without a result", "seccomp": seccomp_on}
-        filtered = data.get("seccomp") is True
+        data, why = check_result(bytes(child.result), len(child.job["calls"]))
+        if data is None:
+            return {"ok": False, "reason": f"the job's result was malformed: {why}", "seccomp": seccomp_on}
+        filtered = data["seccomp"]
         if "error" in data:
-            return {"ok": False, "reason": str(data["error"]), "seccomp": filtered}
-        calls = data.get("calls")
-        if not isinstance(calls, list) or len(calls) != len(child.job["calls"]):
-            return {"ok": False, "reason": "the child's result was malformed", "seccomp": filtered}
-        failed = next((i for i, c in enumerate(calls) if not (isinstance(c, dict) and c.get("ok") is True)), None)
+            return {"ok": False, "reason": data["error"], "seccomp": filtered}
+        calls = data["calls"]
+        failed = next((i for i, c in enumerate(calls) if not c["ok"]), None)
         if failed is None:
             return {"ok": True, "reason": "", "calls": calls, "seccomp": filtered}
-        error = calls[failed].get("error") if isinstance(calls[failed], dict) else None
-        return {"ok": False, "reason": f"call {failed + 1} raised {error}", "calls": calls, "seccomp": filtered}
+        return {"ok": False, "reason": f"call {failed + 1} raised {calls[failed]['error']}", "calls": calls, "seccomp": filtered}
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 import random
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -250,14 +251,44 @@ def expected_of(problem: Problem, args: tuple) -> Any:
 
 
 def matches(value: Any, expected: Any, rel_tol: float) -> bool:
+    """Does a returned ``value`` (JSON data) equal ``expected``: strings exactly, numbers within ``rel_tol``?
+    Only exact ``str``/``int``/``float``/``list`` count, so no subclass's ``__eq__`` or ``__abs__`` is consulted,
+    and an integer too large for a float is simply wrong (``math.isfinite`` raised OverflowError on it)."""
     if isinstance(expected, str):
-        return value == expected
+        return type(value) is str and value == expected
     if isinstance(expected, list):
-        return isinstance(value, list) and len(value) == len(expected) and all(
+        return type(value) is list and len(value) == len(expected) and all(
             matches(v, e, rel_tol) for v, e in zip(value, expected))
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    number = as_float(value)
+    if number is None or not math.isfinite(number):
         return False
-    return abs(value - expected) <= rel_tol * abs(expected) + 1e-9
+    return abs(number - expected) <= rel_tol * abs(expected) + 1e-9
+
+
+def as_float(value: Any) -> float | None:
+    """An exact int or float as a float; None for anything else (bools, subclasses, ints beyond a float)."""
+    if type(value) is float:
+        return value
+    if type(value) is int:
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    return None
+
+
+# Returned values are the model's: shown in feedback at most a few levels deep and a few hundred characters.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 3, 8, 8, 80, 40, 80
+
+
+def short_repr(value: Any) -> str:
+    """``repr`` bounded in depth and length (`reprlib`), so a value nested a thousand deep or a megabyte
+    long cannot raise RecursionError or flood the feedback."""
+    try:
+        return _SHORT.repr(value)
+    except (RecursionError, ValueError) as e:  # ValueError: an int past Python's digit limit for str()
+        return f"<a {type(value).__name__} that cannot be shown: {type(e).__name__}>"
 
 
 def show(value: Any, lists_as_tuples: bool = True) -> str:
@@ -338,9 +369,9 @@ class PythonFunction(TaskFamily):
             raised = call.error.split(":", 1)[0].split(" ", 1)[0]
             if not call.ok and raised == expected["raises"]:
                 return True, ""
-            return False, f"expected {expected['raises']}, got " + (call.error if not call.ok else repr(call.value))
+            return False, f"expected {expected['raises']}, got " + (call.error if not call.ok else short_repr(call.value))
         if not call.ok:
             return False, call.error
         if matches(call.value, expected, self.rel_tol):
             return True, ""
-        return False, f"returned {call.value!r}, expected {show(expected)}"
+        return False, f"returned {short_repr(call.value)}, expected {show(expected)}"
