@@ -1,0 +1,186 @@
+"""The golden training runs: tiny configurations whose per-step metrics are pinned in ``golden_runs.json``.
+
+Each run is 3 steps of the tiny random Llama (2 prompts x 4 responses of at most 8 tokens for GRPO, 8 x 1
+for PPO) trained in-process, exactly as a user's run, on in-memory rows and the reward functions of
+``rewards.py``. After every step it records the logged metrics (loss, policy loss, KL, grad norm, reward,
+entropy, LR, lengths, and the algorithm's own numbers) and statistics of the advantages the step trained on
+(mean, std, min, max over response tokens, read from the step's ``Targets``).
+
+``tests/trainers/test_golden.py`` reruns every run and compares with the numbers pinned for the installed
+torch version; ``python -m tests.golden.regenerate`` pins them again and prints what changed. This module
+run as ``python -m tests.golden.runs --out FILE`` writes the current numbers (the regenerator calls it in
+two fresh processes, in opposite orders, and pins only bit-identical results).
+
+What each run covers (one run per registry entry, so a silently swapped entry changes its numbers):
+    grpo ... grpo_combined   every advantage estimator, aggregation seq-mean-token-mean, β·KL (k3) in the loss
+    agg_*                    the other two aggregation modes (estimator grpo)
+    kl_in_reward             β·KL (k1) moved into the reward (GRPO)
+    grpo_epochs2             2 epochs x 2 minibatches: log π_old, ratios away from 1, clipping
+    ppo                      PPO: critic (one warm-up step with the policy frozen), GAE, adaptive β
+    sft                      not yet: the SFT trainer does not exist (issue #28). Add its run to RUNS when
+                             it does; test_golden's coverage test then asks for its pinned numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from tests.golden.rewards import starts_with_letter, starts_with_vowel
+
+GOLDEN_FILE = Path(__file__).with_name("golden_runs.json")
+REGENERATE = "python -m tests.golden.regenerate"
+# Relative tolerance of the comparison. The absolute floor only matters for values that are rounding noise
+# around 0 (e.g. the KL of step 1, where policy and reference are the same weights but the policy's log-probs
+# come from decoding's kernels: ~1e-14).
+RTOL, ATOL = 1e-5, 1e-9
+# The runs use one thread, in the test as here. The numbers are the same with two (checked when they were
+# first pinned), but on a busy 2-core machine two threads spin against each other: 3-10x the CPU time.
+THREADS = 1
+# Wall-clock and memory readings, and the per-function reward keys (their names carry the file path).
+UNPINNED_PREFIXES = ("time/", "tokens_per_s", "peak_rss_mb", "reward/")
+
+PROCESS_REWARD = {"name": f"{Path(__file__).with_name('rewards.py')}:letter_words", "coef": 0.5,
+                  "require_answer": False}
+
+BASE = {
+    "model": {"name": "tiny-llama", "system_prompt": None},
+    "data": {"eval_size": 4},
+    # A space ends a response: lengths vary from 1 to 8 tokens, so the three aggregation modes differ (with equal
+    # lengths they agree) and responses stop early as well as hit the budget.
+    "sampling": {"max_new_tokens": 8, "temperature": 1.0, "stop": [" "]},
+    "algorithm": {"group_size": 4, "prompts_per_step": 2, "beta": 0.1},
+    # A large LR for a tiny model: the KL to the reference is far from 0 by step 2, so dropping it shows.
+    "optim": {"lr": 1e-2},
+    "train": {"steps": 3, "progress": False},
+    "eval": {"before": False, "n_prompts": 0},
+}
+
+RUNS: dict[str, dict] = {
+    "grpo": {},
+    "grpo_batch": {"algorithm": {"estimator": "grpo_batch"}},
+    "dr_grpo": {"algorithm": {"estimator": "dr_grpo"}},
+    "rloo": {"algorithm": {"estimator": "rloo"}},
+    "reinforce_pp": {"algorithm": {"estimator": "reinforce_pp"}},
+    "reinforce_pp_baseline": {"algorithm": {"estimator": "reinforce_pp_baseline"}},
+    "grpo_process": {"algorithm": {"estimator": "grpo_process"}, "reward": {"process": PROCESS_REWARD}},
+    "grpo_combined": {"algorithm": {"estimator": "grpo_combined"}, "reward": {"process": PROCESS_REWARD}},
+    "agg_token_mean": {"algorithm": {"aggregation": "token-mean"}},
+    "agg_seq_mean_token_sum_norm": {"algorithm": {"aggregation": "seq-mean-token-sum-norm"}},
+    "kl_in_reward": {"algorithm": {"kl_in_reward": True, "kl_estimator": "k1"}},
+    "grpo_epochs2": {"algorithm": {"epochs": 2, "minibatches": 2}},
+    "ppo": {
+        "algorithm": {
+            "name": "ppo", "group_size": 1, "prompts_per_step": 8, "beta": 0.05, "epochs": 2, "minibatches": 2,
+            "ppo": {"critic_lr": 1e-3, "critic_warmup_steps": 1, "kl_controller": "adaptive", "target_kl": 1.0,
+                    "horizon": 1000, "vf_coef": 0.1, "value_clip": 0.2, "missing_eos_penalty": 0.1},
+        },
+    },
+    # "sft": the SFT trainer does not exist yet (issue #28); its golden run goes here.
+}
+
+# 40 additions, fixed: the runs depend on the trainer, not on the gym's task generators.
+ROWS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(5) for b in range(8)]
+
+
+def config(name: str) -> dict:
+    """The full config of run ``name``: ``BASE`` with the run's sections merged in (one level deep)."""
+    cfg = copy.deepcopy(BASE)
+    for section, values in RUNS[name].items():
+        cfg[section] = {**cfg.get(section, {}), **copy.deepcopy(values)}
+    return cfg
+
+
+def advantage_stats(advantages_BT: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    values = advantages_BT[response_mask.bool()].double()
+    return {"adv_mean": values.mean().item(), "adv_std": values.std().item(),
+            "adv_min": values.min().item(), "adv_max": values.max().item()}
+
+
+def pinned_metrics(row: dict) -> dict:
+    return {k: v for k, v in row.items()
+            if not k.startswith(UNPINNED_PREFIXES) and (v is None or isinstance(v, (int, float)))}
+
+
+def run(name: str, run_dir: str | Path) -> list[dict]:
+    """Train run ``name`` in ``run_dir``; one dict of pinned numbers per step."""
+    from cohortrl.trainers import make_trainer
+
+    trainer = make_trainer(config(name), run_dir, reward_funcs=[starts_with_letter, starts_with_vowel],
+                           reward_weights=[1.0, 0.5], train_dataset=ROWS)
+    advantages = []
+    targets = trainer._targets
+
+    def recording_targets(batch, *args, **kwargs):  # the advantages the step trains on, as the update sees them
+        out = targets(batch, *args, **kwargs)
+        advantages.append(advantage_stats(out.advantages, batch.rollout.response_mask))
+        return out
+
+    trainer._targets = recording_targets
+    # The end-of-run plot takes longer than the training (matplotlib) and computes nothing that is pinned.
+    patch = mock.patch("cohortrl.trainers.loop.plot_curves", lambda run_dir: None)
+    try:
+        with patch:
+            rows = [r for r in trainer.train() if "loss" in r]
+    finally:
+        trainer.close()
+    return [{**pinned_metrics(r), **a} for r, a in zip(rows, advantages, strict=True)]
+
+
+def close(expected, got) -> bool:
+    if expected is None or got is None:
+        return expected is got
+    return math.isclose(float(got), float(expected), rel_tol=RTOL, abs_tol=ATOL)
+
+
+def compare(expected: list[dict], got: list[dict]) -> list[str]:
+    """Every difference beyond the tolerance, one line each; metrics only ``got`` has are new, not wrong."""
+    if len(expected) != len(got):
+        return [f"{len(got)} steps, pinned {len(expected)}"]
+    out = []
+    for step, (want, have) in enumerate(zip(expected, got), start=1):
+        for key, value in want.items():
+            if key not in have:
+                out.append(f"step {step} {key}: no longer logged (pinned {value!r})")
+            elif not close(value, have[key]):
+                rel = ""
+                if value and have[key] is not None:
+                    rel = f" (relative {(have[key] - value) / abs(value):+.2e})"
+                out.append(f"step {step} {key}: {have[key]!r}, pinned {value!r}{rel}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the golden runs and write their numbers as JSON.")
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--reverse", action="store_true", help="run them in the opposite order")
+    parser.add_argument("names", nargs="*", help="runs to do (default: all)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(THREADS)
+    names = args.names or list(RUNS)
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        parser.error(f"unknown run(s) {unknown}; the runs are {list(RUNS)}")
+    results, seconds = {}, {}
+    with tempfile.TemporaryDirectory(prefix="golden-") as tmp:
+        for name in reversed(names) if args.reverse else names:
+            start, cpu = time.perf_counter(), time.process_time()
+            results[name] = run(name, Path(tmp) / name)
+            seconds[name] = time.perf_counter() - start
+            print(f"{name}: {seconds[name]:.1f} s wall, {time.process_time() - cpu:.1f} s CPU", file=sys.stderr)
+    Path(args.out).write_text(json.dumps({"torch": torch.__version__, "runs": {n: results[n] for n in names},
+                                          "seconds": seconds}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Golden training runs: 3 steps of each tiny configuration in ``tests/golden/runs.py`` (every advantage
+estimator, every aggregation mode, KL in the loss and in the reward, several epochs and minibatches, PPO)
+reproduce the per-step loss, KL, grad norm, reward, advantage statistics and the rest of the logged numbers
+pinned in ``tests/golden/golden_runs.json`` to a relative 1e-5. A silent numerical change anywhere in
+rollout -> reward -> advantage -> loss -> update fails here, naming the run, the step and the metric.
+
+The numbers are pinned per torch version: with another version these tests skip, saying how to pin them.
+After an intended change: ``python -m tests.golden.regenerate`` (prints what moved, then writes)."""
+
+import json
+
+import pytest
+import torch
+
+from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES
+from tests.golden.runs import GOLDEN_FILE, REGENERATE, RUNS, THREADS, compare, config, run
+
+PINNED = json.loads(GOLDEN_FILE.read_text()).get(torch.__version__)
+
+
+@pytest.fixture
+def golden_threads():
+    """The runs were pinned with THREADS threads (the numbers do not depend on it here, but the time does)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_golden_run_reproduces_its_pinned_numbers(tmp_path, golden_threads, name):
+    if PINNED is None:
+        pytest.skip(f"no golden numbers for torch {torch.__version__} (pinned: {', '.join(json.loads(GOLDEN_FILE.read_text()))}); "
+                    f"pin them with `{REGENERATE}`")
+    assert name in PINNED, f"golden run {name!r} has no pinned numbers for torch {torch.__version__}; run `{REGENERATE} {name}`"
+    got = run(name, tmp_path)
+    differences = compare(PINNED[name], got)
+    assert not differences, (
+        f"golden run {name!r} moved:\n  " + "\n  ".join(differences)
+        + f"\nIf the change is intended, `{REGENERATE}` pins the new numbers (and prints this diff)."
+    )
+
+
+def test_every_estimator_and_aggregation_mode_has_a_golden_run():
+    """A newly registered estimator or mode gets its own golden run; so does the SFT trainer once it exists."""
+    estimators = {config(n)["algorithm"].get("estimator", "grpo") for n in RUNS if config(n)["algorithm"].get("name") != "ppo"}
+    aggregations = {config(n)["algorithm"].get("aggregation", "seq-mean-token-mean") for n in RUNS}
+    assert set(ADVANTAGE_ESTIMATORS) <= estimators, sorted(set(ADVANTAGE_ESTIMATORS) - estimators)
+    assert set(AGGREGATION_MODES) <= aggregations, sorted(set(AGGREGATION_MODES) - aggregations)
+    assert any(config(n)["algorithm"].get("kl_in_reward") for n in RUNS)
+    assert any(config(n)["algorithm"].get("name") == "ppo" for n in RUNS)
+
+
+def test_the_runs_are_distinguishable():
+    """Every run's pinned numbers differ from every other's: a setting swapped for another (an estimator run
+    as grpo, an aggregation mode ignored) cannot reproduce the run it replaced."""
+    if PINNED is None:
+        pytest.skip(f"no golden numbers for torch {torch.__version__}; pin them with `{REGENERATE}`")
+    names = [n for n in RUNS if n in PINNED]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert compare(PINNED[a], PINNED[b]), f"golden runs {a!r} and {b!r} have the same numbers"
