@@ -20,6 +20,8 @@ import re
 import threading
 from typing import Callable
 
+from cohortrl.rewards.grader_errors import contained
+
 RewardFn = Callable[..., list]
 
 _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
@@ -31,6 +33,11 @@ def completion_text(completion) -> str:
     """A completion's text: the completion itself, or (conversational data, as TRL passes it) the content of its
     last message."""
     return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def _prompt(prompts: list, i: int):
+    """The prompt of completion ``i`` for a grader-error record (the doctests pass one prompt for several)."""
+    return prompts[i] if i < len(prompts) else None
 
 
 def parse_number(text: str) -> float | None:
@@ -86,15 +93,20 @@ def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_colum
         if answer_column not in columns:
             raise KeyError(f"accuracy needs the dataset column '{answer_column}'; columns are {sorted(columns)}")
         out = []
-        for completion, gold in zip(completions, columns[answer_column]):
+        for i, (completion, gold) in enumerate(zip(completions, columns[answer_column])):
             if gold is None:
                 out.append(None)
                 continue
-            predicted = extract_answer(completion_text(completion), mode)
-            out.append(float(predicted is not None and answers_match(predicted, gold, rel_tol=rel_tol)))
+            grade = lambda: _accuracy_of(completion_text(completion), gold, mode, rel_tol)  # noqa: E731
+            out.append(contained("accuracy", _prompt(prompts, i), completion, grade))
         return out
 
     return accuracy
+
+
+def _accuracy_of(completion: str, gold, mode: str, rel_tol: float) -> float:
+    predicted = extract_answer(completion, mode)
+    return float(predicted is not None and answers_match(predicted, gold, rel_tol=rel_tol))
 
 
 def make_format() -> RewardFn:
@@ -102,12 +114,18 @@ def make_format() -> RewardFn:
 
     def format_reward(prompts, completions, **columns):
         out = []
-        for completion in completions:
-            lines = [m.group(1) for m in _ANSWER_LINE.finditer(completion_text(completion))]
-            out.append(float(len(lines) == 1 and _NUMBER_RE.fullmatch(lines[0].split()[0].replace(",", "")) is not None))
+        for i, completion in enumerate(completions):
+            out.append(contained("format", _prompt(prompts, i), completion, lambda: _format_of(completion_text(completion))))
         return out
 
     return format_reward
+
+
+def _format_of(completion: str) -> float:
+    lines = [m.group(1) for m in _ANSWER_LINE.finditer(completion)]
+    # The captured text can be a lone whitespace character ("ANSWER: " matches), which has no first word.
+    first = lines[0].split()[:1] if len(lines) == 1 else []
+    return float(bool(first) and _NUMBER_RE.fullmatch(first[0].replace(",", "")) is not None)
 
 
 def make_overlong(cache_length: int = 16, max_length: int | None = None) -> RewardFn:
@@ -135,10 +153,14 @@ def make_task(field: str = "score") -> RewardFn:
 
     def task(prompts, completions, sample, **columns):
         out = []
-        for completion, s in zip(completions, sample):
+        for i, (completion, s) in enumerate(zip(completions, sample)):
             family = tasks.get(s["family"])
-            grade = family.grade(family.sample_from_dict(s), completion_text(completion))
-            out.append(float(getattr(grade, field)))
+            problem = family.sample_from_dict(s)  # outside `contained`: a bad sample row is the data's fault
+
+            def grade() -> float:
+                return float(getattr(family.grade(problem, completion_text(completion)), field))
+
+            out.append(contained("task", _prompt(prompts, i), completion, grade))
         return out
 
     return task

@@ -20,6 +20,7 @@ import multiprocessing
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
+from cohortrl.rewards import grader_errors
 from cohortrl.rewards.scoring import RewardFunctionError
 
 # Reward functions resolved once per worker process: (name, sorted kwargs) -> function.
@@ -35,6 +36,7 @@ def _score_in_worker(specs: list[tuple[str, dict]], prompts, completions, column
         if key not in _WORKER_FUNCTIONS:
             _WORKER_FUNCTIONS[key] = resolve(name, kwargs)
         out[name] = list(_call(_WORKER_FUNCTIONS[key], name, prompts, completions, columns))
+    out[grader_errors.POOL_KEY] = grader_errors.drain()  # built-in graders' failures, for the trainer's log
     return out
 
 
@@ -87,6 +89,8 @@ class RewardPool:
             try:
                 values = job.future.result(timeout=self.timeout_s)
                 self._pending.remove(job)
+                for entry in values.pop(grader_errors.POOL_KEY, []):  # kept in this process, as if scored here
+                    grader_errors.record(entry)
                 return values
             except RewardFunctionError:
                 self._pending.remove(job)

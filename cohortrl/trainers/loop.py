@@ -44,6 +44,7 @@ from cohortrl.cpu_memory import apply_cpu_allocator, resolve_cpu_allocator
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.kernels import linear_kernels, resolve_cpu_linear
 from cohortrl.models import load_model
+from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
 from cohortrl.rewards.scoring import RewardFunctionError, TrainerState, WeightedReward, resolve
 from cohortrl.rewards.steps import step_end_tokens, token_char_ends
@@ -221,6 +222,8 @@ class RLTrainer:
         self.norm_length = a.norm_length or cfg.sampling.max_new_tokens
         self.step_count = 0
         self.log = MetricsLog(self.run_dir)
+        self.grader_log = MetricsLog(self.run_dir, grader_errors.FILE)  # built-in graders' failures (a bug report)
+        grader_errors.drain()  # failures from before this run (each logged when it happened) are not this run's
         self.callbacks = [*self._config_loggers(), *callbacks]
         self.stop_reason: str | None = None
         self.guard = guards.NonfiniteGuard(self.run_dir, cfg.train.max_nonfinite_steps, self.dist.rank)
@@ -229,6 +232,7 @@ class RLTrainer:
         elif self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
             self.log.truncate_after(-1)
+            self.grader_log.truncate_after(-1)
 
     @classmethod
     def resume(cls, run_dir: str | Path, config=None, **inputs) -> "RLTrainer":
@@ -391,6 +395,7 @@ class RLTrainer:
             "time/step": elapsed,
             "tokens_per_s": counts["tokens"] / elapsed,
             "peak_rss_mb": peak_rss_mb(),
+            "grader_errors": self._log_grader_errors(self.step_count + 1),  # built-in graders that raised: scored 0
         }
 
     def _sample_and_score(self, timer: PhaseTimer) -> ScoredBatch:
@@ -769,7 +774,7 @@ class RLTrainer:
         )
 
     def _log_eval(self) -> dict:
-        row = self._log({"step": self.step_count, **self.evaluate()})
+        row = self._log({"step": self.step_count, **self.evaluate(), "eval/grader_errors": self._log_grader_errors(self.step_count)})
         self._fire("on_evaluate", row)
         return row
 
@@ -779,6 +784,15 @@ class RLTrainer:
             metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
                                       self.trainer_state) if self.dist.is_main else None
         return self.dist.broadcast(metrics)
+
+    def _log_grader_errors(self, step: int) -> int:
+        """Append every rank's built-in grader failures since the last call to ``grader_errors.jsonl``, tagged
+        with ``step``; returns how many there were."""
+        errors = self.dist.gather_list([{"step": step, **e} for e in grader_errors.drain()])
+        if self.dist.is_main:
+            for entry in errors:
+                self.grader_log.write(entry)
+        return len(errors)
 
     def _log(self, row: dict) -> dict:
         if self.dist.is_main:
@@ -841,6 +855,7 @@ class RLTrainer:
         self.step_count = state["step"]
         if self.dist.is_main:
             self.log.truncate_after(self.step_count)
+            self.grader_log.truncate_after(self.step_count)
         log.info("resumed from %s at step %d", path, self.step_count)
 
     def _check_resume_config(self) -> None:

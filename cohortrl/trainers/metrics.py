@@ -32,11 +32,12 @@ class PhaseTimer:
 
 
 class MetricsLog:
-    """Append-only JSONL log. On resume, rows after the checkpoint's step are dropped: they belong to work the
-    crashed run did after its last checkpoint, which the resumed run does again."""
+    """Append-only JSONL log (``metrics.jsonl``, or ``name``: ``grader_errors.jsonl``). On resume, rows after the
+    checkpoint's step are dropped: they belong to work the crashed run did after its last checkpoint, which the
+    resumed run does again."""
 
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
+    def __init__(self, run_dir: Path, name: str = "metrics.jsonl"):
+        self.path = Path(run_dir) / name
 
     def truncate_after(self, step: int) -> None:
         """Keep the rows up to ``step``. A process killed mid-write leaves a torn last line (no newline), which

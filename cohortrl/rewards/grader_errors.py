@@ -1,0 +1,58 @@
+"""A built-in grader that fails on a completion scores it 0 instead of stopping the run.
+
+The built-in graders (the gym's families behind the ``task`` reward, ``accuracy`` and ``format``) must
+return a score for any text a policy writes, and the fuzz suite (tests/tasks/test_grader_fuzz.py) checks
+that they do. If one still raises, that is a bug in the grader, not in the run: the completion scores 0, the
+failure is logged at WARNING, and a record of it (reward, prompt, completion, traceback) waits here until
+the trainer writes it to ``RUN_DIR/grader_errors.jsonl`` and counts it in the step's ``grader_errors``
+metric. A user's own reward function is not contained: its exception stops the run (``scoring.py``),
+because there the fix is the user's.
+
+    score = contained("task", prompt, completion, lambda: family.grade(sample, completion).score)
+    drain()  # -> [{"reward", "prompt", "completion", "error", "traceback"}, ...], oldest first
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections import deque
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+# Records kept between drains. A trainer drains every step, far below this; a process that grades without
+# a trainer never drains, and keeps only the newest (each failure was logged when it happened).
+MAX_KEPT = 1000
+# Reward pool workers send their records back with the scores under this key (``pool.py``).
+POOL_KEY = "__grader_errors__"
+FILE = "grader_errors.jsonl"  # in the run directory, one record per line with its "step"
+
+_lock = threading.Lock()
+_records: deque[dict] = deque(maxlen=MAX_KEPT)
+
+
+def contained(reward: str, prompt: Any, completion: Any, grade: Callable[[], float]) -> float:
+    """``grade()``, or 0.0 if it raises: the failure is logged and kept for `drain`."""
+    try:
+        return grade()
+    except Exception as e:  # noqa: BLE001  (any bug in a built-in grader: reported, never fatal)
+        record({"reward": reward, "prompt": prompt, "completion": completion,
+                "error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()})
+        log.warning("built-in reward '%s' failed on a completion (%s: %s); it scores 0 (the trainer writes the "
+                    "completion and traceback to RUN_DIR/grader_errors.jsonl)", reward, type(e).__name__, str(e)[:200])
+        return 0.0
+
+
+def record(entry: dict) -> None:
+    with _lock:
+        _records.append(entry)
+
+
+def drain() -> list[dict]:
+    """Every record kept since the last drain, oldest first; the store is empty afterwards."""
+    with _lock:
+        out = list(_records)
+        _records.clear()
+    return out
