@@ -1,0 +1,311 @@
+"""The trainer's wiring checked against the step's own tensors, not against itself:
+
+* the advantages a GRPO step trains on are the configured estimator's output on the step's rewards (every
+  registered estimator), and PPO's are GAE on the score − β·KL token rewards and the critic's values, whitened;
+* the logged loss is the policy loss plus β·KL, recomputed by hand from the step's log-probs, the reference's
+  log-probs (checked against a plain forward of a copy of the initial model) and the advantages, for every
+  aggregation mode;
+* the LR of every optimiser step follows the schedule's formula (warm-up, then constant / linear / cosine),
+  written out as numbers below, for the policy and PPO's critic, and a resumed run continues it exactly;
+* the weights synced into a (stand-in) vLLM engine are the policy's merged weights, tensor by tensor.
+
+The step's tensors are read by wrapping the trainer's own methods on the instance (``_targets``,
+``policy_loss``) and by optimiser hooks; nothing in the library is changed.
+"""
+
+import copy
+import importlib.machinery
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from cohortrl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    gae_advantages,
+    kl_penalty,
+    masked_fill_padding,
+    masked_whiten,
+    outcome_token_rewards,
+)
+from cohortrl.trainers import make_trainer
+from tests.golden.rewards import letter_words, starts_with_letter, starts_with_vowel
+from tests.golden.runs import BASE, PROCESS_REWARD, ROWS, THREADS
+from tests.rollout.test_vllm_backend import FakeVLLM
+
+WEIGHTS = (1.0, 0.5)  # starts_with_letter, starts_with_vowel
+
+
+@pytest.fixture(autouse=True)
+def one_thread_no_plots(monkeypatch):
+    """As the golden runs: one thread (the same numbers as two, a fraction of the time on a busy 2-core
+    machine) and no end-of-run plot (matplotlib takes longer than these runs and nothing here reads it)."""
+    monkeypatch.setattr("cohortrl.trainers.loop.plot_curves", lambda run_dir: None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+def build(tmp_path, *, reward_funcs=(starts_with_letter, starts_with_vowel), reward_weights=WEIGHTS, **sections):
+    cfg = copy.deepcopy(BASE)
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return make_trainer(cfg, tmp_path, reward_funcs=list(reward_funcs), reward_weights=list(reward_weights),
+                        train_dataset=ROWS)
+
+
+def record_targets(trainer) -> list[dict]:
+    """Wrap ``trainer._targets``: per step, its inputs (batch, rewards, loss mask, ref / old log-probs) and output."""
+    seen, targets = [], trainer._targets
+
+    def recording(batch, rewards_B, loss_mask, ref_logp, old_logp, timer):
+        out = targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
+        seen.append({"batch": batch, "rewards": rewards_B.clone(), "loss_mask": loss_mask.clone(), "ref_logp": ref_logp,
+                     "old_logp": old_logp, "targets": out})
+        return out
+
+    trainer._targets = recording
+    return seen
+
+
+def record_policy_loss(trainer) -> list[dict]:
+    """Wrap ``trainer.policy_loss``: the keyword arguments of every call, detached."""
+    calls, policy_loss = [], trainer.policy_loss
+
+    def recording(**kwargs):
+        calls.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+        return policy_loss(**kwargs)
+
+    trainer.policy_loss = recording
+    return calls
+
+
+def plain_logprobs(model, rollout, temperature: float) -> torch.Tensor:
+    """log π(response token) from one plain forward of ``model``, written out here rather than taken from the
+    library: logits at position P + t − 1 predict response token t; positions count real tokens only."""
+    ids, mask = rollout.input_ids(), rollout.attention_mask()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    P, T = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
+    logp = torch.log_softmax(logits[:, P - 1 : P + T - 1] / temperature, dim=-1)
+    logp = logp.gather(-1, rollout.response_ids.unsqueeze(-1)).squeeze(-1)
+    return logp * rollout.response_mask
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+@pytest.mark.parametrize("estimator", list(ADVANTAGE_ESTIMATORS))
+def test_grpo_trains_on_the_configured_estimators_advantages_of_the_steps_rewards(tmp_path, estimator):
+    process = estimator in ("grpo_process", "grpo_combined")
+    trainer = build(tmp_path, algorithm={"estimator": estimator}, train={"steps": 1},
+                    reward={"process": PROCESS_REWARD} if process else {})
+    seen, losses = record_targets(trainer), record_policy_loss(trainer)
+    trainer.train()
+    (step,) = seen
+    batch, targets = step["batch"], step["targets"]
+    mask = batch.rollout.response_mask
+
+    # The rewards are the weighted reward functions on the step's completions, recomputed here.
+    completions = batch.rollout.completions
+    rewards = torch.tensor([WEIGHTS[0] * a + WEIGHTS[1] * b for a, b in
+                            zip(starts_with_letter(None, completions), starts_with_vowel(None, completions))])
+    torch.testing.assert_close(step["rewards"], rewards, rtol=0, atol=0)
+    assert rewards.view(-1, 4).std(-1).max() > 0, "no group has reward variance: every estimator would give 0"
+
+    kwargs = dict(rewards=rewards, response_mask=mask, group_size=4, eps=1e-6)
+    if process:
+        assert batch.step_rewards is not None and any(any(s) for s in batch.step_rewards)
+        kwargs.update(step_rewards=batch.step_rewards, step_ends=batch.step_ends, credit="sum", process_coef=0.5)
+        # the step rewards are the process reward function's scores on the completions (no guard fires here)
+        assert batch.step_rewards == [[s for s, _ in steps] for steps in letter_words(None, completions)]
+    expected = ADVANTAGE_ESTIMATORS[estimator](**kwargs)
+    torch.testing.assert_close(targets.advantages, expected, rtol=0, atol=0)
+    if estimator != "grpo":  # ... and that output differs from GRPO's: a swap for grpo would not pass
+        assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS["grpo"](**kwargs), atol=1e-4)
+    # The policy loss is handed exactly those advantages (one update on the whole batch here).
+    (call,) = losses
+    torch.testing.assert_close(call["advantages"], targets.advantages, rtol=0, atol=0)
+
+
+def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path):
+    beta, penalty = 0.05, 0.1
+    trainer = build(tmp_path, algorithm={
+        "name": "ppo", "group_size": 1, "prompts_per_step": 8, "beta": beta,
+        "ppo": {"kl_controller": "fixed", "kl_estimator": "k1", "gamma": 0.9, "lam": 0.8, "missing_eos_penalty": penalty},
+    }, train={"steps": 2})
+    seen, losses = record_targets(trainer), record_policy_loss(trainer)
+    reference = copy.deepcopy(trainer.model)  # the initial policy: what π_ref must be
+    trainer.train()
+    step = seen[1]  # step 2: the policy has moved, so the KL term is not 0
+    batch, t = step["batch"], step["targets"]
+    rollout, mask = batch.rollout, batch.rollout.response_mask
+    torch.testing.assert_close(step["ref_logp"], plain_logprobs(reference, rollout, 1.0), rtol=1e-4, atol=1e-5)
+    kl = (step["old_logp"] - step["ref_logp"]) * mask  # k1, by hand
+    assert kl.abs().max() > 1e-3
+    score = step["rewards"] - penalty * rollout.truncated.float()
+    last = mask.sum(-1) - 1
+    token_rewards = -beta * kl
+    token_rewards[torch.arange(len(score)), last] += score  # the score on each response's last token
+    # GAE by hand: δ_t = r_t + γ V_{t+1} − V_t (V = 0 after the last token), A_t = δ_t + γλ A_{t+1}.
+    gamma, lam, V = 0.9, 0.8, t.old_values * mask
+    adv = torch.zeros_like(V)
+    for i in range(len(V)):
+        running = 0.0
+        for k in reversed(range(int(last[i]) + 1)):
+            next_v = V[i, k + 1] if k < last[i] else 0.0
+            running = token_rewards[i, k] + gamma * next_v - V[i, k] + gamma * lam * running
+            adv[i, k] = running
+    torch.testing.assert_close(t.returns * mask, (adv + V) * mask, rtol=1e-5, atol=1e-6)
+    m = step["loss_mask"].bool()
+    whitened = (adv - adv[m].mean()) / (adv[m].var() + 1e-8).sqrt()  # masked_whiten: unbiased variance, eps 1e-8
+    torch.testing.assert_close(t.advantages * m, whitened * m, rtol=1e-4, atol=1e-5)
+    # sanity of the by-hand path against the library's pieces, so a mistake here is not a test that passes
+    lib = masked_whiten(gae_advantages(outcome_token_rewards(score, mask) - beta * masked_fill_padding(
+        kl_penalty(step["old_logp"], step["ref_logp"], "k1"), mask), t.old_values, mask, gamma, lam)[0], m)
+    torch.testing.assert_close(t.advantages * m, lib * m, rtol=1e-5, atol=1e-6)
+    # every policy update of step 2 got its rows of those advantages
+    assert losses and all(c["advantages"].shape[1] == mask.shape[1] for c in losses)
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+def aggregate_by_hand(loss_BT, mask_BT, mode: str, norm_length: int) -> torch.Tensor:
+    m = mask_BT.double()
+    loss_BT = loss_BT.double() * m
+    if mode == "seq-mean-token-mean":  # (1/N) Σ_i (1/|o_i|) Σ_t L_it over rows with a token
+        rows = m.sum(-1) > 0
+        return (loss_BT.sum(-1)[rows] / m.sum(-1)[rows]).mean()
+    if mode == "token-mean":  # Σ L / Σ M
+        return loss_BT.sum() / m.sum()
+    return loss_BT.sum() / (m.shape[0] * norm_length)  # Σ L / (N · norm_length)
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_grpo_loss_is_the_policy_loss_plus_beta_kl_recomputed_from_the_steps_tensors(tmp_path, aggregation):
+    beta = 0.1
+    trainer = build(tmp_path, algorithm={"aggregation": aggregation, "beta": beta})
+    reference = copy.deepcopy(trainer.model)
+    seen, losses = record_targets(trainer), record_policy_loss(trainer)
+    rows = [r for r in trainer.train() if "loss" in r]
+    assert len(rows) == len(seen) == len(losses) == 3  # one update per step
+    kl_terms = []
+    for row, step, call in zip(rows, seen, losses):
+        rollout, mask = step["batch"].rollout, step["loss_mask"]
+        assert torch.equal(call["response_mask"], mask)
+        # π_ref is the initial policy: a plain forward of its copy gives the step's reference log-probs
+        torch.testing.assert_close(step["ref_logp"], plain_logprobs(reference, rollout, 1.0), rtol=1e-4, atol=1e-5)
+        logp, old, adv, ref = call["logp"], call["old_logp"], call["advantages"], step["ref_logp"]
+        ratio = torch.exp(logp - old)  # on-policy: exactly 1, so the clipped surrogate is −A
+        assert torch.equal(ratio * mask, mask.float())
+        policy_BT = -adv * ratio
+        k3_BT = torch.exp(ref - logp) - (ref - logp) - 1  # Schulman's k3
+        policy = aggregate_by_hand(policy_BT, mask, aggregation, 8)
+        kl_term = beta * aggregate_by_hand(k3_BT, mask, aggregation, 8)
+        # abs: the trainer sums float32 terms of size ~1 whose total is ~0 at ratio 1 (group baselines)
+        assert row["loss"] == pytest.approx(float(policy + kl_term), rel=1e-5, abs=1e-6)
+        assert row["policy_loss"] == pytest.approx(float(policy), rel=1e-5, abs=1e-6)
+        assert row["kl"] == pytest.approx(float((k3_BT * mask).sum() / mask.sum()), rel=1e-5, abs=1e-9)
+        kl_terms.append(float(kl_term))
+    # After the first update the KL term is far above the tolerance: a loss without it fails above.
+    assert min(kl_terms[1:]) > 100 * 1e-6, kl_terms
+
+
+# ---------------------------------------------------------------------------------------------- LR schedule
+# LR factor of each optimiser update u = 0 … 7 with 2 warm-up updates and 8 in all (4 steps x 2 minibatches):
+# warm-up (u + 1)/2; then progress p = (u − 2)/6: constant 1, linear 1 − p, cosine (1 + cos πp)/2.
+SCHEDULES = {
+    "constant": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+    "linear": [0.5, 1.0, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6],
+    "cosine": [0.5, 1.0, 1.0, 0.9330127018922193, 0.75, 0.5, 0.25, 0.0669872981077807],
+}
+LR = 1e-2
+
+
+def record_lrs(optimizer) -> list[float]:
+    lrs = []
+    optimizer.register_step_pre_hook(lambda opt, *_: lrs.append(opt.param_groups[0]["lr"]))
+    return lrs
+
+
+def lr_config(schedule: str, steps: int = 4) -> dict:
+    return dict(algorithm={"group_size": 2, "prompts_per_step": 2, "minibatches": 2},
+                sampling={"max_new_tokens": 4}, optim={"lr": LR, "warmup_steps": 2, "schedule": schedule},
+                train={"steps": steps, "checkpoint_every": 2})
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_the_lr_of_every_update_follows_the_schedule_and_resumes_mid_schedule(tmp_path, schedule):
+    want = [LR * f for f in SCHEDULES[schedule]]
+    full = build(tmp_path / "full", **lr_config(schedule))
+    lrs = record_lrs(full.optimizer)
+    rows = [r for r in full.train() if "loss" in r]
+    assert lrs == pytest.approx(want, rel=1e-12)
+    # the logged LR is the one the next update will use: factor of update 2k after step k (0 after the last)
+    assert [r["lr"] for r in rows] == pytest.approx([*want[2::2], 0.0 if schedule != "constant" else LR], rel=1e-12)
+
+    first = build(tmp_path / "split", **lr_config(schedule))
+    first_lrs = record_lrs(first.optimizer)
+    first.train(steps=2)
+    resumed = make_trainer(full.cfg, tmp_path / "split", resume=True, reward_funcs=[starts_with_letter, starts_with_vowel],
+                           reward_weights=list(WEIGHTS), train_dataset=ROWS)
+    resumed_lrs = record_lrs(resumed.optimizer)
+    resumed.train()
+    assert first_lrs == pytest.approx(want[:4], rel=1e-12)
+    assert resumed_lrs == pytest.approx(want[4:], rel=1e-12), "the resumed run did not continue the schedule"
+
+
+def test_ppo_policy_and_critic_lrs_follow_their_schedules(tmp_path):
+    """The policy is frozen for the critic's 1 warm-up step, so its schedule spans (3 − 1) x 2 = 4 updates; the
+    critic's spans all 3 x 2 = 6. One LR warm-up update, then linear decay: 1 − (u − 1)/(n − 1)."""
+    trainer = build(tmp_path, algorithm={
+        "name": "ppo", "group_size": 1, "prompts_per_step": 4, "minibatches": 2,
+        "ppo": {"critic_warmup_steps": 1, "critic_lr": 1e-3},
+    }, sampling={"max_new_tokens": 4}, optim={"lr": LR, "warmup_steps": 1, "schedule": "linear"}, train={"steps": 3})
+    policy_lrs, critic_lrs = record_lrs(trainer.optimizer), record_lrs(trainer.optimised["critic"].optimizer)
+    trainer.train()
+    assert policy_lrs == pytest.approx([LR * f for f in (1.0, 1.0, 2 / 3, 1 / 3)], rel=1e-12)
+    assert critic_lrs == pytest.approx([1e-3 * f for f in (1.0, 1.0, 0.8, 0.6, 0.4, 0.2)], rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM sync
+def sample_index_is_even(prompts, completions, **columns):
+    """The stand-in engine names its samples "p<prompt>s<sample>": half of every group is right."""
+    return [1.0 if int(c.split("s")[1]) % 2 == 0 else 0.0 for c in completions]
+
+
+def merged_by_peft(model) -> dict[str, torch.Tensor]:
+    if not hasattr(model, "peft_config"):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return copy.deepcopy(model).merge_and_unload().state_dict()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_weights_synced_into_vllm_are_the_updated_policys_merged_weights(tmp_path, monkeypatch, lora):
+    fake = FakeVLLM()
+    # A real module object with a spec, so that checks for an installed vllm (importlib.util.find_spec) see one.
+    module = types.ModuleType("vllm")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    module.LLM, module.SamplingParams = fake.module.LLM, fake.module.SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    trainer = build(tmp_path, reward_funcs=[sample_index_is_even], reward_weights=[1.0],
+                    sampling={"backend": "vllm", "max_new_tokens": 3},
+                    model={"lora": {"enabled": lora, "r": 4, "alpha": 8}}, optim={"lr": 5e-2})
+    engine = trainer.generator.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    # A real engine copies what it is given; the stand-in keeps references, so copy here.
+    engine.load_weights = lambda items: fake.loaded.append({k: v.detach().clone() for k, v in items})
+    initial = merged_by_peft(trainer.model)
+    trainer.train(steps=1)
+    assert fake.loaded == []  # nothing to sync before the first update
+    updated = merged_by_peft(trainer.model)
+    moved = [k for k in initial if not torch.equal(initial[k], updated[k])]
+    assert moved, "the update did not move the policy; the test would not tell a stale sync from a fresh one"
+    trainer.train(steps=2)  # step 2 syncs the engine before generating
+    assert len(fake.loaded) == 1
+    synced = fake.loaded[0]
+    assert sorted(synced) == sorted(updated)
+    for key, value in updated.items():
+        torch.testing.assert_close(synced[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    assert any(synced[k].abs().max() > 0 for k in moved)
+    assert math.isfinite(sum(float(v.float().abs().sum()) for v in synced.values()))
