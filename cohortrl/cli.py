@@ -1,4 +1,4 @@
-"""The ``cohortrl`` command line: train, eval, train-rm, models, tasks, plot, report, plan, demo."""
+"""The ``cohortrl`` command line: train, verify, eval, train-rm, models, tasks, plot, report, plan, demo."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def _load_config(path: str, overrides: list[str]) -> Config:
 
 def cmd_train(args) -> int:
     from cohortrl.trainers import make_trainer
+    from cohortrl.trainers.loop import RunCompleteError
 
     run_dir = Path(args.run_dir)
     if args.config and "=" in args.config and not Path(args.config).exists():  # `--resume a.b=1`: no CONFIG given
@@ -30,9 +31,12 @@ def cmd_train(args) -> int:
             raise ConfigError("train needs a CONFIG file (or --resume with --run-dir of an earlier run)")
         config_path = args.config
     cfg = _load_config(config_path, args.overrides)
-    trainer = make_trainer(cfg, run_dir, resume=args.resume)  # GRPO or PPO, by algorithm.name
+    trainer = make_trainer(cfg, run_dir, resume=args.resume, strict=getattr(args, "strict", False))  # GRPO or PPO, by algorithm.name
     try:
         rows = trainer.train(steps=args.steps)
+    except RunCompleteError as e:  # a requeue wrapper repeating `train --resume` until it succeeds stops here
+        print(e)
+        return 0
     finally:
         trainer.close()
     if not trainer.dist.is_main:  # under torchrun: one report, from rank 0
@@ -51,6 +55,33 @@ def cmd_train(args) -> int:
         print(line)
     print(f"run directory: {run_dir} (metrics.jsonl, curves.png, final/)")
     return 0
+
+
+def cmd_verify(args) -> int:
+    """Check every checkpoint and final/ of a run against its manifest: one line each; exit 1 if any is damaged."""
+    import yaml
+
+    from cohortrl.trainers import checkpoint
+    from cohortrl.trainers.loop import config_hash
+
+    run_dir = Path(args.run_dir)
+    config = run_dir / "config.yaml"
+    expected = None  # without the run's config, the files are still checked
+    if config.is_file():
+        try:
+            expected = config_hash(yaml.safe_load(config.read_text()))
+        except (OSError, yaml.YAMLError) as e:
+            print(f"{config}: unreadable ({str(e).splitlines()[0]}); checking the files but not the config hashes", file=sys.stderr)
+    paths = [*checkpoint.step_dirs(run_dir), *([run_dir / "final"] if (run_dir / "final").is_dir() else [])]
+    if not paths:
+        print(f"{run_dir}: no checkpoints and no final/ to verify", file=sys.stderr)
+        return 1
+    bad = 0
+    for path in paths:
+        problem = checkpoint.verify(path, expected)
+        bad += problem is not None
+        print(f"ok   {path}" if problem is None else f"BAD  {problem}")
+    return 1 if bad else 0
 
 
 def cmd_eval(args) -> int:
@@ -165,8 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="overrides as key.path=value (e.g. algorithm.group_size=4)")
     p.add_argument("--run-dir", required=True, help="directory for metrics.jsonl, checkpoints, curves.png, final/")
     p.add_argument("--steps", type=int, default=None, help="stop after N training steps in total (default: train.steps)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest intact checkpoint")
+    p.add_argument("--strict", action="store_true",
+                   help="with --resume: refuse, rather than fall back to an older checkpoint, when the newest is damaged")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("verify", help="check a run's checkpoints and final/ against their manifests",
+                       description=cmd_verify.__doc__)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("eval", help="evaluate a model on a config's held-out prompts",
                        description="Greedy accuracy (and pass@k) of the config's model, or of a trained adapter.")

@@ -304,6 +304,9 @@ class TrainConfig:
     """Seed for data order, sampling and model initialisation."""
     checkpoint_every: int = 0
     """Write a checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in RUN_DIR/checkpoints/ (the newest; 0 keeps all). Older ones are deleted only once the
+    new one is complete, so a failed write never leaves fewer intact checkpoints than before."""
     tensorboard: bool = False
     """Also log to TensorBoard (needs the ``tensorboard`` package)."""
     progress: bool = True
@@ -646,6 +649,7 @@ def validate(cfg: Config) -> None:
     _require(e.batch_size >= 1, "eval.batch_size", e.batch_size, "must be at least 1")
     _require(t.steps >= 0, "train.steps", t.steps, "must be >= 0")
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0 keeps all)")
     _require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps, "must be >= 0 (0: never stop)")
     _require(cfg.reward.timeout_s >= 0, "reward.timeout_s", cfg.reward.timeout_s, "must be >= 0 (0: no limit)")
     proc = cfg.reward.process

@@ -1,11 +1,24 @@
-"""Atomic, exact checkpoints that load no code.
+"""Atomic, verified checkpoints that load no code.
 
 A checkpoint is a directory ``RUN_DIR/checkpoints/step_000012/`` holding the trainable weights (the LoRA
-adapter or all weights; PPO's critic too) as safetensors files, and ``state.pt`` with the optimiser,
-scheduler, RNG states, data position and step. It is written into a temporary directory and renamed into
-place, so a checkpoint directory either exists complete or not at all; a crash mid-write leaves only a
-``.tmp-*`` directory, which loading ignores and the next save removes. Old checkpoints are renamed away
-before they are deleted, for the same reason.
+adapter or all weights; PPO's critic too) as safetensors files, ``state.pt`` with the optimiser, scheduler,
+RNG states, data position and step, and ``cohortrl_manifest.json``: each file's size and SHA-256, the step,
+the library version and the hash of the config it was written under. ``RUN_DIR/final/`` carries the same
+manifest. Any trainer uses a handful of functions:
+
+- ``write_dir(path, write, step=...)``: ``write(tmp)`` fills a temporary directory; the manifest is written
+  last, then the directory is renamed into place, so ``path`` holds the old complete contents or the new
+  ones, never a mix. A failed write (disk full, permissions, I/O) removes the temporary directory and raises
+  :class:`CheckpointError` with one line: the file, the OS's reason, the space needed and free.
+- ``save(run_dir, step, state)``: a training state written as a checkpoint, then older checkpoints beyond
+  ``keep`` deleted (only now: the new one is complete).
+- ``verify(path)``: None, or one line naming the first file that does not match the manifest.
+- ``find_intact(run_dir)``: the newest checkpoint that verifies, and the newer ones that did not.
+- ``load(path)``: the state of a checkpoint.
+
+A directory without a complete manifest is not a checkpoint: the manifest is the last thing written, so its
+absence means that the write, or a copy of the run, did not finish. A crash mid-write leaves only a
+``.tmp-*`` directory, which nothing reads and the next write of that directory removes.
 
 Loading executes nothing: weights are safetensors (no pickle at all) and ``state.pt`` is read with
 ``torch.load(weights_only=True)``, which refuses any pickled object other than tensors and plain data.
@@ -13,25 +26,44 @@ Loading executes nothing: weights are safetensors (no pickle at all) and ``state
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from cohortrl import __version__
 from cohortrl.trainers import faults
 
-KEEP_LAST = 2
+log = logging.getLogger("cohortrl")
+KEEP_LAST = 2  # train.keep_checkpoints' default
+MANIFEST = "cohortrl_manifest.json"
+MANIFEST_FORMAT = 1
 # Entries of the state that are a model's weights (name -> tensor): stored as safetensors, not pickled.
 WEIGHT_KEYS = ("model", "critic")
+REJECTED = "rejected"  # checkpoints/rejected/: damaged checkpoints set aside by a resume, kept for inspection
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that could not be written, or that must not be read."""
+
+
+@dataclass
+class Found:
+    """What ``find_intact`` saw: the newest intact checkpoint (None if there is none) and every newer
+    checkpoint that failed verification, newest first, each with its one-line problem."""
+
+    path: Path | None
+    rejected: list[tuple[Path, str]] = field(default_factory=list)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -56,69 +88,114 @@ def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def save(run_dir: Path, step: int, state: dict) -> Path:
-    """Write ``state`` for ``step`` atomically; keep the last ``KEEP_LAST`` checkpoints. An OS error (disk
-    full, permissions) leaves the previous checkpoints as they were and raises :class:`CheckpointError`."""
-    root = checkpoint_dir(run_dir)
-    final = root / f"step_{step:06d}"
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor in a nest of dicts, lists and tuples: about what writing ``obj`` takes on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def save(run_dir: Path, step: int, state: dict, *, config_hash: str = "", keep: int = KEEP_LAST) -> Path:
+    """Write ``state`` as the checkpoint of ``step``, then delete all but the newest ``keep`` checkpoints up
+    to it (0: keep all). A failed write raises :class:`CheckpointError` and leaves the others as they were."""
+    path = write_dir(
+        checkpoint_dir(run_dir) / f"step_{step:06d}", lambda tmp: _write_state(tmp, {**state, "step": step}),
+        step=step, config_hash=config_hash, needed_bytes=tensor_bytes(state),
+    )
+    older = [p for p in step_dirs(run_dir) if _step_of(p) < step]
+    for old in older[: max(0, len(older) - (keep - 1))] if keep else []:
+        try:
+            _discard(old)
+        except OSError as e:  # the new checkpoint is complete: a stale old one costs space, not correctness
+            log.warning("could not delete the old checkpoint %s (%s); delete it by hand", old, e.strerror or e)
+    return path
+
+
+def write_dir(path: Path, write, *, step: int, config_hash: str = "", needed_bytes: int = 0) -> Path:
+    """Call ``write(tmp_dir)``, add the manifest and rename the result to ``path`` (replacing it): ``path``
+    holds either the old complete contents or the new ones, never a mix, even if the process dies half way.
+    ``needed_bytes`` (an estimate of the contents' size) goes into the error message of a failed write."""
+    path = Path(path)
     tmp = None
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):  # left by a crash mid-write
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-        _write(tmp, {**state, "step": step})
-        faults.point("checkpoint-write")
-        if final.exists():
-            _discard(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except OSError as e:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest(run_dir)
-        raise CheckpointError(
-            f"could not write the checkpoint of step {step} in {root}: {e}. "
-            f"The previous checkpoint ({previous.name if previous else 'none'}) is untouched; free disk space "
-            "(or fix the directory's permissions) and continue with --resume"
-        ) from e
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for old in sorted(root.glob("step_*"))[:-KEEP_LAST]:
-        _discard(old)
-    return final
-
-
-def write_dir(final: Path, write) -> None:
-    """Call ``write(tmp_dir)`` and rename the result to ``final`` (replacing it): ``final`` holds either the
-    old complete contents or the new ones, never a mix, even if the process dies half way."""
-    final = Path(final)
-    for stale in final.parent.glob(f".tmp-{final.name}-*"):  # left by a crash mid-write
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in [*path.parent.glob(f".tmp-{path.name}-*"), *path.parent.glob(f".tmp-old-{path.name}-*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-write
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
         write(tmp)
-        if final.exists():
-            _discard(final)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        faults.point("checkpoint-manifest")
+        _write_manifest(tmp, step, config_hash)
+        faults.point("checkpoint-write")
+        _swap_in(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = _os_error(e)
+        if error is None:
+            raise
+        raise CheckpointError(_write_failure(path, tmp, error, needed_bytes)) from e
+    return path
 
 
-def _write(directory: Path, state: dict) -> None:
-    rest = {k: v for k, v in state.items() if k not in WEIGHT_KEYS}
+def _write_state(directory: Path, state: dict) -> None:
     for key in WEIGHT_KEYS:
         if key in state:
-            save_file(state[key], str(directory / f"{key}.safetensors"))
-            _fsync_file(directory / f"{key}.safetensors")
-    with open(directory / "state.pt", "wb") as f:
-        torch.save(rest, f)
-        f.flush()
-        os.fsync(f.fileno())
+            _write_file(directory / f"{key}.safetensors", lambda p, tensors=state[key]: save_file(tensors, str(p)))
+    rest = {k: v for k, v in state.items() if k not in WEIGHT_KEYS}
+    _write_file(directory / "state.pt", lambda p: _torch_save(rest, p))
+
+
+def _torch_save(obj, path: Path) -> None:
+    with open(path, "wb") as f:  # a file object: a failed write surfaces as the OSError behind torch's RuntimeError
+        torch.save(obj, f)
+
+
+def _write_manifest(directory: Path, step: int, config_hash: str) -> None:
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    if directory / MANIFEST in files:
+        raise CheckpointError(f"{directory / MANIFEST}: written by the checkpoint's contents; that name is the manifest's")
+    manifest = {
+        "format": MANIFEST_FORMAT, "step": step, "cohortrl_version": __version__, "config_hash": config_hash,
+        "files": {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p, sync=True)}
+                  for p in files},
+    }
+    _write_file(directory / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1)))
+
+
+def _write_file(path: Path, write) -> None:
+    """``write(path)``, then flush the file to disk. Every file this module writes goes through here, so a
+    failed write is reported as an OSError naming the file, whichever library wrote it."""
+    try:
+        write(path)
+        _fsync(path)
+    except Exception as e:
+        error = _os_error(e)
+        if error is None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from e
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path``. An old ``path`` is renamed aside first and put back if the rename fails;
+    a crash between the two renames leaves no ``path`` at all, never a mix."""
+    old = None
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{path.name}-", dir=path.parent))
+        os.replace(path, old / path.name)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        if old is not None:
+            os.replace(old / path.name, path)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync(path.parent)
 
 
 def _discard(path: Path) -> None:
@@ -129,12 +206,7 @@ def _discard(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -142,12 +214,175 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _os_error(exc: BaseException) -> OSError | None:
+    """The operating system's error behind ``exc``, if it is one: ``exc`` itself, an error it was raised from
+    or while handling (torch.save reports a failed write as a RuntimeError raised while handling the
+    OSError), or the ``os error N`` that safetensors' Rust writer puts in its message."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        found = re.search(r"\(os error (\d+)\)", str(seen)) if type(seen).__name__ == "SafetensorError" else None
+        if found:
+            return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _write_failure(path: Path, tmp: Path | None, error: OSError, needed_bytes: int) -> str:
+    """One line: which file, the OS's reason, the space needed and free."""
+    what = path
+    if error.filename and tmp is not None and Path(error.filename).is_relative_to(tmp):
+        what = path / Path(error.filename).relative_to(tmp)  # the file's name once in place, not the temporary one
+    reason = f"[Errno {error.errno}] {error.strerror}" if error.errno else (error.strerror or str(error))
+    try:
+        free = f"{_human(shutil.disk_usage(path.parent).free)} free"
+    except OSError:
+        free = "free space unknown"
+    need = f"needs about {_human(needed_bytes)}, " if needed_bytes else ""
+    return f"could not write {what}: {reason} ({need}{free} on that filesystem); nothing partial was left behind"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def space_warning(directory: Path, per_copy_bytes: int, copies: int = 2) -> str | None:
+    """One line if ``directory``'s filesystem has less room than ``copies`` checkpoints of ``per_copy_bytes``
+    (a new checkpoint is written beside the previous one before the older is deleted), else None."""
+    free = shutil.disk_usage(directory).free
+    if free >= copies * per_copy_bytes:
+        return None
+    return (
+        f"{directory} has {_human(free)} free, less than {copies} checkpoints need (about {_human(per_copy_bytes)} "
+        "each): a checkpoint write may fail with a full disk; free space or use another --run-dir"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- checking
+def step_dirs(run_dir: Path) -> list[Path]:
+    """The ``step_*`` directories, oldest first (by step number, not by name)."""
+    found = [p for p in checkpoint_dir(run_dir).glob("step_*") if p.is_dir() and _step_of(p) is not None]
+    return sorted(found, key=_step_of)
+
+
+def _step_of(path: Path) -> int | None:
+    name = Path(path).name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
+def verify(path: Path, config_hash: str | None = None) -> str | None:
+    """None if every file of ``path`` matches its manifest (and, if given, the config hash does), else one
+    line naming the first file that does not and why."""
+    path = Path(path)
+    manifest, problem = _read_manifest(path)
+    if problem:
+        return problem
+    step = _step_of(path)
+    if step is not None and manifest["step"] != step:
+        return f"{path / MANIFEST}: says step {manifest['step']}, the directory is step {step} (renamed or copied into place)"
+    if config_hash and manifest["config_hash"] != config_hash:
+        return (f"{path / MANIFEST}: written under another config (hash {manifest['config_hash'][:12]}, this run's "
+                f"is {config_hash[:12]}): copied from another run?")
+    for name, want in manifest["files"].items():
+        problem = _check_file(path / name, want)
+        if problem:
+            return problem
+    extra = sorted(p for p in path.rglob("*") if p.is_file() and p.relative_to(path).as_posix() not in manifest["files"])
+    extra = [p for p in extra if p.name != MANIFEST or p.parent != path]
+    if extra:
+        return f"{extra[0]}: not in the manifest (added after the checkpoint was written)"
+    return None
+
+
+def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return None, f"{path}: no {MANIFEST}, which is written last: the write or a copy of it did not finish"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"{manifest_path}: unreadable ({getattr(e, 'strerror', None) or e})"
+    missing = _manifest_problem(manifest)
+    if missing:
+        return None, f"{manifest_path}: incomplete ({missing})"
+    return manifest, None
+
+
+def _manifest_problem(m) -> str | None:
+    if not isinstance(m, dict):
+        return "not a JSON object"
+    for key, kind in (("step", int), ("cohortrl_version", str), ("config_hash", str), ("files", dict)):
+        if not isinstance(m.get(key), kind):
+            return f"'{key}' missing or not a {kind.__name__}"
+    for name, entry in m["files"].items():
+        escapes = Path(name).is_absolute() or ".." in Path(name).parts
+        if escapes or not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+            return f"bad entry for {name!r}"
+    return None
+
+
+def _check_file(file: Path, want: dict) -> str | None:
+    try:
+        size = file.stat().st_size
+        if size != want["size"]:
+            return f"{file}: {size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+        if _sha256(file) != want["sha256"]:
+            return f"{file}: SHA-256 differs from the manifest (changed after it was written: bit rot, a bad copy or an edit)"
+    except FileNotFoundError:
+        return f"{file}: missing (listed in the manifest)"
+    except OSError as e:
+        return f"{file}: unreadable ({e.strerror or e})"
+    return None
+
+
+def _sha256(path: Path, sync: bool = False) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+        if sync:  # files a library wrote (save_pretrained) reach the disk before the manifest vouches for them
+            os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def find_intact(run_dir: Path, config_hash: str | None = None) -> Found:
+    """The newest checkpoint that verifies, and the newer ones that did not (newest first)."""
+    found = Found(None)
+    for path in reversed(step_dirs(run_dir)):
+        problem = verify(path, config_hash)
+        if problem is None:
+            found.path = path
+            break
+        found.rejected.append((path, problem))
+    return found
+
+
 def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint directory, or None."""
-    found = sorted(p for p in checkpoint_dir(run_dir).glob("step_*") if (p / "state.pt").is_file())
-    return found[-1] if found else None
+    """The newest intact checkpoint directory, or None."""
+    return find_intact(run_dir).path
 
 
+def set_aside(paths: list[Path]) -> list[Path]:
+    """Move damaged checkpoints to ``checkpoints/rejected/`` (kept for inspection, out of every search);
+    returns where each went."""
+    moved = []
+    for path in paths:
+        target_dir = path.parent / REJECTED
+        target_dir.mkdir(exist_ok=True)
+        target, n = target_dir / path.name, 1
+        while target.exists():  # the same step damaged again after an earlier resume
+            target, n = target_dir / f"{path.name}.{n}", n + 1
+        os.replace(path, target)
+        moved.append(target)
+    return moved
+
+
+# ---------------------------------------------------------------------------------------------- reading
 def load(path: Path) -> dict:
     """A checkpoint's state, with its weights. Refuses (:class:`CheckpointError`) a ``state.pt`` holding any
     pickled object beyond tensors and plain data: unpickling such an object can run arbitrary code."""
@@ -160,7 +395,13 @@ def load(path: Path) -> dict:
             f"data, which could run code when loaded (torch.load weights_only=True said: {str(e).splitlines()[0]}). "
             "Only resume from checkpoints cohortrl wrote"
         ) from None
+    except (OSError, RuntimeError) as e:  # a file that passed no verification (or changed since)
+        raise CheckpointError(f"could not read {path / 'state.pt'}: {str(e).splitlines()[0]}") from None
     for key in WEIGHT_KEYS:
-        if (path / f"{key}.safetensors").is_file():
-            state[key] = load_file(str(path / f"{key}.safetensors"))
+        file = path / f"{key}.safetensors"
+        if file.is_file():
+            try:
+                state[key] = load_file(str(file))
+            except Exception as e:  # SafetensorError has no public base class to name
+                raise CheckpointError(f"could not read {file}: {str(e).splitlines()[0]}") from None
     return state

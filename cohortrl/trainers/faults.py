@@ -3,8 +3,10 @@ process kill itself (SIGKILL, no cleanup, as an OOM killer or a pre-empted machi
 it reaches the named point. Several points may be given, comma-separated (``generate:3,update:1``).
 
 The points, in the order a step meets them: ``generate`` (before a prompt batch is sampled), ``update`` (after
-the backward pass, before the optimiser step), ``checkpoint-write`` (after the checkpoint file is written and
-synced, before its directory is renamed into place). Unset, a point costs one dictionary lookup.
+the backward pass, before the optimiser step), ``checkpoint-manifest`` (a checkpoint's or ``final/``'s files
+written and synced, its manifest not yet), ``checkpoint-write`` (the manifest written too, the directory not
+yet renamed into place), ``final-written`` (``final/`` in place, the curves and the exit still to come). Unset,
+a point costs one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import signal
 
 ENV = "COHORTRL_FAULT"
-POINTS = ("generate", "update", "checkpoint-write")
+POINTS = ("generate", "update", "checkpoint-manifest", "checkpoint-write", "final-written")
 
 _seen: dict[str, int] = {}
 

@@ -25,6 +25,7 @@ correctness signal, not on the shaped total reward (a shaped total hides all-wro
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -62,7 +63,7 @@ log = logging.getLogger("cohortrl")
 # Settings that may change between a run and its resume without changing what the run computes.
 RESUMABLE_CHANGES = {
     "train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb",
-    "train.max_nonfinite_steps", "train.cpu_allocator", "train.reuse_rollout_forward",
+    "train.max_nonfinite_steps", "train.cpu_allocator", "train.reuse_rollout_forward", "train.keep_checkpoints",
     "reward.timeout_s",
 }
 # Written into RUN_DIR/final/ with the step it was saved at: a resume can tell a finished run from one
@@ -72,6 +73,11 @@ FINAL_MARKER = "cohortrl_run.json"
 
 class RunStateError(RuntimeError):
     """The run directory's state does not allow what was asked (e.g. resuming a finished run)."""
+
+
+class RunCompleteError(RunStateError):
+    """Resume of a run that has done all its steps and saved an intact final/: nothing to do. The CLI exits 0
+    on it, so a wrapper that repeats ``train --resume`` until it succeeds stops."""
 
 
 @dataclass
@@ -140,6 +146,7 @@ class RLTrainer:
         eval_dataset=None,
         callbacks=(),
         resume: bool = False,
+        strict: bool = False,
     ):
         """``config``: a ``Config``, a dict of sections, a YAML path, or None (defaults). ``run_dir``: where
         metrics, checkpoints and the final model go (default ``runs/<algorithm>-<time>``). ``model``: a model
@@ -149,7 +156,8 @@ class RLTrainer:
         ``reward_weights``. ``train_dataset``: a list of dicts (or prompt strings), a ``datasets.Dataset``,
         a ``.jsonl`` path or a gym task name; ``eval_dataset``: held-out rows (default: held out from the
         training source, ``data.eval_size``). ``callbacks``: see ``cohortrl.trainers.callbacks``.
-        ``resume``: continue the run in ``run_dir`` from its last checkpoint."""
+        ``resume``: continue the run in ``run_dir`` from its newest intact checkpoint (``strict``: refuse,
+        rather than fall back, when the newest one is damaged)."""
         inputs = resolve_inputs(
             config, self.name, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
             reward_weights=reward_weights, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -227,6 +235,8 @@ class RLTrainer:
         self.callbacks = [*self._config_loggers(), *callbacks]
         self.stop_reason: str | None = None
         self.guard = guards.NonfiniteGuard(self.run_dir, cfg.train.max_nonfinite_steps, self.dist.rank)
+        self.config_hash = config_hash(cfg.to_dict())  # in every checkpoint's manifest
+        self.strict = strict
         if resume:
             self._load_latest_checkpoint()
         elif self.dist.is_main:
@@ -721,6 +731,10 @@ class RLTrainer:
         total = steps if steps is not None else self.cfg.train.steps
         if self.step_count >= total:
             return self._finish_or_refuse(total)
+        if self.dist.is_main:  # before the first checkpoint, not when one fails hours in
+            warning = checkpoint.space_warning(self.run_dir, self._checkpoint_bytes())
+            if warning:
+                log.warning(warning)
         rows = []
         self.stop_reason = None
         if self.step_count == 0 and self.cfg.eval.before and self.eval_rows:
@@ -756,18 +770,27 @@ class RLTrainer:
         # FSDP2: the whole weights are gathered from every rank first; rank 0 writes them.
         state = self.dist.full_state(self.model, trainable_only=False) if self.dist.sharded else None
         if self.dist.is_main:
-            self._fire("on_save", self.save(self.run_dir / "final", state_dict=state))
+            try:
+                self._fire("on_save", self.save(self.run_dir / "final", state_dict=state))
+            except checkpoint.CheckpointError as e:
+                raise self._write_failed(e) from None
+            faults.point("final-written")
             plot_curves(self.run_dir)
 
     def _finish_or_refuse(self, total: int) -> list[dict]:
-        """No steps left: finish the one thing a run killed after its last checkpoint may lack (final/), or
-        say that there is nothing to do; never a silent run of zero steps."""
-        marker = self.run_dir / "final" / FINAL_MARKER
-        if not marker.is_file() or json.loads(marker.read_text())["step"] != self.step_count:
-            log.warning("run in %s has done all %d steps but not its final save; writing final/", self.run_dir, total)
+        """No steps left: finish what a run killed after its last checkpoint may lack (an intact final/, the
+        curves), or say that there is nothing to do (:class:`RunCompleteError`); never a silent run of zero steps."""
+        final = self.run_dir / "final"
+        problem = checkpoint.verify(final, self.config_hash) if final.is_dir() else "not written"
+        if problem is None and json.loads((final / FINAL_MARKER).read_text())["step"] != self.step_count:
+            problem = "saved at another step"
+        if problem is not None:
+            log.warning("run in %s has done all %d steps but final/ is not complete (%s); writing final/", self.run_dir, total, problem)
             self._save_final()
             return []
-        raise RunStateError(
+        if self.dist.is_main and not (self.run_dir / "curves.png").is_file():  # killed between final/ and the plot
+            plot_curves(self.run_dir)
+        raise RunCompleteError(
             f"run in {self.run_dir} has already done {self.step_count} step(s) and saved final/, nothing is left up "
             f"to {total} step(s); to train further pass a larger total with --steps N, N > {self.step_count} "
             f"(cohortrl train --run-dir {self.run_dir} --resume --steps N)"
@@ -810,7 +833,10 @@ class RLTrainer:
             self.tokenizer.save_pretrained(tmp)
             (tmp / FINAL_MARKER).write_text(json.dumps({"step": self.step_count}))
 
-        checkpoint.write_dir(directory, write)
+        saved = state_dict if state_dict is not None else (
+            [p for p in self.model.parameters() if p.requires_grad] if self.cfg.model.lora.enabled else self.model.state_dict())
+        checkpoint.write_dir(directory, write, step=self.step_count, config_hash=self.config_hash,
+                             needed_bytes=checkpoint.tensor_bytes(saved))
         return directory
 
     def save_checkpoint(self) -> Path:
@@ -827,17 +853,62 @@ class RLTrainer:
         }
         path = checkpoint.checkpoint_dir(self.run_dir) / f"step_{self.step_count:06d}"
         if self.dist.is_main:  # the state is the same on every rank (DDP keeps replicas identical)
-            path = checkpoint.save(self.run_dir, self.step_count, state)
+            try:
+                path = checkpoint.save(self.run_dir, self.step_count, state, config_hash=self.config_hash,
+                                       keep=self.cfg.train.keep_checkpoints)
+            except checkpoint.CheckpointError as e:
+                raise self._write_failed(e) from None
         self.dist.barrier()
         return path
 
+    def _write_failed(self, error: checkpoint.CheckpointError) -> checkpoint.CheckpointError:
+        """A failed write's one line, completed with the last intact checkpoint and what to run next."""
+        last = checkpoint.latest(self.run_dir)
+        if last is None:
+            return checkpoint.CheckpointError(f"{error}; there is no intact checkpoint yet: free space, then start the run again")
+        return checkpoint.CheckpointError(
+            f"{error}; the last intact checkpoint is {last} (kept); free space (or fix the permissions), then resume "
+            f"with: cohortrl train --run-dir {self.run_dir} --resume"
+        )
+
+    def _checkpoint_bytes(self) -> int:
+        """About what one checkpoint takes: the trained weights and their optimiser state."""
+        return sum(checkpoint.tensor_bytes(o.params) + checkpoint.tensor_bytes(o.optimizer.state_dict()["state"])
+                   for o in self.optimised.values())
+
+    def _choose_checkpoint(self) -> Path:
+        """The newest intact checkpoint. Damaged newer ones are named, one line each, then set aside (or, with
+        ``strict``, the resume is refused and nothing changes)."""
+        found = checkpoint.find_intact(self.run_dir, self.config_hash)
+        fallback = f"step {int(found.path.name[5:])} ({found.path})" if found.path else None
+        if found.rejected and self.strict:
+            instead = f"without --strict the run resumes from {fallback}" if fallback else "no intact checkpoint is left"
+            raise checkpoint.CheckpointError(f"--resume --strict: refusing a damaged checkpoint: {found.rejected[0][1]}; "
+                                             f"nothing was changed ({instead})")
+        for _, problem in found.rejected:
+            log.warning("damaged checkpoint: %s", problem)
+        if found.path is None:
+            why = "; ".join(problem for _, problem in found.rejected) or "the run stopped before its first checkpoint"
+            raise RunStateError(f"--resume: no intact checkpoint in {self.run_dir / 'checkpoints'} ({why}); start the run "
+                                "again without --resume")
+        if found.rejected:
+            moved = checkpoint.set_aside([path for path, _ in found.rejected])
+            log.warning("resuming from %s, the newest intact checkpoint; discarded: %s (moved to %s) and the metrics "
+                        "after that step, which the run computes again", fallback,
+                        ", ".join(p.name for p, _ in found.rejected), moved[0].parent)
+        return found.path
+
     def _load_latest_checkpoint(self) -> None:
-        path = checkpoint.latest(self.run_dir)
-        if path is None:
-            raise RunStateError(
-                f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'} (the run stopped before its first "
-                "checkpoint); start it again without --resume"
-            )
+        choice = None
+        if self.dist.is_main:  # rank 0 verifies and sets damaged ones aside; every rank loads what it chose
+            try:
+                choice = self._choose_checkpoint()
+            except (RunStateError, checkpoint.CheckpointError) as e:
+                choice = e
+        choice = self.dist.broadcast(choice)
+        if isinstance(choice, Exception):
+            raise choice
+        path = choice
         state = checkpoint.load(path)
         load_trainable_state(self.model, state["model"], f"checkpoint {path}", self.dist)
         for name, o in self.optimised.items():
@@ -900,6 +971,13 @@ def load_trainable_state(model, saved: dict[str, torch.Tensor], what: str, dist:
 def _as_float(x) -> float:
     """A scalar tensor (a DTensor under FSDP2) as a Python float."""
     return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
+
+
+def config_hash(config: dict) -> str:
+    """SHA-256 of the settings that decide what a run computes (a config's ``to_dict()`` or its YAML, loaded):
+    those in ``RESUMABLE_CHANGES`` are left out, so a resume with a longer ``train.steps`` keeps the hash."""
+    kept = {k: v for k, v in _flatten(config).items() if k not in RESUMABLE_CHANGES}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
