@@ -1,0 +1,72 @@
+"""The sandbox's time limit at its edges (``rewards/sandbox.py``, ``sandbox_server.py``): an honest job that uses
+60% of its limit succeeds, sleeping or computing; a hostile one (a busy loop, an endless sleep) is killed no
+earlier than its limit and no later than 0.2 s after it, measured by this process's clock around the job.
+
+The limits are not whole seconds on purpose as well as whole: the CPU-time rlimit is ceil(limit) s, so at
+1.5 s it is the wall-clock timer alone that must stop a busy loop at 1.5 s (the rlimit would only at 2 s),
+while at 1.0 s both stand guard.
+
+Load: the upper bound holds with room on this 2-core machine at a load average of 7-8 (other test suites
+running): the kill arrived 15-30 ms after the limit (docs/testing.md). A late kill caused by the sandbox is the
+same every time; one caused by a preempted server is not, so the upper bound takes the best of
+``ATTEMPTS`` attempts, while the lower bound and the reason must hold in every attempt.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cohortrl.rewards.sandbox import Sandbox
+
+LATE = 0.2  # seconds after the limit by which a hostile job must be dead
+ATTEMPTS = 2
+HOSTILE = {
+    "busy loop": "def f():\n    while True:\n        pass\n",
+    "endless sleep": "import time\ndef f():\n    time.sleep(10 ** 6)\n",
+}
+
+
+def honest(kind: str, seconds: float) -> str:
+    if kind == "sleep":
+        return f"import time\ndef f():\n    time.sleep({seconds})\n    return 'done'\n"
+    # computing: CPU busy until `seconds` of wall time have passed (at least that much CPU on an idle core)
+    return (f"import time\ndef f():\n    end, n = time.monotonic() + {seconds}, 0\n"
+            "    while time.monotonic() < end:\n        n += 1\n    return 'done'\n")
+
+
+@pytest.fixture(scope="module")
+def box():
+    sandbox = Sandbox(max_workers=2).start()
+    assert sandbox.run("def f():\n    return 1\n", "f", [[]], timeout_s=1.0).ok  # warm: the server is up
+    yield sandbox
+    sandbox.close()
+
+
+def timed(box: Sandbox, code: str, limit: float):
+    start = time.monotonic()
+    result = box.run(code, "f", [[]], timeout_s=limit)
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("limit", [1.0, 1.5])
+@pytest.mark.parametrize("kind", ["sleep", "compute"])
+def test_an_honest_job_using_60_percent_of_its_limit_succeeds(box, limit, kind):
+    result, elapsed = timed(box, honest(kind, 0.6 * limit), limit)
+    assert result.ok and result.calls[0].value == "done", result.reason
+    assert elapsed >= 0.6 * limit and result.seconds >= 0.6 * limit  # it did take its 60%
+
+
+@pytest.mark.parametrize("limit", [1.0, 1.5])
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_job_is_killed_at_its_limit_and_not_later_than_0_2_s_after(box, limit, name):
+    elapsed_all = []
+    for _ in range(ATTEMPTS):
+        result, elapsed = timed(box, HOSTILE[name], limit)
+        assert not result.ok and "timeout" in result.reason, result.reason
+        assert elapsed >= limit and result.seconds >= limit, (elapsed, result.seconds)  # never early
+        elapsed_all.append(elapsed)
+        if elapsed <= limit + LATE:
+            break
+    assert min(elapsed_all) <= limit + LATE, f"killed {min(elapsed_all) - limit:.3f} s after its {limit} s limit"
