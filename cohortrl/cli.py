@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from cohortrl.config import Config, ConfigError
@@ -31,30 +32,39 @@ def cmd_train(args) -> int:
             raise ConfigError("train needs a CONFIG file (or --resume with --run-dir of an earlier run)")
         config_path = args.config
     cfg = _load_config(config_path, args.overrides)
-    trainer = make_trainer(cfg, run_dir, resume=args.resume, strict=getattr(args, "strict", False))  # GRPO or PPO, by algorithm.name
+    trainer = make_trainer(cfg, run_dir, resume=args.resume, strict=getattr(args, "strict", False),  # GRPO or PPO
+                           overwrite=getattr(args, "overwrite", False), callbacks=[_PrintEvaluations()])
     try:
-        rows = trainer.train(steps=args.steps)
+        trainer.train(steps=args.steps)
     except RunCompleteError as e:  # a requeue wrapper repeating `train --resume` until it succeeds stops here
         print(e)
         return 0
     finally:
         trainer.close()
-    if not trainer.dist.is_main:  # under torchrun: one report, from rank 0
-        return 0
-    evals = [r for r in rows if "eval/accuracy" in r]
-    for r in evals:
-        line = (
-            f"step {r['step']:>4}: held-out greedy accuracy {r['eval/accuracy']:.3f} "
-            f"(95% CI {r['eval/accuracy_ci_low']:.3f}-{r['eval/accuracy_ci_high']:.3f}, n={r['eval/n']})"
-        )
-        if "eval/sampled_accuracy" in r:
-            line += (
-                f"; sampled accuracy {r['eval/sampled_accuracy']:.3f} "
-                f"(95% CI {r['eval/sampled_accuracy_ci_low']:.3f}-{r['eval/sampled_accuracy_ci_high']:.3f})"
-            )
-        print(line)
-    print(f"run directory: {run_dir} (metrics.jsonl, curves.png, final/)")
+    if trainer.dist.is_main:  # under torchrun: one report, from rank 0
+        print(f"run directory: {run_dir} (metrics.jsonl, curves.png, final/)")
     return 0
+
+
+class _PrintEvaluations:
+    """A callback: each held-out evaluation printed as soon as it finishes, not only when training ends."""
+
+    def on_evaluate(self, trainer, metrics: dict) -> None:
+        if trainer.dist.is_main and "eval/accuracy" in metrics:
+            print(_eval_line(metrics), flush=True)
+
+
+def _eval_line(r: dict) -> str:
+    line = (
+        f"step {r['step']:>4}: held-out greedy accuracy {r['eval/accuracy']:.3f} "
+        f"(95% CI {r['eval/accuracy_ci_low']:.3f}-{r['eval/accuracy_ci_high']:.3f}, n={r['eval/n']})"
+    )
+    if "eval/sampled_accuracy" in r:
+        line += (
+            f"; sampled accuracy {r['eval/sampled_accuracy']:.3f} "
+            f"(95% CI {r['eval/sampled_accuracy_ci_low']:.3f}-{r['eval/sampled_accuracy_ci_high']:.3f})"
+        )
+    return line
 
 
 def cmd_verify(args) -> int:
@@ -93,6 +103,8 @@ def cmd_eval(args) -> int:
     from cohortrl.trainers.evaluate import evaluate_config
 
     cfg = _load_config(args.config, args.overrides)
+    if args.adapter:
+        _check_adapter(Path(args.adapter))
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed)
     if args.adapter:
         from peft import PeftModel
@@ -104,7 +116,41 @@ def cmd_eval(args) -> int:
     # The linear kernel the trainer's own evaluations use (train.cpu_linear), so both report the same numbers.
     with linear_kernels(resolve_cpu_linear(cfg.train.cpu_linear, model_device(model))):
         result = evaluate_config(model, tokenizer, eval_rows[: cfg.eval.n_prompts], correctness, cfg)
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2) if args.json else _eval_table(result, args.adapter or cfg.model.name))
+    return 0
+
+
+def _check_adapter(path: Path) -> None:
+    """``eval --adapter PATH`` needs a PEFT adapter directory; say what PATH is instead, before any model loads."""
+    if not path.is_dir():
+        raise ConfigError(f"--adapter {path}: no such directory; give a LoRA run's final/ (RUN_DIR/final)")
+    if not (path / "adapter_config.json").is_file():
+        if (path / "config.json").is_file():
+            raise ConfigError(
+                f"--adapter {path} holds a full model (a run without LoRA), not an adapter; evaluate it with "
+                f"model.name={path} instead of --adapter"
+            )
+        raise ConfigError(f"--adapter {path} has no adapter_config.json; give a LoRA run's final/ (RUN_DIR/final)")
+
+
+def _eval_table(result: dict, what: str) -> str:
+    """The evaluation as a two-column table: each metric, with its 95% interval where there is one."""
+    rows = []
+    for key, value in result.items():
+        if key.endswith(("_ci_low", "_ci_high")):
+            continue
+        name = key.removeprefix("eval/")
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        if f"{key}_ci_low" in result:
+            shown += f"  (95% CI {result[f'{key}_ci_low']:.3f}-{result[f'{key}_ci_high']:.3f})"
+        rows.append((name, shown))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([f"held-out evaluation of {what}", *(f"  {name:<{width}}  {shown}" for name, shown in rows)])
+
+
+def cmd_config_show(args) -> int:
+    """The full resolved config, defaults included, as YAML (what a run would write to RUN_DIR/config.yaml)."""
+    print(_load_config(args.config, args.overrides).to_yaml(), end="")
     return 0
 
 
@@ -180,15 +226,20 @@ def cmd_plan(args) -> int:
 
 def cmd_demo(args) -> int:
     """The default run: GRPO on SmolLM2-135M-Instruct (configs/demo.yaml)."""
+    run_dir = args.run_dir or time.strftime("runs/demo-%Y%m%d-%H%M%S")  # a new directory each time: never refused
     ns = argparse.Namespace(
-        config=str(REPO_CONFIGS / "demo.yaml"), overrides=args.overrides, run_dir=args.run_dir, steps=None, resume=False
+        config=str(REPO_CONFIGS / "demo.yaml"), overrides=args.overrides, run_dir=run_dir, steps=None, resume=False,
+        overwrite=args.overwrite,
     )
     return cmd_train(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cohortrl import __version__
+
     parser = argparse.ArgumentParser(prog="cohortrl", description="RL post-training of LLMs: GRPO and PPO.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; show tracebacks of errors")
+    parser.add_argument("--version", action="version", version=f"cohortrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train with a YAML config", description="Train a policy with GRPO or PPO (algorithm.name) from a YAML config.")
@@ -197,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, help="directory for metrics.jsonl, checkpoints, curves.png, final/")
     p.add_argument("--steps", type=int, default=None, help="stop after N training steps in total (default: train.steps)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest intact checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--run-dir holds an earlier run: delete its files first and start over (without it such a directory is refused)")
     p.add_argument("--strict", action="store_true",
                    help="with --resume: refuse, rather than fall back to an older checkpoint, when the newest is damaged")
     p.set_defaults(func=cmd_train)
@@ -211,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file (model, data, reward.correctness, eval settings)")
     p.add_argument("overrides", nargs="*", help="overrides as key.path=value")
     p.add_argument("--adapter", help="a LoRA adapter directory (e.g. RUN_DIR/final) to apply to the config's model")
+    p.add_argument("--json", action="store_true", help="print the raw result as JSON instead of a table")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("models", help="list model aliases and the cache", description="List model aliases and cached conversions.")
@@ -263,8 +317,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the default GRPO run on SmolLM2-135M-Instruct", description=cmd_demo.__doc__)
     p.add_argument("overrides", nargs="*", help="overrides to configs/demo.yaml as key.path=value")
-    p.add_argument("--run-dir", default="runs/demo", help="run directory (default runs/demo)")
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/demo-DATE-TIME, a new one each time)")
+    p.add_argument("--overwrite", action="store_true", help="--run-dir may hold an earlier run: delete its files first")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("config", help="show a config with every default filled in",
+                       description="Inspect configs: `cohortrl config show CONFIG [key.path=value ...]`.")
+    config_sub = p.add_subparsers(dest="config_command", required=True)
+    p = config_sub.add_parser("show", help="print the full resolved config (defaults included) as YAML",
+                              description=cmd_config_show.__doc__)
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="overrides as key.path=value")
+    p.set_defaults(func=cmd_config_show)
 
     try:
         from cohortrl.tasks.cli import add_tasks_parser
@@ -284,11 +348,24 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from cohortrl.trainers.checkpoint import CheckpointError
     from cohortrl.trainers.guards import NonfiniteError
     from cohortrl.trainers.loop import RunStateError
+    from cohortrl.trainers.run_dir import RunDirectoryError
+    from cohortrl.user_code import UserCodeError
 
     return (
         DataError, ModelLoadError, RewardFunctionError, PromptTooLongError, RunStateError, CheckpointError,
-        NonfiniteError, FileNotFoundError, LabelDataError,
+        NonfiniteError, FileNotFoundError, LabelDataError, RunDirectoryError, UserCodeError,
     )
+
+
+def _show_progress() -> None:
+    """Progress lines (model loading, the GGUF conversion, evaluation batches) on stderr, for people watching;
+    the library logs them at INFO on the ``cohortrl.progress`` logger and prints nothing by itself."""
+    progress = logging.getLogger("cohortrl.progress")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    progress.addHandler(handler)
+    progress.setLevel(logging.INFO)
+    progress.propagate = False  # with -v the root logger would print each line a second time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,14 +379,26 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides or []) + extra
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _show_progress()
+    # The `tasks` commands report an unknown family (KeyError) or level (ValueError) by raising; there those are
+    # the user's input, elsewhere they would be bugs and keep their traceback.
+    task_errors = (KeyError, ValueError) if args.command == "tasks" else ()
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except _user_errors() as e:  # problems with the user's input: a message, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _fail(f"config error: {e}", args.verbose)
+    except (*_user_errors(), *task_errors) as e:  # problems with the user's input: one line, not a traceback
+        return _fail(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", args.verbose)
+
+
+def _fail(message: str, verbose: bool) -> int:
+    """Exit code 2 with ``message`` on stderr; the traceback too with -v (for a bug report)."""
+    if verbose:
+        import traceback
+
+        traceback.print_exc()
+    print(message, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

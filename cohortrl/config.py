@@ -22,6 +22,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from cohortrl.trl_names import TRL_NAMES
+
 
 class ConfigError(ValueError):
     """A configuration problem, raised before anything expensive happens."""
@@ -542,6 +544,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         if key not in names:
             path = prefix + str(key)
             close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
+            if key in TRL_NAMES:  # a TRL GRPOConfig name: say ours (and how the value carries over)
+                ours, how = TRL_NAMES[key]
+                raise ConfigError(f"unknown config key '{path}': '{key}' is TRL's name; cohortrl's is '{ours}'"
+                                  + (f" ({how})" if how else "") + "; see docs/trl_migration.md")
             if close:
                 hint = f"; did you mean '{prefix + close[0]}'?"
             else:  # maybe a key put in the wrong section

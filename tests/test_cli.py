@@ -74,7 +74,7 @@ def test_eval_a_trained_lora_adapter(tmp_path):
     lora = ["model.lora.enabled=true", "model.lora.r=4", "train.progress=false", "eval.n_prompts=8"]
     assert run("train", config, "--run-dir", str(tmp_path), "--steps", "1", *lora).returncode == 0
     assert (tmp_path / "final" / "adapter_config.json").exists()
-    out = run("eval", config, "--adapter", str(tmp_path / "final"), *lora, "eval.pass_k=2")
+    out = run("eval", config, "--adapter", str(tmp_path / "final"), *lora, "eval.pass_k=2", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["eval/n"] == 8 and 0 <= result["eval/accuracy"] <= 1 and "eval/pass@2" in result

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, score
 from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.stats import wilson_interval
+
+progress = logging.getLogger("cohortrl.progress")  # printed by the command line (cli._show_progress)
 
 
 def _columns(rollout) -> dict[str, list]:
@@ -63,6 +67,7 @@ def evaluate(
         _, per_fn = score_rollout([correctness], rollout, max_new_tokens, trainer_state=trainer_state)
         correct += [float(v or 0.0) for v in per_fn[correctness.name]]
         lengths += rollout.lengths.tolist()
+        progress.info("held-out evaluation: %d/%d prompts (greedy)", len(correct), len(rows))
     n, hits = len(correct), int(sum(v >= 1.0 for v in correct))
     lo, hi = wilson_interval(hits, n)
     out.update({"eval/accuracy": hits / max(n, 1), "eval/accuracy_ci_low": lo, "eval/accuracy_ci_high": hi,
@@ -79,6 +84,7 @@ def evaluate(
                 rollout, _ = generate(model, tokenizer, chunk, pass_k, sampling, **kw)
                 _, per_fn = score_rollout([correctness], rollout, max_new_tokens, trainer_state=trainer_state)
                 per_prompt.append((torch.tensor([float(v or 0.0) for v in per_fn[correctness.name]]) >= 1.0).float().view(-1, pass_k))
+                progress.info("held-out evaluation: %d/%d prompts (%d samples each)", start + len(chunk), len(rows), pass_k)
         hits_PK = torch.cat(per_prompt)
         mean_P = hits_PK.mean(-1)
         half = 1.96 * mean_P.std().item() / len(mean_P) ** 0.5 if len(mean_P) > 1 else 1.0

@@ -10,12 +10,14 @@ handed to it here.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from cohortrl.config import Config, ConfigError, RewardFunctionConfig
+from cohortrl.trl_names import TRLArgsError, from_trl_args
 from cohortrl.user_code import callable_ref, check_reward_signature
 
 log = logging.getLogger("cohortrl")
@@ -46,11 +48,15 @@ def as_config(config: Config | dict | str | Path | None) -> Config:
 
 def resolve_inputs(
     config, algorithm: str, *, model=None, tokenizer=None, reward_funcs=None, reward_weights=None,
-    train_dataset=None, eval_dataset=None,
+    train_dataset=None, eval_dataset=None, args=None, peft_config=None,
 ) -> RunInputs:
     cfg = as_config(config)
     data = cfg.to_dict()
     inputs = RunInputs(cfg)
+    if args is not None:  # TRL's GRPOConfig field names, over the config's own values
+        reward_weights = _apply_trl_args(args, data, reward_weights)
+    if peft_config is not None:
+        data["model"]["lora"] = _lora_section(peft_config)
 
     if cfg.algorithm.name != algorithm:
         if cfg.algorithm.name != "grpo":  # "grpo" is the default: only an explicit other choice conflicts
@@ -92,7 +98,59 @@ def resolve_inputs(
         inputs.eval_rows = rows
 
     inputs.config = Config.from_dict(data)
+    check_optional_packages(inputs.config)
     return inputs
+
+
+def check_optional_packages(cfg: Config) -> None:
+    """Settings that need a package that is not installed: refused now, before any model loads."""
+    needs = [
+        (cfg.sampling.backend == "vllm", "sampling.backend", "'vllm'", "vllm", "pip install vllm (Linux with a CUDA GPU); or sampling.backend=hf"),
+        (cfg.train.tensorboard, "train.tensorboard", "true", "tensorboard", "pip install tensorboard; or train.tensorboard=false"),
+        (cfg.train.wandb, "train.wandb", "true", "wandb", "pip install wandb; or train.wandb=false"),
+    ]
+    for wanted, key, value, package, fix in needs:
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"config key '{key}' = {value} needs the {package} package, which is not installed: {fix}")
+
+
+def _apply_trl_args(args, data: dict, reward_weights):
+    """Write ``args`` (a dict of TRL ``GRPOConfig`` fields) into the config sections ``data``; returns the
+    reward weights (TRL keeps them in its config, here they are a trainer argument)."""
+    if not isinstance(args, dict):
+        raise ConfigError(
+            f"args= must be a dict of TRL GRPOConfig field names (e.g. {{'num_generations': 8}}), got {type(args).__name__}: "
+            "a GRPOConfig object holds every field, most with no equivalent here, so pass only the ones you set"
+        )
+    args = dict(args)
+    weights = args.pop("reward_weights", None)
+    if weights is not None and reward_weights is not None:
+        raise ConfigError("reward weights given twice: in args= (reward_weights) and as reward_weights=; keep one")
+    try:
+        sections = from_trl_args(args, data["algorithm"]["group_size"])
+    except TRLArgsError as e:
+        raise ConfigError(f"args=: {e}") from None
+    for section, values in sections.items():
+        data[section].update(values)
+    return weights if weights is not None else reward_weights
+
+
+def _lora_section(peft_config) -> dict:
+    """``model.lora`` for a PEFT ``LoraConfig`` (TRL's ``peft_config=``); settings with no equivalent are refused."""
+    get = peft_config.get if isinstance(peft_config, dict) else lambda k, d=None: getattr(peft_config, k, d)
+    unsupported = {"bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
+                   "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+    odd = [k for k, default in unsupported.items() if get(k, default) not in (default, None, {}, [])]
+    if odd:
+        raise ConfigError(f"peft_config= sets {odd}, which cohortrl's LoRA (model.lora) does not support; leave them at "
+                          "their defaults")
+    targets = get("target_modules")
+    lora = {"enabled": True, "r": get("r", 8), "alpha": get("lora_alpha", 8), "dropout": get("lora_dropout", 0.0)}
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ConfigError(f"peft_config= target_modules={targets!r}: give a list of module names (or 'all-linear')")
+    if targets and targets != "all-linear":  # None and 'all-linear' keep model.lora's default: every projection
+        lora["target_modules"] = sorted(targets)
+    return lora
 
 
 def _reward_entries(reward_funcs, reward_weights, in_memory: dict[str, Callable]):

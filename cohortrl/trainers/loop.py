@@ -25,10 +25,12 @@ correctness signal, not on the shaped total reward (a shaped total hides all-wro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import math
+import os
 import random
 import time
 from collections import defaultdict
@@ -56,6 +58,7 @@ from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
 from cohortrl.trainers.evaluate import evaluate_config, rollout_columns, score_rollout
 from cohortrl.trainers.inputs import resolve_inputs
 from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, peak_rss_mb, plot_curves
+from cohortrl.trainers.run_dir import claim as claim_run_dir
 from cohortrl.trainers.setup import Reference, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler
 
 log = logging.getLogger("cohortrl")
@@ -125,6 +128,23 @@ def token_weights(response_mask: torch.Tensor, mode: str, norm_length: int | Non
     return w
 
 
+def _release_run_dir_on_failure(init):
+    """Wraps a trainer's ``__init__``: a start that fails lets the run directory's lock go and removes the
+    directory if the start created it (``run_dir.RunDirectory.release``)."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            claim = self.__dict__.get("_run_claim")
+            if claim is not None:
+                claim.release(failed=True)
+            raise
+
+    return wrapper
+
+
 class RLTrainer:
     """The shared step; subclasses (``GRPOTrainer``, ``PPOTrainer``) supply the algorithm."""
 
@@ -133,6 +153,7 @@ class RLTrainer:
     # reaches the policy only through the log-probs of the sampled tokens under the sampling policy.
     reuses_rollout_forward = False
 
+    @_release_run_dir_on_failure
     def __init__(
         self,
         config: Config | dict | str | Path | None = None,
@@ -147,6 +168,9 @@ class RLTrainer:
         callbacks=(),
         resume: bool = False,
         strict: bool = False,
+        overwrite: bool = False,
+        args: dict | None = None,
+        peft_config=None,
     ):
         """``config``: a ``Config``, a dict of sections, a YAML path, or None (defaults). ``run_dir``: where
         metrics, checkpoints and the final model go (default ``runs/<algorithm>-<time>``). ``model``: a model
@@ -157,15 +181,22 @@ class RLTrainer:
         a ``.jsonl`` path or a gym task name; ``eval_dataset``: held-out rows (default: held out from the
         training source, ``data.eval_size``). ``callbacks``: see ``cohortrl.trainers.callbacks``.
         ``resume``: continue the run in ``run_dir`` from its newest intact checkpoint (``strict``: refuse,
-        rather than fall back, when the newest one is damaged)."""
+        rather than fall back, when the newest one is damaged). ``overwrite``: ``run_dir`` may hold another run,
+        whose files are deleted first (without it, or ``resume``, such a directory is refused). TRL's spellings:
+        ``args``, a dict of TRL ``GRPOConfig`` field names, over the config (``docs/trl_migration.md``);
+        ``peft_config``, a PEFT ``LoraConfig``, as ``model.lora``."""
         inputs = resolve_inputs(
             config, self.name, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
             reward_weights=reward_weights, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            args=args, peft_config=peft_config,
         )
         cfg = self.cfg = inputs.config
         a = cfg.algorithm
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Refused if it holds another run, locked against a second process, removed if this start fails (run_dir.py);
+        # rank 0 of a torchrun job claims it for all ranks.
+        self._run_claim = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite,
+                                        main=os.environ.get("RANK", "0") == "0")
         self.policy_loss = get_policy_loss(a.policy_loss)  # names already checked by config.validate
         self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
@@ -256,6 +287,7 @@ class RLTrainer:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        self._run_claim.release()
         self.dist.barrier()
         self.dist.close()
 
@@ -729,6 +761,7 @@ class RLTrainer:
     def train(self, steps: int | None = None) -> list[dict]:
         """Train until ``steps`` steps in total (default ``train.steps``); steps done before a resume count."""
         total = steps if steps is not None else self.cfg.train.steps
+        self._run_claim.acquire()  # held from the constructor; taken again when train() is called once more
         if self.step_count >= total:
             return self._finish_or_refuse(total)
         if self.dist.is_main:  # before the first checkpoint, not when one fails hours in
@@ -763,6 +796,7 @@ class RLTrainer:
             bar.close()
         self._save_final()
         self._fire("on_train_end", rows)
+        self._run_claim.release()  # the run's files are complete: another trainer (a resume) may take the directory
         self.dist.barrier()
         return rows
 
