@@ -115,6 +115,19 @@ class SamplingConfig:
 
 
 @dataclass
+class RolloutConfig:
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call in the middle of a response (docs/tools.md): built-in names (``calculator``,
+    ``simulate``) or ``path/to/file.py:function`` / ``module:function``. Tool results are tokens in the response
+    that the loss, the KL and the "generated" lengths leave out; they count against ``sampling.max_new_tokens``.
+    Empty: single-shot responses."""
+    max_tool_calls: int = 4
+    """Tool calls per response; a call beyond it is not run and gets an error text as its result."""
+    tool_timeout_s: float = 10.0
+    """Seconds the calls made at one decoding step may take; a call still running then gets an error text."""
+
+
+@dataclass
 class RewardFunctionConfig:
     name: str = "accuracy"
     """A built-in reward function (``accuracy``, ``format``, ``overlong``, ``task``, ``reward_model`` — a learned
@@ -355,6 +368,8 @@ class Config:
     """Prompts for training and evaluation."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Rollout generation."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Tool calls inside rollouts."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward functions."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -680,6 +695,7 @@ def validate(cfg: Config) -> None:
     _require(0 < s.vllm_gpu_memory_utilization <= 1, "sampling.vllm_gpu_memory_utilization",
              s.vllm_gpu_memory_utilization, "must be in (0, 1]")
     _require(s.is_cap > 0, "sampling.is_cap", s.is_cap, "must be > 0")
+    _validate_rollout(cfg.rollout, s)
     _require(cfg.model.lora.r >= 1, "model.lora.r", cfg.model.lora.r, "must be at least 1")
     for i, fn in enumerate(cfg.reward.functions):
         _require(fn.name != "", f"reward.functions[{i}].name", fn.name, "must name a reward function")
@@ -693,6 +709,15 @@ def validate(cfg: Config) -> None:
         cfg.reward.correctness,
         f"must be the name of one of reward.functions ({', '.join(names)})",
     )
+
+
+def _validate_rollout(r: RolloutConfig, s: SamplingConfig) -> None:
+    # Tool names are resolved by the trainer before the model loads, as reward functions are: a name may be a
+    # function handed over in Python (tools=[fn]), which this file cannot know.
+    _require(r.max_tool_calls >= 1, "rollout.max_tool_calls", r.max_tool_calls, "must be at least 1")
+    _require(r.tool_timeout_s > 0, "rollout.tool_timeout_s", r.tool_timeout_s, "must be > 0 (seconds)")
+    _require(not r.tools or s.backend == "hf", "rollout.tools", r.tools,
+             "tool calls run in the hf backend's decoding loop; set sampling.backend=hf or remove the tools")
 
 
 def _validate_ppo(p: PPOConfig) -> None:

@@ -146,10 +146,15 @@ def make_overlong(cache_length: int = 16, max_length: int | None = None) -> Rewa
 
 
 def make_task(field: str = "score") -> RewardFn:
-    """A gym family's grade: ``score`` (outcome and step credit combined, the default) or ``outcome``."""
+    """A gym family's grade: ``score`` (outcome and step credit combined, the default) or ``outcome``.
+
+    The graded text is the response rendered (``cohortrl.tools.render``): a calculator call with its result
+    reads ``EXPR = VALUE``, other tool calls are left out. A response without tool calls is graded as written;
+    one that imitates the tags without tools earns nothing by it, since only the values it states are graded."""
     if field not in ("score", "outcome"):
         raise ValueError(f"task reward field must be 'score' or 'outcome', got {field!r}")
     from cohortrl import tasks
+    from cohortrl.tools import render
 
     def task(prompts, completions, sample, **columns):
         out = []
@@ -158,7 +163,7 @@ def make_task(field: str = "score") -> RewardFn:
             problem = family.sample_from_dict(s)  # outside `contained`: a bad sample row is the data's fault
 
             def grade() -> float:
-                return float(getattr(family.grade(problem, completion_text(completion)), field))
+                return float(getattr(family.grade(problem, render(completion_text(completion))), field))
 
             out.append(contained("task", _prompt(prompts, i), completion, grade))
         return out

@@ -25,7 +25,9 @@ from cohortrl.data import prompt_preview, render_prompt
 from cohortrl.kernels import decoding_weights
 from cohortrl.rollout.decoder import decoder_for
 from cohortrl.rollout.replay import Recording
+from cohortrl.rollout.tools import ToolSession
 from cohortrl.rollout.types import Rollout
+from cohortrl.tools import Toolset, tool_prompt
 
 
 # One description of sampling for the config, the trainer and evaluation: the config's own dataclass.
@@ -92,11 +94,18 @@ def generate(
     max_prompt_tokens: int = 512,
     overlong_prompts: str = "reject",
     record: bool = False,
+    tools: Toolset | None = None,
 ) -> tuple[Rollout, int]:
     """Sample ``group_size`` responses for each row's ``prompt``. Returns (rollout, prompts truncated).
 
     ``record``: where the lean decoder runs, keep its forward for the update's backward
-    (``rollout.replay``, a ``rollout/replay.py`` :class:`Recording`; None where it does not run)."""
+    (``rollout.replay``, a ``rollout/replay.py`` :class:`Recording`; None where it does not run).
+    ``tools``: the model may call them (``rollout/tools.py``); they are described after the system prompt, and
+    their results are in the responses as tokens marked by ``rollout.tool_mask``."""
+    session = None
+    if tools is not None:
+        system_prompt = tool_prompt(system_prompt, tools)
+        session = ToolSession(tools, tokenizer, [row for row in rows for _ in range(group_size)])
     prompt_ids, prompt_mask, n_truncated = encode_prompts(
         tokenizer, [r["prompt"] for r in rows], system_prompt, max_prompt_tokens, overlong_prompts
     )
@@ -110,11 +119,15 @@ def generate(
     # decoder runs the prompts itself, also once each
     shared = group_size > 1 and prompt_ids.shape[1] > 1 and not record
     cache = prefill_cache(model, prompt_ids, prompt_mask) if shared else None
-    out, lengths, *recording = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache, record=record)
+    out, lengths, *recording = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache,
+                                             record=record, tools=session)
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
-    response_mask, truncated, completions = _finish(response_ids, lengths, tokenizer, eos_ids, sampling)
-    response_ids = response_ids.masked_fill(response_mask == 0, tokenizer.pad_token_id)
+    tool_mask = session.tool_mask(response_ids.shape[1]) if session is not None else None
+    response_mask, truncated, completions = _finish(response_ids, lengths, tokenizer, eos_ids, sampling, tool_mask)
+    tool_calls, tool_errors = session.counts() if session is not None else (None, None)
+    sequence_mask = response_mask if tool_mask is None else response_mask | tool_mask
+    response_ids = response_ids.masked_fill(sequence_mask == 0, tokenizer.pad_token_id)
     rollout = Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -125,17 +138,21 @@ def generate(
         group_size=group_size,
         rows=[row for row in rows for _ in range(group_size)],
         replay=recording[0] if record else None,
+        tool_mask=tool_mask,
+        tool_calls=tool_calls,
+        tool_errors=tool_errors,
     )
     return rollout, n_truncated
 
-
 def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None,
-                  record: bool = False):
+                  record: bool = False, tools: ToolSession | None = None):
     """Autoregressive sampling with the KV cache, from ``cache`` (``prefill_cache``) if given: ids (B, Tp + T)
     on the CPU, each row padded after its EOS or stop string, and each row's response length (B,), its ending
     token included; with ``record`` (the lean decoder only), a third value: its :class:`Recording`. The loop ends
     when every row has ended. The lengths are recorded, not read back from the
-    padding: a model may sample the pad token inside a response (SmolLM2 pads with ``<|endoftext|>``).
+    padding: a model may sample the pad token inside a response (SmolLM2 pads with ``<|endoftext|>``). With
+    ``tools``, a row in the middle of a tool result is fed its next token instead of what it sampled (the lean
+    decoder and a recording take it like any fed token); such a token never ends the row.
 
     Our own loop rather than ``model.generate``: on a CPU, transformers' sampler (``torch.multinomial``) draws an
     exponential variate for every vocabulary entry at every step, half the decoding time of a small model with
@@ -180,17 +197,22 @@ def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling,
             if t < sampling.min_new_tokens:
                 logits[:, eos] = float("-inf")
             token = _sample(logits, sampling)
+            fed = torch.zeros_like(ended)
+            if tools is not None:
+                token, fed = tools.feed(token)
             token = token.masked_fill(ended, tokenizer.pad_token_id)
             if record:
                 decoder.sampled(token)
             tokens.append(token)
-            ended |= torch.isin(token, eos)
+            ended |= torch.isin(token, eos) & ~fed
             if sampling.stop and t + 1 >= sampling.min_new_tokens:
                 recent = torch.stack(tokens[-stop_window:], dim=1).cpu()
-                for i in (~ended).nonzero().flatten().tolist():
+                for i in (~ended & ~fed).nonzero().flatten().tolist():
                     text = tokenizer.decode(recent[i], skip_special_tokens=True)
                     ended[i] = any(stop in text for stop in sampling.stop)
             lengths = torch.where(ended & (lengths == sampling.max_new_tokens), t + 1, lengths)
+            if tools is not None:
+                tools.after_step(token, ended)
             if ended.all():
                 break
             feed, positions = token.unsqueeze(-1), next_position + t
@@ -281,17 +303,19 @@ def _prefill(model, ids: torch.Tensor, mask: torch.Tensor) -> DynamicCache:
     return cache
 
 
-def _finish(response_ids: torch.Tensor, lengths_B: torch.Tensor, tokenizer, eos_ids: list[int], sampling: Sampling):
-    """Response mask (each row's first ``length`` tokens: through its EOS or stop string), truncation flags and
-    decoded texts."""
+def _finish(response_ids: torch.Tensor, lengths_B: torch.Tensor, tokenizer, eos_ids: list[int], sampling: Sampling,
+            tool_mask: torch.Tensor | None = None):
+    """Response mask (each row's first ``length`` tokens: through its EOS or stop string, less the tokens of
+    ``tool_mask``), truncation flags and decoded texts (tool results included)."""
     is_eos = torch.isin(response_ids, torch.tensor(eos_ids))
-    response_mask = (torch.arange(response_ids.shape[1]) < lengths_B[:, None]).long()
+    sequence_mask = (torch.arange(response_ids.shape[1]) < lengths_B[:, None]).long()
     completions = [
-        tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(response_ids, response_mask)
+        tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(response_ids, sequence_mask)
     ]
+    response_mask = sequence_mask if tool_mask is None else sequence_mask * (1 - tool_mask)
     ended = (is_eos & response_mask.bool()).any(-1)
     stopped = torch.tensor([any(s in c for s in sampling.stop) for c in completions], dtype=torch.bool)
-    truncated = (response_mask.sum(-1) >= sampling.max_new_tokens) & ~ended & ~stopped
+    truncated = (sequence_mask.sum(-1) >= sampling.max_new_tokens) & ~ended & ~stopped
     return response_mask, truncated, completions
 
 

@@ -18,7 +18,9 @@ class Rollout:
     prompt_ids: torch.Tensor  # (B, Tp) left-padded prompt tokens (chat template applied)
     prompt_mask: torch.Tensor  # (B, Tp) 1 on real prompt tokens
     response_ids: torch.Tensor  # (B, T) generated tokens, right-padded with the pad id
-    response_mask: torch.Tensor  # (B, T) 1 on generated tokens up to and including EOS / the stop string
+    # (B, T) 1 on the model's own tokens up to and including EOS / the stop string; 0 on padding and on tool
+    # results (holes): what the loss, the KL, the entropy and the generated lengths count
+    response_mask: torch.Tensor
     truncated: torch.Tensor  # (B,) bool: hit max_new_tokens without EOS or a stop string
     completions: list[str]  # (B,) decoded responses, without special tokens
     group_size: int  # G
@@ -27,20 +29,28 @@ class Rollout:
     # The decoding forward, kept for the update's backward (rollout/replay.py); only for these rows as generated:
     # ``select`` and ``concat`` drop it.
     replay: object | None = field(default=None, repr=False)
+    # Tool calls (rollout/tools.py); None when the rollout ran without tools.
+    tool_mask: torch.Tensor | None = None  # (B, T) 1 on tokens a tool supplied (inside the response, not the model's)
+    tool_calls: torch.Tensor | None = None  # (B,) calls made by each response
+    tool_errors: torch.Tensor | None = None  # (B,) of those, calls whose result was an error text
 
     @property
     def batch_size(self) -> int:
         return self.response_ids.shape[0]
 
     @property
-    def lengths(self) -> torch.Tensor:  # (B,) response tokens
+    def lengths(self) -> torch.Tensor:  # (B,) response tokens the model generated (tool results not counted)
         return self.response_mask.sum(-1)
+
+    @property
+    def sequence_mask(self) -> torch.Tensor:  # (B, T) 1 on every response token, the model's and the tools'
+        return self.response_mask if self.tool_mask is None else self.response_mask | self.tool_mask
 
     def input_ids(self) -> torch.Tensor:  # (B, Tp + T)
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
-    def attention_mask(self) -> torch.Tensor:  # (B, Tp + T)
-        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+    def attention_mask(self) -> torch.Tensor:  # (B, Tp + T): the model attends to tool results as it did decoding
+        return torch.cat([self.prompt_mask, self.sequence_mask], dim=1)
 
     def select(self, index: torch.Tensor | list[int]) -> "Rollout":
         """The rows in ``index`` (keep whole groups to keep group structure)."""
@@ -56,6 +66,7 @@ class Rollout:
             group_size=self.group_size,
             rows=rows,
             sampling_logp=self.sampling_logp[index] if self.sampling_logp is not None else None,
+            **{name: getattr(self, name)[index] for name in _TOOL_FIELDS if getattr(self, name) is not None},
         )
 
     @staticmethod
@@ -81,4 +92,25 @@ class Rollout:
             rows=[row for r in parts for row in r.rows],
             sampling_logp=torch.cat([right(r.sampling_logp, T, 0.0) for r in parts])
             if all(r.sampling_logp is not None for r in parts) else None,
+            **_concat_tools(parts, T),
         )
+
+
+_TOOL_FIELDS = ("tool_mask", "tool_calls", "tool_errors")
+
+
+def _concat_tools(parts: list[Rollout], T: int) -> dict:
+    """The tool fields of joined rollouts: parts without tools count as no calls and no tool tokens."""
+    if all(r.tool_mask is None for r in parts):
+        return {}
+
+    def mask(r):
+        m = r.tool_mask if r.tool_mask is not None else torch.zeros_like(r.response_mask)
+        return torch.nn.functional.pad(m, (0, T - m.shape[1]))
+
+    def count(r, name):
+        value = getattr(r, name)
+        return value if value is not None else torch.zeros(r.batch_size, dtype=torch.long)
+
+    return {"tool_mask": torch.cat([mask(r) for r in parts]),
+            **{name: torch.cat([count(r, name) for r in parts]) for name in ("tool_calls", "tool_errors")}}

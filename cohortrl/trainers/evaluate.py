@@ -8,6 +8,7 @@ import torch
 
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, score
 from cohortrl.rollout.hf import Sampling, generate
+from cohortrl.rollout.tools import toolset
 from cohortrl.stats import wilson_interval
 
 progress = logging.getLogger("cohortrl.progress")  # printed by the command line (cli._show_progress)
@@ -17,7 +18,8 @@ def _columns(rollout) -> dict[str, list]:
     """Dataset columns (everything but the prompt) plus what the trainer knows about each completion."""
     keys = [k for k in rollout.rows[0] if k != "prompt"]
     cols = {k: [row.get(k) for row in rollout.rows] for k in keys}
-    cols["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.response_ids, rollout.response_mask)]
+    # every token of the completion's text, tool results included
+    cols["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.response_ids, rollout.sequence_mask)]
     cols["completion_lengths"] = rollout.lengths.tolist()
     return cols
 
@@ -52,15 +54,18 @@ def evaluate(
     max_prompt_tokens: int = 512,
     overlong_prompts: str = "reject",
     trainer_state: TrainerState | None = None,
+    tools=None,
 ) -> dict[str, float]:
     """Greedy accuracy with a 95% Wilson interval, and (if ``pass_k``) k samples per prompt at ``temperature``:
     pass@k and the sampled accuracy with a 95% interval over prompts. Sampling runs under a forked RNG so evaluating never changes the training
     run's random stream (a resumed run evaluates at different moments). A response is correct when the
     correctness function gives it at least 1 (its mean value, for functions that are not 0/1, is logged as
-    ``eval/correctness_mean``)."""
+    ``eval/correctness_mean``). With ``tools`` (a ``Toolset``) the model may call them, as in training; the
+    built-in ``task`` reward grades the rendered text (``tools.render``)."""
     out: dict[str, float] = {}
-    kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts)
-    correct, lengths = [], []
+    kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts,
+              tools=tools)
+    correct, lengths, calls = [], [], []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         rollout, _ = generate(model, tokenizer, chunk, 1, Sampling(temperature=0, max_new_tokens=max_new_tokens), **kw)
@@ -68,10 +73,13 @@ def evaluate(
         correct += [float(v or 0.0) for v in per_fn[correctness.name]]
         lengths += rollout.lengths.tolist()
         progress.info("held-out evaluation: %d/%d prompts (greedy)", len(correct), len(rows))
+        calls += rollout.tool_calls.tolist() if rollout.tool_calls is not None else []
     n, hits = len(correct), int(sum(v >= 1.0 for v in correct))
     lo, hi = wilson_interval(hits, n)
     out.update({"eval/accuracy": hits / max(n, 1), "eval/accuracy_ci_low": lo, "eval/accuracy_ci_high": hi,
                 "eval/correctness_mean": sum(correct) / max(n, 1), "eval/n": n, "eval/response_length_mean": sum(lengths) / max(len(lengths), 1)})
+    if tools is not None:
+        out["eval/tool_calls_per_response"] = sum(calls) / max(len(calls), 1)
     if pass_k:
         # k samples per prompt give both pass@k (any of the k correct) and the sampled accuracy (mean over
         # the k), whose interval is taken over prompts: samples of one prompt are not independent.
@@ -96,13 +104,15 @@ def evaluate(
 
 
 def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedReward, cfg,
-                    trainer_state: TrainerState | None = None) -> dict[str, float]:
-    """``evaluate`` with the settings of a run config (``eval``, ``sampling``, ``model``, ``data`` sections):
-    the one place the trainer and ``cohortrl eval`` read them."""
+                    trainer_state: TrainerState | None = None, tools=None) -> dict[str, float]:
+    """``evaluate`` with the settings of a run config (``eval``, ``sampling``, ``model``, ``data``, ``rollout``
+    sections): the one place the trainer and ``cohortrl eval`` read them. ``tools``: the run's ``Toolset``
+    (default: built from ``rollout.tools``)."""
     e = cfg.eval
     return evaluate(
         model, tokenizer, rows, correctness, system_prompt=cfg.model.system_prompt,
         max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens, batch_size=e.batch_size,
         pass_k=e.pass_k, temperature=e.temperature, max_prompt_tokens=cfg.data.max_prompt_tokens,
         overlong_prompts=cfg.data.overlong_prompts, trainer_state=trainer_state,
+        tools=tools if tools is not None else toolset(cfg.rollout),
     )

@@ -29,6 +29,7 @@ class RunInputs:
     model: Any = None  # a loaded model, or None: load config.model.name
     tokenizer: Any = None
     reward_fns: dict[str, Callable] = field(default_factory=dict)  # config reward name -> callable given in Python
+    tools: dict[str, Callable] = field(default_factory=dict)  # rollout.tools entry -> tool function given in Python
     train_rows: list[dict] | None = None  # rows given in Python (data.source = python:...)
     eval_rows: list[dict] | None = None
 
@@ -48,7 +49,7 @@ def as_config(config: Config | dict | str | Path | None) -> Config:
 
 def resolve_inputs(
     config, algorithm: str, *, model=None, tokenizer=None, reward_funcs=None, reward_weights=None,
-    train_dataset=None, eval_dataset=None, args=None, peft_config=None,
+    train_dataset=None, eval_dataset=None, tools=None, args=None, peft_config=None,
 ) -> RunInputs:
     cfg = as_config(config)
     data = cfg.to_dict()
@@ -85,6 +86,9 @@ def resolve_inputs(
             data["reward"]["correctness"] = names[0]
     elif reward_weights is not None:
         raise ConfigError("reward_weights= needs reward_funcs= (one weight per function)")
+
+    if tools is not None:  # replaces rollout.tools, as reward_funcs= replaces reward.functions
+        data["rollout"]["tools"] = _tool_entries(tools, inputs.tools)
 
     if train_dataset is not None:
         source, rows = _source(train_dataset, "train_dataset")
@@ -175,6 +179,24 @@ def _reward_entries(reward_funcs, reward_weights, in_memory: dict[str, Callable]
         in_memory[name] = fn
         out.append((name, float(weight), {}))
     return out
+
+
+def _tool_entries(tools, in_memory: dict[str, Callable]) -> list[str]:
+    """``rollout.tools`` entries for ``tools=``: names as given; a function by its importable reference
+    (``module:function``, so a resumed run from the config alone finds it) or else its name, kept in memory."""
+    entries = []
+    for tool in tools if isinstance(tools, (list, tuple)) else [tools]:
+        if isinstance(tool, str):
+            entries.append(tool)
+            continue
+        if not callable(tool):
+            raise ConfigError(f"tools= entries must be functions or tool names, got {type(tool).__name__}")
+        name = callable_ref(tool) or getattr(tool, "__name__", type(tool).__name__)
+        if name in in_memory:
+            raise ConfigError(f"two tools are both called {name!r}; give them distinct names")
+        in_memory[name] = tool
+        entries.append(name)
+    return entries
 
 
 def _source(dataset, what: str) -> tuple[str, list[dict] | None]:

@@ -52,6 +52,7 @@ from cohortrl.rewards.process import build_step_source, guard_steps, step_detect
 from cohortrl.rewards.scoring import RewardFunctionError, TrainerState, WeightedReward, resolve
 from cohortrl.rewards.steps import step_end_tokens, token_char_ends
 from cohortrl.rollout.hf import generate, response_logprobs
+from cohortrl.rollout.tools import tool_metrics, toolset
 from cohortrl.rollout.types import Rollout
 from cohortrl.trainers import checkpoint, faults, guards
 from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
@@ -166,6 +167,7 @@ class RLTrainer:
         train_dataset=None,
         eval_dataset=None,
         callbacks=(),
+        tools=None,
         resume: bool = False,
         strict: bool = False,
         overwrite: bool = False,
@@ -179,7 +181,8 @@ class RLTrainer:
         the first is the correctness signal unless ``reward.correctness`` names one of them), weighted by
         ``reward_weights``. ``train_dataset``: a list of dicts (or prompt strings), a ``datasets.Dataset``,
         a ``.jsonl`` path or a gym task name; ``eval_dataset``: held-out rows (default: held out from the
-        training source, ``data.eval_size``). ``callbacks``: see ``cohortrl.trainers.callbacks``.
+        training source, ``data.eval_size``). ``callbacks``: see ``cohortrl.trainers.callbacks``. ``tools``:
+        functions (or tool names) the model may call mid-response (replace ``rollout.tools``; docs/tools.md).
         ``resume``: continue the run in ``run_dir`` from its newest intact checkpoint (``strict``: refuse,
         rather than fall back, when the newest one is damaged). ``overwrite``: ``run_dir`` may hold another run,
         whose files are deleted first (without it, or ``resume``, such a directory is refused). TRL's spellings:
@@ -187,7 +190,7 @@ class RLTrainer:
         ``peft_config``, a PEFT ``LoraConfig``, as ``model.lora``."""
         inputs = resolve_inputs(
             config, self.name, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
-            reward_weights=reward_weights, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            reward_weights=reward_weights, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
             args=args, peft_config=peft_config,
         )
         cfg = self.cfg = inputs.config
@@ -216,6 +219,7 @@ class RLTrainer:
             for f in cfg.reward.functions
         ]
         self.correctness = next(r for r in self.rewards if r.name == cfg.reward.correctness)
+        self.tools = toolset(cfg.rollout, inputs.tools)  # None without tools; resolved before the model loads
         train_rows, eval_rows = load_rows(cfg.data, cfg.train.seed, inputs.train_rows, inputs.eval_rows)
         self.stream = PromptStream(train_rows, cfg.train.seed)
         self.eval_rows = eval_rows[: cfg.eval.n_prompts]
@@ -431,6 +435,7 @@ class RLTrainer:
             **_lengths_by_outcome(lengths, per_fn[self.correctness.name]),
             "response_length_max": lengths.max().item(),
             "truncation_rate": counts["truncated"] / len(lengths),
+            **tool_metrics(rollout, d.sum),
             **stats,
             "lr": self.scheduler.get_last_lr()[0],
             **{f"time/{k}": v for k, v in timer.seconds.items()},
@@ -566,7 +571,7 @@ class RLTrainer:
                         f"(prompt: {prompts[i][:200]!r}); step scores must be finite numbers"
                     )
             guarded = guard_steps(completion, steps, cap=p.cap, max_steps=p.max_steps, require_answer=p.require_answer)
-            ids = rollout.response_ids[i][rollout.response_mask[i].bool()].tolist()
+            ids = rollout.response_ids[i][rollout.sequence_mask[i].bool()].tolist()  # every token of the text
             char_ends = token_char_ends(self.tokenizer, ids)
             stated = iter(step_end_tokens([span for _, span in guarded if span is not None], char_ends))
             last = max(0, len(ids) - 1)  # a required step never stated counts on the last token
@@ -587,7 +592,7 @@ class RLTrainer:
         if self.generator is not None:
             return self.generator.generate(rows, cfg.algorithm.group_size, self.sampling, seed=seed, **kw)
         return generate(self.model, self.tokenizer, rows, cfg.algorithm.group_size, self.sampling,
-                        record=self._reuse_rollout_forward(), **kw)
+                        record=self._reuse_rollout_forward(), tools=self.tools, **kw)
 
     def _reuse_rollout_forward(self) -> bool:
         """Whether this step's update can differentiate decoding's forward (``train.reuse_rollout_forward``):
@@ -839,7 +844,7 @@ class RLTrainer:
         """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers."""
         with self.dist.gathered(self.model), linear_kernels(self.cpu_linear):  # FSDP2: rank 0 runs forward passes the others do not
             metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
-                                      self.trainer_state) if self.dist.is_main else None
+                                      self.trainer_state, tools=self.tools) if self.dist.is_main else None
         return self.dist.broadcast(metrics)
 
     def _log_grader_errors(self, step: int) -> int:
