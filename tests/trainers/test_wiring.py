@@ -166,8 +166,9 @@ def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_
     lib = masked_whiten(gae_advantages(outcome_token_rewards(score, mask) - beta * masked_fill_padding(
         kl_penalty(step["old_logp"], step["ref_logp"], "k1"), mask), t.old_values, mask, gamma, lam)[0], m)
     torch.testing.assert_close(t.advantages * m, lib * m, rtol=1e-5, atol=1e-6)
-    # every policy update of step 2 got its rows of those advantages
-    assert losses and all(c["advantages"].shape[1] == mask.shape[1] for c in losses)
+    # one update per step (1 epoch, 1 minibatch): step 2's policy loss is handed exactly those advantages
+    assert len(losses) == 2
+    torch.testing.assert_close(losses[1]["advantages"], t.advantages, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------- the loss
