@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         new_keys = sorted(set(first["runs"][name][0]) - set(pinned[name][0]))
         moved += bool(lines)
         print(f"{name}: " + ("unchanged" if not lines else f"{len(lines)} number(s) moved") +
-              (f"; newly pinned metrics {new_keys}" if new_keys else ""))
+              (f"; logged but not pinned yet (pinned when written): {new_keys}" if new_keys else ""))
         for line in lines:
             print(f"    {line}")
     dropped = sorted(set(pinned) - set(RUNS))
