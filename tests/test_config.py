@@ -11,7 +11,7 @@ ERRORS = [
     ({"group_size": 3}, "unknown config key 'group_size'; did you mean 'algorithm.group_size'?"),
     ({"reward": {"functions": [{"name": "accuracy", "weigth": 2}]}},
      "unknown config key 'reward.functions[0].weigth'; did you mean 'reward.functions[0].weight'?"),
-    ({"zzz": 1}, "unknown config key 'zzz'; valid keys here: algorithm, data, eval, imports, model, optim, reward, sampling, train"),
+    ({"zzz": 1}, "unknown config key 'zzz'; valid keys here: algorithm, data, eval, imports, model, optim, reward, rollout, sampling, sft, train"),
     ({"algorithm": {"group_size": "four"}}, "config key 'algorithm.group_size': expected int, got 'four' (str)"),
     ({"train": {"steps": 2.5}}, "config key 'train.steps': expected int, got 2.5 (float)"),
     ({"model": {"lora": {"enabled": "yes"}}}, "config key 'model.lora.enabled': expected bool, got 'yes' (str)"),

@@ -10,11 +10,14 @@ The tool functions themselves are ``cohortrl.tools.calculator.calculator`` and
 ``cohortrl.tools.simulate.simulate`` (not re-exported here, where they would hide their modules' names).
 """
 
-from cohortrl.tools.base import MAX_RESULT_CHARS, Tool, ToolError, Toolset, builtin_tools, make_tool, resolve_tools, run_calls
+from cohortrl.tools.base import (
+    MAX_RESULT_CHARS, Tool, ToolError, Toolset, ToolSetupError, builtin_tools, make_tool, resolve_tools, run_calls,
+)
 from cohortrl.tools.calculator import CalculatorError, evaluate, format_value
 from cohortrl.tools.text import parse_call, render, result_spans, tool_prompt, with_calculator
 
 __all__ = [
-    "MAX_RESULT_CHARS", "CalculatorError", "Tool", "ToolError", "Toolset", "builtin_tools", "evaluate", "format_value",
-    "make_tool", "parse_call", "render", "resolve_tools", "result_spans", "run_calls", "tool_prompt", "with_calculator",
+    "MAX_RESULT_CHARS", "CalculatorError", "Tool", "ToolError", "ToolSetupError", "Toolset", "builtin_tools", "evaluate",
+    "format_value", "make_tool", "parse_call", "render", "resolve_tools", "result_spans", "run_calls", "tool_prompt",
+    "with_calculator",
 ]

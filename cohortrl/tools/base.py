@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from cohortrl.user_code import UserCodeError, load_object
+
 # A result longer than this is refused (an error text instead): results are appended to the response as
 # tokens the model then attends to, and a runaway tool must not flood the context.
 MAX_RESULT_CHARS = 1000
@@ -26,8 +28,12 @@ _MAX_ERROR_CHARS = 200
 
 
 class ToolError(ValueError):
-    """A tool problem whose message is written for whoever reads it: the model (a bad call) or the user (a tool
-    that cannot be used)."""
+    """A failed call, its message written for the model, which reads it as the call's result."""
+
+
+class ToolSetupError(UserCodeError):
+    """A tool that cannot be used as configured (unknown name, no schema, two of one name): the user's to fix,
+    reported in one line before training starts."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class Toolset:
         self.by_name = {}
         for tool in self.tools:
             if tool.name in self.by_name:
-                raise ToolError(f"two tools are both called {tool.name!r}; give them distinct function names")
+                raise ToolSetupError(f"two tools are both called {tool.name!r}; give them distinct function names")
             self.by_name[tool.name] = tool
 
     def get(self, name: str) -> Tool:
@@ -87,11 +93,11 @@ def make_tool(fn: Callable, ref: str | None = None) -> Tool:
 
     ref = ref or getattr(fn, "__name__", repr(fn))
     if not callable(fn):
-        raise ToolError(f"tool {ref!r} is a {type(fn).__name__}, not a function")
+        raise ToolSetupError(f"tool {ref!r} is a {type(fn).__name__}, not a function")
     try:
         schema = get_json_schema(fn)
     except Exception as e:  # transformers raises its own exception types for missing hints and docstrings
-        raise ToolError(
+        raise ToolSetupError(
             f"tool {ref!r} cannot be described to the model: {e}. A tool needs type hints on its parameters and a "
             "docstring with an Args: section describing each one"
         ) from None
@@ -115,8 +121,6 @@ def resolve_tools(entries: list, in_memory: dict[str, Callable] | None = None) -
     """Tools from config entries: a built-in name, a name given in memory (``tools=[fn]`` in Python), or user
     code as ``path/to/file.py:function`` / ``module:function`` (loaded like reward functions); a function
     itself is taken as it is."""
-    from cohortrl.user_code import load_object
-
     builtins, in_memory = builtin_tools(), in_memory or {}
     tools = []
     for entry in entries:
@@ -127,9 +131,9 @@ def resolve_tools(entries: list, in_memory: dict[str, Callable] | None = None) -
         elif entry in builtins:
             tools.append(make_tool(builtins[entry], entry))
         elif isinstance(entry, str) and ":" in entry:
-            tools.append(make_tool(load_object(entry, "tool", ToolError), entry))
+            tools.append(make_tool(load_object(entry, "tool", ToolSetupError), entry))
         else:
-            raise ToolError(
+            raise ToolSetupError(
                 f"unknown tool {entry!r}: use a built-in one ({', '.join(builtins)}), 'module:function' or "
                 "'path/to/file.py:function' (from Python, pass the function itself: tools=[fn])"
             )

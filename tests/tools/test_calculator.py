@@ -13,6 +13,7 @@ from cohortrl.tools import (
     CalculatorError,
     ToolError,
     Toolset,
+    ToolSetupError,
     evaluate,
     format_value,
     make_tool,
@@ -175,11 +176,13 @@ def test_a_tool_needs_hints_and_a_documented_signature():
     def undocumented(x: int) -> int:
         return x
 
-    with pytest.raises(ToolError, match="tool 'undocumented' cannot be described to the model.*docstring"):
+    with pytest.raises(ToolSetupError, match="tool 'undocumented' cannot be described to the model.*docstring"):
         make_tool(undocumented)
-    with pytest.raises(ToolError, match="unknown tool 'calc'.*calculator, simulate"):
+    with pytest.raises(ToolSetupError, match="unknown tool 'calc'.*calculator, simulate"):
         resolve_tools(["calc"])
-    with pytest.raises(ToolError, match="two tools are both called 'calculator'"):
+    with pytest.raises(ToolSetupError, match="cohortrl.tools.text has no 'nothing'"):
+        resolve_tools(["cohortrl.tools.text:nothing"])
+    with pytest.raises(ToolSetupError, match="two tools are both called 'calculator'"):
         Toolset(resolve_tools(["calculator", "calculator"]))
     simulate_tool = make_tool(simulate)
     assert simulate_tool.takes_row and "row" not in simulate_tool.parameters  # the row is not the model's to fill
