@@ -15,15 +15,11 @@ there, so the loss, the KL, the entropy and the "generated" lengths leave them o
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from cohortrl.tools import Toolset, resolve_tools, run_calls
 from cohortrl.tools.base import ToolError
 from cohortrl.tools.text import CALL_CLOSE, has_call, parse_call, result_text
-
-log = logging.getLogger("cohortrl")
 
 # Tokens decoded to look for a finished call: enough to hold "</call>" however it is split, as for stop strings.
 _WINDOW = len(CALL_CLOSE) + 2
