@@ -187,14 +187,15 @@ def format_exact(value: Fraction) -> str:
 # Free-text arithmetic statements "a op b = c" (the GSM8K family's steps).
 
 _LHS_START = re.compile(r"[$(\-]*\.?\d")
-# The left-hand side is at most MAX_LHS characters: unbounded, the lazy search from every start in a long
-# run of digits and operators without "=" took quadratic time (seconds for a 20,000-character line).
+# The left-hand side is at most MAX_LHS characters after at most MAX_NESTING leading brackets or signs, so
+# each statement is looked for in a bounded window before its "=" (`find_statements`).
 MAX_LHS = 200
-MAX_NESTING = 50  # brackets and unary minus signs in one statement
+MAX_NESTING = 50  # brackets and unary minus signs in one statement (more are not evaluated)
+_RHS = r"-?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
 _STATEMENT = re.compile(
-    r"(?P<lhs>[$(\-]*\.?\d[\d$.,() \tx×÷*/+\-]{0,%d}?)[ \t]*=[ \t]*(?P<rhs>-?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+))"
-    % MAX_LHS
+    r"(?P<lhs>[$(\-]{0,%d}\.?\d[\d$.,() \tx×÷*/+\-]{0,%d}?)[ \t]*=[ \t]*(?P<rhs>%s)" % (MAX_NESTING, MAX_LHS, _RHS)
 )
+_RHS_AFTER_EQUALS = re.compile(r"[ \t]*%s" % _RHS)
 _TOKEN = re.compile(r"\s*(?:(?P<num>\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\$?\.\d+)|(?P<op>[-+*/x×÷()]))")
 _OPS = {"x": "*", "×": "*", "÷": "/"}
 
@@ -346,13 +347,31 @@ def find_statements(text: str) -> list[Statement]:
     """Every ``a op b = c`` in ``text``, in order. Chains ``2 * 3 = 6 * 4 = 24`` give two statements."""
     found: list[Statement] = []
     line_start = 0
-    for line in text.split("\n"):  # a statement never spans lines; most lines have no "=" to search for
-        pos = 0
-        while "=" in line and (match := _STATEMENT.search(line, pos)):
-            span = (line_start + match.start(), line_start + match.end())
-            statement = _statement_at(match["lhs"], match["rhs"], span)
+    for line in text.split("\n"):  # a statement never spans lines
+        found += _statements_in(line, line_start)
+        line_start += len(line) + 1
+    return found
+
+
+def _statements_in(line: str, offset: int) -> list[Statement]:
+    """The statements of one line, as searching ``_STATEMENT`` from the line's start, match after match, finds
+    them; but each search is confined to the window before one "=" where a left-hand side ending there can
+    start (it contains no "=" and is at most MAX_NESTING + MAX_LHS + 2 characters before its spaces). Over the
+    whole line the search tried every start for up to MAX_LHS characters: seconds on a 25,000-digit line."""
+    found: list[Statement] = []
+    pos = 0
+    equals = line.find("=")
+    while equals >= 0:
+        rhs = _RHS_AFTER_EQUALS.match(line, equals + 1)
+        spaces = equals
+        while spaces > 0 and line[spaces - 1] in " \t":
+            spaces -= 1
+        window = max(pos, spaces - MAX_NESTING - MAX_LHS - 2)
+        match = _STATEMENT.search(line, window, rhs.end()) if rhs is not None and equals >= pos else None
+        if match is not None:
+            statement = _statement_at(match["lhs"], match["rhs"], (offset + match.start(), offset + match.end()))
             if statement is not None:
                 found.append(statement)
             pos = match.start("rhs")  # the right-hand side may start the next statement of a chain
-        line_start += len(line) + 1
+        equals = line.find("=", equals + 1)
     return found

@@ -149,6 +149,8 @@ class Arithmetic(TaskFamily):
     def grade_statements(self, sample: Sample, completion: str) -> list[StepResult]:
         """Steps read from statements such as "2 + 8 = 10" wherever the response writes them, with or without
         the ``s1 =`` key; the grounding numbers are the expression's."""
+        if not sample.steps:  # level 1: one operation, no steps (and no expression kept to ground them)
+            return []
         if "calculations" not in sample.extra:  # a sample saved before they were recorded: regenerate it
             sample = self.make_sample(sample.seed, sample.level, sample.index)
         known = set(evaluate(sample.extra["expression"])[1])
