@@ -412,7 +412,8 @@ def check_result(raw: bytes, n_calls: int) -> tuple[dict | None, str]:
         if type(call) is not dict or type(call.get("ok")) is not bool:
             return None, f"its result for call {i + 1} is not an object with a boolean 'ok'"
         if call["ok"] and not plain_value(call.get("value")):
-            return None, f"its result for call {i + 1} is not plain data nested at most {MAX_VALUE_DEPTH} deep"
+            return None, (f"its result for call {i + 1} is not plain data (numbers up to 1e300 in size, text, lists and "
+                          f"objects nested at most {MAX_VALUE_DEPTH} deep)")
         if not call["ok"] and type(call.get("error")) is not str:
             return None, f"its result for call {i + 1} has no error text"
         clean.append({"ok": True, "value": call.get("value")} if call["ok"]
