@@ -19,7 +19,9 @@ machine is in `Sandbox.isolation` (and docs/sandbox.md):
 A job fails with one clear ``reason``: a timeout (wall clock or CPU), the memory limit, a forbidden system
 call (killed by seccomp), a crash, too much output, code that does not compile or defines no such
 function, or the first call that raised (``call 2 raised ZeroDivisionError: division by zero (line 3)``).
-Per-call outcomes are in ``calls`` whenever the job ran to its end.
+Per-call outcomes are in ``calls`` whenever the job ran to its end. Every reply is checked before it becomes
+a `JobResult` (a malformed one is a failed job), and if the server crashes with jobs in flight, they run
+once more on a new server.
 
 Where seccomp is unavailable the sandbox still runs, with a warning logged once and
 ``seccomp_active=False`` on every result; the other layers (rlimits, own uid, network namespace) remain.

@@ -4,7 +4,9 @@ Run by `cohortrl.rewards.sandbox.Sandbox` as ``python -I -S sandbox_server.py CO
 interpreter, standard library only: never torch, never the trainer's threads, so forking it is safe).
 It talks JSON lines over its stdin/stdout: requests ``{"id", "code", "func", "calls", "timeout_s",
 "memory_mb"}`` in, ``{"id", "result": {...}}`` out, after one ``{"hello": {...}}`` that says which
-protections this machine actually gives. Nothing a child writes can reach that channel.
+protections this machine actually gives. Nothing a child writes can reach that channel, and nothing it
+writes is trusted: its result is parsed and checked (`check_result`), so no output of a job, and no way
+for it to die, takes the server down.
 
 Each job's child, before any model text is even compiled:
   1. leads its own process group (the server kills the whole group at the wall-clock limit) and dies
