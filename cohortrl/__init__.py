@@ -1,4 +1,5 @@
-"""cohortrl: reinforcement-learning post-training of LLMs (GRPO and PPO), with a deterministic engineering gym.
+"""cohortrl: reinforcement-learning post-training of LLMs (GRPO and PPO, after optional supervised fine-tuning),
+with a deterministic engineering gym.
 
 The package layout follows one training step, in order of dependence:
 ``algorithms`` (pure tensor math) → ``rollout`` (generation) → ``rewards`` (scoring) → ``tasks`` (the gym)
@@ -13,6 +14,7 @@ _API = {
     "ConfigError": "cohortrl.config",
     "GRPOTrainer": "cohortrl.trainers.grpo",
     "PPOTrainer": "cohortrl.trainers.ppo",
+    "SFTTrainer": "cohortrl.trainers.sft",
     "make_trainer": "cohortrl.trainers",
     "Callback": "cohortrl.trainers.callbacks",
     "EarlyStopping": "cohortrl.trainers.callbacks",

@@ -1,4 +1,4 @@
-"""The ``cohortrl`` command line: train, verify, eval, train-rm, models, tasks, plot, report, plan, demo."""
+"""The ``cohortrl`` command line: train, sft, verify, eval, train-rm, models, tasks, plot, report, plan, demo."""
 
 from __future__ import annotations
 
@@ -23,15 +23,7 @@ def cmd_train(args) -> int:
     from cohortrl.trainers.loop import RunCompleteError
 
     run_dir = Path(args.run_dir)
-    if args.config and "=" in args.config and not Path(args.config).exists():  # `--resume a.b=1`: no CONFIG given
-        args.overrides, args.config = [args.config, *args.overrides], None
-    if args.resume:
-        config_path = args.config or str(run_dir / "config.yaml")
-    else:
-        if not args.config:
-            raise ConfigError("train needs a CONFIG file (or --resume with --run-dir of an earlier run)")
-        config_path = args.config
-    cfg = _load_config(config_path, args.overrides)
+    cfg = _run_config(args, "train")
     trainer = make_trainer(cfg, run_dir, resume=args.resume, strict=getattr(args, "strict", False),  # GRPO or PPO
                            overwrite=getattr(args, "overwrite", False), callbacks=[_PrintEvaluations()])
     try:
@@ -54,6 +46,19 @@ class _PrintEvaluations:
             print(_eval_line(metrics), flush=True)
 
 
+def _run_config(args, command: str) -> Config:
+    """The config of ``cohortrl train`` / ``sft``: CONFIG with overrides, or with --resume the run's own."""
+    if args.config and "=" in args.config and not Path(args.config).exists():  # `--resume a.b=1`: no CONFIG given
+        args.overrides, args.config = [args.config, *args.overrides], None
+    if args.resume:
+        config_path = args.config or str(Path(args.run_dir) / "config.yaml")
+    else:
+        if not args.config:
+            raise ConfigError(f"{command} needs a CONFIG file (or --resume with --run-dir of an earlier run)")
+        config_path = args.config
+    return _load_config(config_path, args.overrides)
+
+
 def _eval_line(r: dict) -> str:
     line = (
         f"step {r['step']:>4}: held-out greedy accuracy {r['eval/accuracy']:.3f} "
@@ -65,6 +70,24 @@ def _eval_line(r: dict) -> str:
             f"(95% CI {r['eval/sampled_accuracy_ci_low']:.3f}-{r['eval/sampled_accuracy_ci_high']:.3f})"
         )
     return line
+
+
+def cmd_sft(args) -> int:
+    """Supervised fine-tuning: a gym task's reference solutions, or your prompt/completion or conversation rows."""
+    from cohortrl.trainers.loop import RunCompleteError
+    from cohortrl.trainers.sft import SFTTrainer
+
+    trainer = SFTTrainer(_run_config(args, "sft"), Path(args.run_dir), resume=args.resume, overwrite=args.overwrite,
+                         callbacks=[_PrintEvaluations()])
+    try:
+        trainer.train(steps=args.steps)
+    except RunCompleteError as e:  # as cmd_train: a wrapper repeating `--resume` until it succeeds stops here
+        print(e)
+        return 0
+    finally:
+        trainer.close()
+    print(f"run directory: {args.run_dir} (metrics.jsonl, curves.png, final/)")
+    return 0
 
 
 def cmd_verify(args) -> int:
@@ -105,7 +128,7 @@ def cmd_eval(args) -> int:
     cfg = _load_config(args.config, args.overrides)
     if args.adapter:
         _check_adapter(Path(args.adapter))
-    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed)
+    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed, init=cfg.model.init)
     if args.adapter:
         from peft import PeftModel
 
@@ -253,6 +276,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="with --resume: refuse, rather than fall back to an older checkpoint, when the newest is damaged")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sft", help="supervised fine-tuning with a YAML config", description=cmd_sft.__doc__ + (
+        " Its final/ starts an RL run as model.init (docs/python_api.md)."))
+    p.add_argument("config", nargs="?", help="YAML config file (model, data, optim, train and sft sections)")
+    p.add_argument("overrides", nargs="*", help="overrides as key.path=value (e.g. sft.batch_size=4)")
+    p.add_argument("--run-dir", required=True, help="directory for metrics.jsonl, checkpoints, curves.png, final/")
+    p.add_argument("--steps", type=int, default=None, help="stop after N optimiser steps in total (default: train.steps)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest intact checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--run-dir holds an earlier run: delete its files first and start over (without it such a directory is refused)")
+    p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("verify", help="check a run's checkpoints and final/ against their manifests",
                        description=cmd_verify.__doc__)

@@ -56,6 +56,13 @@ class ModelConfig:
     """LoRA settings."""
     system_prompt: Optional[str] = "Be brief."
     """System message put before every prompt (None keeps the chat template's own default)."""
+    init: Optional[str] = None
+    """Start from a supervised run's weights: a ``final/`` directory of ``cohortrl sft`` (or any directory
+    holding a PEFT adapter or full weights of ``name``'s architecture). An adapter is merged into ``name``'s
+    weights; full weights replace them. The merged model is where training starts, the model ``algorithm.beta``'s
+    KL term measures against (the frozen reference is the supervised model, not ``name``), and, with
+    ``lora.enabled``, the base under the run's own new adapter. ``name`` must be the model the supervised run
+    started from."""
 
 
 @dataclass
@@ -361,6 +368,24 @@ class TrainConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning (``cohortrl sft``, ``SFTTrainer``): cross-entropy on the completion's tokens.
+    The rest comes from the shared sections: the model and LoRA from ``model``, the learning rate, schedule and
+    clipping from ``optim``, steps, seed and checkpoints from ``train``, the rows from ``data`` (a gym task's
+    reference solutions, or TRL's prompt/completion and conversational formats), held-out evaluation from
+    ``eval`` and ``reward.correctness``. Unused by the RL trainers."""
+
+    batch_size: int = 8
+    """Examples per forward/backward pass (a micro-batch)."""
+    grad_accum: int = 1
+    """Micro-batches per optimiser step: one training step sees ``batch_size x grad_accum`` examples, and its
+    loss is the mean over all their completion tokens."""
+    max_length: int = 1024
+    """Longest example in tokens (prompt and completion, after the chat template); a longer row stops the run
+    with an error naming it rather than being cut."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
@@ -380,6 +405,8 @@ class Config:
     """Held-out evaluation."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Loop length, seed, checkpoints, logging."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised fine-tuning (``cohortrl sft``)."""
     imports: list[str] = field(default_factory=list)
     """Modules (``package.module``) or files (``path/to/file.py``) imported before the config is checked, so
     the estimators, losses, reward functions and tasks they register can be named in it."""
@@ -697,6 +724,13 @@ def validate(cfg: Config) -> None:
     _require(s.is_cap > 0, "sampling.is_cap", s.is_cap, "must be > 0")
     _validate_rollout(cfg.rollout, s)
     _require(cfg.model.lora.r >= 1, "model.lora.r", cfg.model.lora.r, "must be at least 1")
+    _validate_sft(cfg.sft)
+    _require(
+        cfg.model.init is None or any((Path(cfg.model.init) / f).is_file() for f in ("adapter_config.json", "config.json")),
+        "model.init", cfg.model.init,
+        "must be a directory holding a PEFT adapter (adapter_config.json) or full weights (config.json), "
+        "e.g. the final/ directory of a cohortrl sft run",
+    )
     for i, fn in enumerate(cfg.reward.functions):
         _require(fn.name != "", f"reward.functions[{i}].name", fn.name, "must name a reward function")
     _require(len(cfg.reward.functions) >= 1, "reward.functions", cfg.reward.functions, "needs at least one reward function")
@@ -709,6 +743,12 @@ def validate(cfg: Config) -> None:
         cfg.reward.correctness,
         f"must be the name of one of reward.functions ({', '.join(names)})",
     )
+
+
+def _validate_sft(s: SFTConfig) -> None:
+    _require(s.batch_size >= 1, "sft.batch_size", s.batch_size, "must be at least 1")
+    _require(s.grad_accum >= 1, "sft.grad_accum", s.grad_accum, "must be at least 1 (1: no gradient accumulation)")
+    _require(s.max_length >= 2, "sft.max_length", s.max_length, "must be at least 2 (a prompt token and a completion token)")
 
 
 def _validate_rollout(r: RolloutConfig, s: SamplingConfig) -> None:

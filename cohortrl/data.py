@@ -225,6 +225,11 @@ def _rename(row: dict, cfg, where: str) -> dict:
 
 
 def _jsonl_rows(path: Path, cfg) -> list[dict]:
+    return [_rename(row, cfg, where) for where, row in _read_jsonl(path, cfg)]
+
+
+def _read_jsonl(path: Path, cfg) -> list[tuple[str, dict]]:
+    """(where, row) for each line of a JSONL file, ``data.transform`` applied; ``where`` is ``path:line``."""
     if not path.is_file():
         raise DataError(f"data file not found: {path} (data.source=jsonl:PATH needs an existing JSONL file)")
     rows = []
@@ -242,7 +247,7 @@ def _jsonl_rows(path: Path, cfg) -> list[dict]:
                 raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
-            rows.append(_rename(_transformed(row, cfg, f"{path}:{lineno}"), cfg, f"{path}:{lineno}"))
+            rows.append((f"{path}:{lineno}", _transformed(row, cfg, f"{path}:{lineno}")))
     if not rows:
         raise DataError(f"{path} holds no rows")
     return rows
@@ -270,6 +275,26 @@ def _hf_rows(dataset_id: str, cfg):
     held_out = [_rename(_transformed(dict(r), cfg, f"{name}[{cfg.eval_split}] row {i}"), cfg, f"{name}[{cfg.eval_split}] row {i}")
                 for i, r in enumerate(ds[cfg.eval_split])][: DEFAULT_EVAL_SIZE if cfg.eval_size is None else cfg.eval_size]
     return train, held_out
+
+
+def load_examples(cfg, seed: int, rows: list[dict] | None = None):
+    """(training, held-out) rows of a ``jsonl:`` or ``python:`` source as they are, each as ``(where, row)``
+    with ``where`` naming it for error messages: ``data.transform`` applied, no column renamed or required,
+    ``data.eval_size`` held out and ``data.train_size`` kept as :func:`load_rows` does. For rows that are not
+    prompts (supervised fine-tuning's prompt/completion pairs and conversations), which their trainer checks."""
+    kind, _, arg = cfg.source.partition(":")
+    if kind == "python":
+        if rows is None:
+            raise DataError(f"data.source {cfg.source!r} means the rows were given in Python: pass train_dataset=")
+        named = [(f"{cfg.source} row {i}", _transformed(dict(r), cfg, f"{cfg.source} row {i}")) for i, r in enumerate(rows)]
+    elif kind == "jsonl":
+        named = _read_jsonl(Path(arg), cfg)
+    else:
+        raise DataError(f"data.source {cfg.source!r}: these rows are read from jsonl:PATH or python:NAME (train_dataset=)")
+    if not named:
+        raise DataError(f"data.source {cfg.source!r} holds no rows")
+    train, held_out = _split(named, cfg.eval_size or 0, seed)
+    return (train[: cfg.train_size] if cfg.train_size else train), held_out
 
 
 class PromptStream:

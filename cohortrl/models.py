@@ -87,10 +87,12 @@ HUB_PROBE_TIMEOUT_S = 5.0  # how long to wait for the hub before saying it canno
 
 
 # ---------------------------------------------------------------------------------------------- public API
-def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0):
+def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0, init: str | None = None):
     """Load ``spec`` and return ``(model, tokenizer)`` ready for left-padded batched generation.
 
-    ``seed`` only matters for tiny random models (their initial weights).
+    ``seed`` only matters for tiny random models (their initial weights). ``init`` (``model.init``): a directory
+    with a PEFT adapter for ``spec``, merged into its weights, or with full weights of ``spec``'s architecture,
+    which replace them (see :func:`apply_init`).
     """
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     progress.info("loading model %s", spec)
@@ -106,7 +108,37 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0
         model, tokenizer = _load_gguf(path, torch_dtype)
     else:
         model, tokenizer = _load_pretrained(spec, torch_dtype)
+    if init is not None:
+        model = apply_init(model, init, spec)
     return model, prepare_tokenizer(tokenizer, model)
+
+
+def apply_init(model, init: str | Path, spec: str = "the model"):
+    """``model`` with the weights of a supervised run's ``final/`` (``init``): its LoRA adapter merged in, or
+    its full weights loaded. Merging (rather than keeping the adapter) makes the result a plain model, so an
+    RL run can put its own adapter on top and use these weights, unchanged, as its frozen reference."""
+    init = Path(init)
+    try:
+        if (init / "adapter_config.json").is_file():
+            from peft import PeftModel
+
+            # PEFT loads an adapter for inference, freezing the base; merged, every weight is trainable again.
+            return PeftModel.from_pretrained(model, str(init)).merge_and_unload().requires_grad_(True).eval()
+        if (init / "config.json").is_file():
+            from transformers import AutoModelForCausalLM
+
+            trained = AutoModelForCausalLM.from_pretrained(str(init), dtype=next(model.parameters()).dtype)
+            model.load_state_dict(trained.state_dict())  # strict: every weight of spec's architecture, nothing else
+            return model
+    except (RuntimeError, ValueError, OSError) as e:  # shape or key mismatch, unreadable files
+        raise ModelLoadError(
+            f"model.init {str(init)!r} does not fit model.name {spec!r}: {' '.join(str(e).split())[:300]}. "
+            "Set model.name to the model the supervised run started from"
+        ) from None
+    raise ModelLoadError(
+        f"model.init {str(init)!r} holds neither a PEFT adapter (adapter_config.json) nor full weights (config.json); "
+        "give the final/ directory of a cohortrl sft run"
+    )
 
 
 def prepare_tokenizer(tokenizer, model=None):

@@ -1,5 +1,6 @@
-"""The training loops: one shared step (``loop.py``) and a small subclass per algorithm (``grpo.py``,
-``ppo.py``). ``make_trainer`` picks the one ``algorithm.name`` asks for."""
+"""The training loops: one shared RL step (``loop.py``) and a small subclass per algorithm (``grpo.py``,
+``ppo.py``); ``make_trainer`` picks the one ``algorithm.name`` asks for. Supervised fine-tuning, the stage
+before RL, is ``sft.py``."""
 
 from __future__ import annotations
 

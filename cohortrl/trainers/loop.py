@@ -226,7 +226,7 @@ class RLTrainer:
 
         model, tokenizer = inputs.model, inputs.tokenizer
         if model is None:
-            model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed)
+            model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed, init=cfg.model.init)
         self.optimised: dict[str, Optimised] = {}
         self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights

@@ -70,6 +70,13 @@ CURVES = [
     ("response_length_mean", "response length (tokens)"),
     ("zero_variance_frac", "zero-variance groups (fraction)"),
 ]
+# A supervised run (cohortrl sft) logs no rewards: its own curves.
+SFT_CURVES = [
+    ("loss", "loss (completion tokens)"),
+    ("grad_norm", "gradient norm"),
+    ("lr", "learning rate"),
+    ("tokens", "loss tokens per step"),
+]
 
 
 def plot_accuracy(ax, evals: list[dict], key: str, label: str, **style) -> None:
@@ -92,10 +99,13 @@ def plot_curves(run_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    train = [r for r in rows if "reward_mean" in r]
+    curves = CURVES if any("reward_mean" in r for r in rows) else SFT_CURVES
+    train = [r for r in rows if curves[0][0] in r]
     evals = [r for r in rows if "eval/accuracy" in r]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-    for ax, (key, title) in zip(axes.flat, CURVES):
+    for ax in axes.flat[len(curves):-1]:
+        ax.axis("off")
+    for ax, (key, title) in zip(axes.flat, curves):
         pts = [(r["step"], r[key]) for r in train if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), marker=".")

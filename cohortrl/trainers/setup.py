@@ -16,7 +16,7 @@ from cohortrl.models import load_model
 def build_policy(model_cfg, seed: int, model=None, tokenizer=None):
     """(model, tokenizer): loaded from the spec unless given; wrapped with a LoRA adapter if enabled."""
     if model is None:
-        model, tokenizer = load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed)
+        model, tokenizer = load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed, init=model_cfg.init)
     if model_cfg.lora.enabled:
         from peft import LoraConfig, get_peft_model
 

@@ -1,0 +1,478 @@
+"""Supervised fine-tuning (SFT), the stage before RL: cross-entropy on the completion's tokens only.
+
+One step takes ``sft.batch_size x sft.grad_accum`` examples, runs forward and backward over them in
+micro-batches of ``sft.batch_size``, and takes one AdamW step on the mean negative log-likelihood over all
+their loss tokens: each micro-batch adds Σ −log p / N with N counted over the whole step, so the accumulated
+gradient is the whole batch's, however it is split. Then grad-norm clipping, the optimiser and the LR
+schedule, as in the RL trainers.
+
+Rows (``data.source`` or ``train_dataset=``), one example each:
+
+* ``task:NAME``: the gym family's training problems, each sample's ``reference_solution`` as the completion.
+  The held-out problems are drawn by ``data.load_rows`` exactly as the RL trainers draw them, so they are
+  disjoint from the training problems by the same rule (separate seeds, and any training prompt equal to a
+  held-out one dropped).
+* TRL's SFT formats: ``prompt`` + ``completion`` as text; ``messages``, a conversation with loss on every
+  assistant turn; ``prompt`` + ``completion`` as message lists, with loss on the completion's assistant turns.
+
+The context before each assistant turn is rendered by ``data.render_prompt``, the function generation and
+evaluation use, so the model learns to answer exactly the text it is later asked with; an assistant turn is
+what the chat template adds after that context (the content and the end-of-turn token).
+
+Tokenisation works on character spans, so a later change can exclude text the model did not write: a text
+completion's row may carry ``no_loss_spans``, (start, end) character pairs into the completion (a tool's
+``<result>...</result>``, say), and every token overlapping one carries no loss (read from the tokenizer's
+offsets).
+
+Shared with the RL trainers rather than copied: the inputs (``inputs.py``), the model, LoRA, optimiser and
+schedule (``setup.py``), response log-probs (``rollout/hf.py``), checkpoints (``checkpoint.py``), metrics and
+curves (``metrics.py``), callbacks and held-out evaluation (``evaluate.py``). One process only for now.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cohortrl import distributed
+from cohortrl.algorithms import masked_sum
+from cohortrl.config import ConfigError
+from cohortrl.data import DataError, PromptStream, check_prompt, load_examples, load_rows, prompt_key, render_prompt
+from cohortrl.kernels import linear_kernels, resolve_cpu_linear
+from cohortrl.rewards.scoring import WeightedReward, resolve
+from cohortrl.rollout.hf import response_logprobs
+from cohortrl.trainers import checkpoint, guards
+from cohortrl.trainers.evaluate import evaluate_config
+from cohortrl.trainers.inputs import as_config, resolve_inputs
+from cohortrl.trainers.loop import (
+    FINAL_MARKER, RLTrainer, RunCompleteError, RunStateError, _progress, _release_run_dir_on_failure, config_hash,
+    load_trainable_state,
+)
+from cohortrl.trainers.metrics import MetricsLog, peak_rss_mb, plot_curves
+from cohortrl.trainers.run_dir import claim as claim_run_dir
+from cohortrl.trainers.setup import allocate_optimizer_state, build_optimizer, build_policy, build_scheduler
+
+log = logging.getLogger("cohortrl")
+
+
+# ---------------------------------------------------------------------------------------------- examples
+@dataclass
+class Segment:
+    """A piece of an example's rendered text; a ``trained`` piece carries loss except on its ``no_loss`` spans."""
+
+    text: str
+    trained: bool
+    no_loss: list[tuple[int, int]] = field(default_factory=list)  # (start, end) character spans of ``text``
+
+
+@dataclass
+class Example:
+    """One tokenised row, cut where the loss starts: what the model reads, then what it is trained to write."""
+
+    prompt_ids: list[int]  # (Tp,) context before the first loss token
+    completion_ids: list[int]  # (T,) from the first to the last loss token
+    loss_mask: list[int]  # (T,) 1 where the token carries loss
+
+
+def row_segments(tokenizer, row: dict, system_prompt: str | None, where: str) -> list[Segment]:
+    """A row in one of TRL's SFT formats as rendered segments; a malformed row raises :class:`DataError`
+    naming ``where``."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: an SFT row must be a dict, got {type(row).__name__}")
+    if "messages" in row:
+        messages = row["messages"]
+        check_prompt(messages, f"{where} (column 'messages')")
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if first is None:
+            raise DataError(f"{where}: the conversation in 'messages' has no assistant turn to train on; add one or remove the row")
+        return _conversation_segments(tokenizer, messages[:first], messages[first:], system_prompt, where)
+    missing = [c for c in ("prompt", "completion") if c not in row]
+    if missing:
+        raise DataError(
+            f"{where}: missing column(s) {missing}; an SFT row holds 'prompt' and 'completion' (text, or lists of "
+            f"messages) or 'messages' (a conversation); columns found: {sorted(row)}"
+        )
+    prompt, completion = row["prompt"], row["completion"]
+    check_prompt(prompt, f"{where} (column 'prompt')")
+    if isinstance(prompt, str) != isinstance(completion, str):
+        raise DataError(f"{where}: 'prompt' and 'completion' must both be text or both be lists of messages")
+    if isinstance(completion, str):
+        if not completion.strip():
+            raise DataError(f"{where}: the completion is {completion!r}; it must be non-empty text (fix or remove the row)")
+        spans = _spans(row.get("no_loss_spans", []), completion, where)
+        assistant = {"role": "assistant", "content": completion}
+        return _conversation_segments(tokenizer, [{"role": "user", "content": prompt}], [assistant], system_prompt, where, spans)
+    if "no_loss_spans" in row:
+        raise DataError(f"{where}: no_loss_spans applies to a text completion; this row's completion is a list of messages")
+    check_prompt(prompt + completion, f"{where} (prompt + completion)")
+    if not any(m["role"] == "assistant" for m in completion):
+        raise DataError(f"{where}: the completion has no assistant turn to train on; add one or remove the row")
+    return _conversation_segments(tokenizer, prompt, completion, system_prompt, where)
+
+
+def _conversation_segments(tokenizer, context: list[dict], completion: list[dict], system_prompt, where, spans=()):
+    """``context + completion`` through the chat template, cut into untrained text and the completion's
+    assistant turns (trained; ``spans`` are character spans of the last turn's content)."""
+    if not context:
+        raise DataError(f"{where}: the conversation starts with an assistant turn; it needs a user turn before it")
+    messages = [*context, *completion]
+    if system_prompt is not None and messages[0]["role"] != "system":  # where render_prompt puts it
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    added = len(messages) - len(context) - len(completion)  # the system message, if inserted
+    segments, done = [], ""
+    for i in range(len(messages) - len(completion), len(messages)):
+        if messages[i]["role"] != "assistant":
+            continue
+        if not messages[i]["content"].strip():
+            raise DataError(f"{where}: assistant message {i - added} of the conversation is empty; give it text or remove the row")
+        before = render_prompt(tokenizer, messages[:i], system_prompt)
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not before.startswith(done) or not through.startswith(before):
+            raise DataError(
+                f"{where}: the model's chat template does not render this conversation as a sequence of growing "
+                "prefixes, so the assistant's tokens cannot be told apart; use text prompt/completion rows"
+            )
+        turn = through[len(before):]
+        no_loss = []
+        if spans and i == len(messages) - 1:
+            start = turn.find(messages[i]["content"])
+            if start < 0:
+                raise DataError(f"{where}: the chat template changes the completion's text, so no_loss_spans cannot be placed")
+            no_loss = [(start + s, start + e) for s, e in spans]
+        segments += [Segment(before[len(done):], False), Segment(turn, True, no_loss)]
+        done = through
+    return segments
+
+
+def _spans(value, completion: str, where: str) -> list[tuple[int, int]]:
+    """A row's ``no_loss_spans``, checked: (start, end) pairs with 0 <= start < end <= len(completion)."""
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, int) for x in p) and 0 <= p[0] < p[1] <= len(completion)
+        for p in value
+    )
+    if not ok:
+        raise DataError(
+            f"{where}: no_loss_spans is {str(value)[:100]!r}; give a list of [start, end] character positions in the "
+            f"completion, 0 <= start < end <= {len(completion)}"
+        )
+    return [(s, e) for s, e in value]
+
+
+def tokenize_example(tokenizer, segments: list[Segment], where: str, max_length: int) -> Example:
+    """Each segment tokenised on its own (a turn's tokens are then the ones the model writes after its context,
+    as in generation), with the loss mask; checked against ``max_length``."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for seg in segments:
+        if seg.no_loss and not getattr(tokenizer, "is_fast", False):
+            raise DataError(f"{where}: no_loss_spans need a fast tokenizer (character offsets); this model's is not")
+        enc = tokenizer(seg.text, add_special_tokens=False, return_offsets_mapping=bool(seg.no_loss))
+        ids += enc["input_ids"]
+        if not seg.trained:
+            mask += [0] * len(enc["input_ids"])
+        elif not seg.no_loss:
+            mask += [1] * len(enc["input_ids"])
+        else:  # a token touching an excluded character is excluded: the model did not write it
+            mask += [int(not any(a < e and s < b for s, e in seg.no_loss)) for a, b in enc["offset_mapping"]]
+    if 1 not in mask:
+        raise DataError(f"{where}: no completion token is left to train on (no_loss_spans cover the whole completion)")
+    if len(ids) > max_length:
+        raise DataError(
+            f"{where}: {len(ids)} tokens after the chat template, more than sft.max_length={max_length}; raise "
+            "sft.max_length or shorten or remove the row"
+        )
+    first, last = mask.index(1), len(mask) - mask[::-1].index(1)
+    return Example(ids[:first], ids[first:last], mask[first:last])
+
+
+def collate(examples: list[Example], pad_id: int):
+    """[left-padded prompt | right-padded completion], as ``response_logprobs`` takes a batch: input ids and
+    attention mask (B, Tp + T), completion ids (B, T) and the loss mask (B, T)."""
+    Tp = max(len(e.prompt_ids) for e in examples)
+    T = max(len(e.completion_ids) for e in examples)
+    ids = torch.full((len(examples), Tp + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(examples), Tp + T), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), T), dtype=torch.long)
+    for i, e in enumerate(examples):
+        p, c = len(e.prompt_ids), len(e.completion_ids)
+        ids[i, Tp - p : Tp + c] = torch.tensor(e.prompt_ids + e.completion_ids, dtype=torch.long)
+        attention[i, Tp - p : Tp + c] = 1
+        loss_mask[i, :c] = torch.tensor(e.loss_mask, dtype=torch.long)
+    return ids, attention, ids[:, Tp:], loss_mask
+
+
+def completion_loss(model, batch, n_tokens: int) -> torch.Tensor:
+    """Σ −log p(token) over the batch's loss tokens, divided by ``n_tokens`` (the whole step's count)."""
+    input_ids, attention_mask, completion_ids, loss_mask = batch
+    logp_BT, _ = response_logprobs(model, input_ids, attention_mask, completion_ids, share_prompts=False)
+    return -masked_sum(logp_BT, loss_mask.to(logp_BT.device)) / n_tokens
+
+
+def held_out_row(row: dict) -> dict:
+    """An SFT row as a prompt row for ``evaluate``: the context the model answers (a ``messages`` row's turns
+    before its last assistant turn), the reference completion and the row's other columns."""
+    if "messages" not in row:
+        return dict(row)
+    last = max(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
+    rest = {k: v for k, v in row.items() if k != "messages"}
+    return {**rest, "prompt": row["messages"][:last], "completion": row["messages"][last]["content"]}
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+class SFTTrainer:
+    """Supervised fine-tuning with the RL trainers' construction, run directory and checkpoints."""
+
+    name = "sft"
+    # The RL trainer's own plumbing, used as is: it reads only run_dir, cfg, dist, log, callbacks and step_count,
+    # which this class has too.
+    _check_resume_config = RLTrainer._check_resume_config  # config.yaml against this config
+    _config_loggers = RLTrainer._config_loggers  # train.tensorboard / train.wandb as callbacks
+    stop = RLTrainer.stop  # from a callback: stop after the current step, with a checkpoint
+    _fire = RLTrainer._fire  # call every callback's hook
+    _log = RLTrainer._log  # a row of metrics.jsonl
+
+    @_release_run_dir_on_failure
+    def __init__(self, config=None, run_dir: str | Path | None = None, *, model=None, tokenizer=None,
+                 train_dataset=None, eval_dataset=None, callbacks=(), resume: bool = False, overwrite: bool = False):
+        """``config``: a ``Config``, a dict of sections, a YAML path, or None. ``model``: a spec (overrides
+        ``model.name``) or a loaded model with its ``tokenizer``. ``train_dataset``: rows in one of the formats
+        above (a list of dicts, a ``datasets.Dataset``, a ``.jsonl`` path) or a gym task name.
+        ``eval_dataset``: held-out prompt rows scored by ``reward.correctness`` (default: a gym task's held-out
+        problems; for your own rows, ``data.eval_size`` of them, else none). ``resume``: continue the run in
+        ``run_dir`` from its last checkpoint; ``overwrite``: ``run_dir`` may hold another run, whose files are
+        deleted first (without either, such a directory is refused, as by the RL trainers)."""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("cohortrl sft runs in one process; start it without torchrun")
+        cfg = as_config(config)
+        inputs = resolve_inputs(cfg, cfg.algorithm.name, model=model, tokenizer=tokenizer,
+                                train_dataset=train_dataset, eval_dataset=eval_dataset)
+        cfg = self.cfg = inputs.config
+        self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"sft-{time.strftime('%Y%m%d-%H%M%S')}"
+        self._run_claim = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)  # locked while in use
+        self.config_hash = config_hash(cfg.to_dict())  # in every manifest, as the RL trainers write it (cohortrl verify)
+        self.dist = distributed.Dist()  # one process: the identity the shared helpers expect
+        self.device = distributed.resolve_device(cfg.train.device, self.dist)
+        self.cpu_linear = resolve_cpu_linear(cfg.train.cpu_linear, self.device)
+        if resume:
+            self._check_resume_config()
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+
+        self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer)
+        self.model.to(self.device)
+        n_ctx = getattr(self.model.config, "max_position_embeddings", None)
+        if n_ctx is not None and cfg.sft.max_length > n_ctx:
+            raise ConfigError(f"config key 'sft.max_length' = {cfg.sft.max_length}: more than {cfg.model.name}'s context "
+                              f"of {n_ctx} tokens (max_position_embeddings); lower it")
+        examples, eval_rows = self._load_data(inputs)
+        self.stream = PromptStream(examples, cfg.train.seed)
+        self.eval_rows = eval_rows[: cfg.eval.n_prompts]
+        fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
+        self.correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), fn.weight, cfg.reward.timeout_s)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        allocate_optimizer_state(self.optimizer)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.step_count = 0
+        self.nonfinite_in_a_row = 0
+        self.log = MetricsLog(self.run_dir)
+        self.callbacks = [*self._config_loggers(), *callbacks]
+        self.stop_reason: str | None = None
+        if resume:
+            self._load_latest_checkpoint()
+        else:
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+            self.log.truncate_after(-1)
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, config=None, **inputs) -> "SFTTrainer":
+        """The run in ``run_dir``, ready to continue from its last checkpoint (rows given in Python are passed again)."""
+        return cls(config if config is not None else Path(run_dir) / "config.yaml", run_dir, resume=True, **inputs)
+
+    def _load_data(self, inputs) -> tuple[list[Example], list[dict]]:
+        """(tokenised training examples, held-out prompt rows); every bad row is an error naming it."""
+        cfg = self.cfg
+        if cfg.data.source.startswith("task:"):
+            train, held_out = load_rows(cfg.data, cfg.train.seed, eval_rows=inputs.eval_rows)
+            named = [(f"{cfg.data.source} problem {r['sample']['id']}",
+                      {"prompt": r["prompt"], "completion": r["sample"]["reference_solution"]}) for r in train]
+        else:
+            named, held = load_examples(cfg.data, cfg.train.seed, inputs.train_rows)
+            for where, row in held:  # held-out SFT rows are checked as strictly as trained ones
+                row_segments(self.tokenizer, row, cfg.model.system_prompt, where)
+            held_out = [held_out_row(r) for _, r in held] if inputs.eval_rows is None else [dict(r) for r in inputs.eval_rows]
+            for i, r in enumerate(held_out):
+                check_prompt(r.get("prompt"), f"held-out row {i}")
+        segments = [(where, row_segments(self.tokenizer, row, cfg.model.system_prompt, where)) for where, row in named]
+        # Held-out prompts are never trained on (for task rows load_rows has already made sure).
+        held_keys = {prompt_key(r["prompt"]) for r in held_out}
+        kept = [(w, s) for (w, s), (_, row) in zip(segments, named) if prompt_key(held_out_row(row)["prompt"]) not in held_keys]
+        if len(kept) < len(segments):
+            log.warning("%d training row(s) left out: their prompt is also a held-out prompt", len(segments) - len(kept))
+        if not kept:
+            raise DataError(f"data.source {cfg.data.source!r} has no training row whose prompt is not held out")
+        return [tokenize_example(self.tokenizer, s, w, cfg.sft.max_length) for w, s in kept], held_out
+
+    # ------------------------------------------------------------------------------------------ the step
+    def step(self) -> dict:
+        """One optimiser step on ``sft.batch_size x sft.grad_accum`` examples. Returns its metrics."""
+        s = self.cfg.sft
+        t0 = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        micro_batches = [self.stream.take(s.batch_size) for _ in range(s.grad_accum)]
+        n_tokens = sum(sum(e.loss_mask) for mb in micro_batches for e in mb)  # the mean's N, over the whole step
+        loss_total, seen = 0.0, 0
+        with linear_kernels(self.cpu_linear):
+            for examples in micro_batches:
+                batch = collate(examples, self.tokenizer.pad_token_id)
+                loss = completion_loss(self.model, batch, n_tokens)
+                loss.backward()
+                loss_total += loss.item()
+                seen += int(batch[1].sum())
+        max_norm = self.cfg.optim.max_grad_norm or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        finite = guards.finite(loss_total, {"grad_norm": grad_norm})
+        if finite:  # no optimiser or scheduler step on a NaN/inf: their state stays exactly as before
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._count_nonfinite(finite)
+        elapsed = time.perf_counter() - t0
+        return {
+            "loss": loss_total,  # mean −log p over the step's loss tokens
+            "tokens": n_tokens,  # loss tokens
+            "examples": s.batch_size * s.grad_accum,
+            "epoch": self.stream.epoch,
+            "grad_norm": grad_norm if finite else None,
+            "lr": lr,
+            "skipped_nonfinite": int(not finite),
+            "time/step": elapsed,
+            "tokens_per_s": seen / elapsed,  # every token read, prompt and completion
+            "peak_rss_mb": peak_rss_mb(),
+        }
+
+    def _count_nonfinite(self, finite: bool) -> None:
+        self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
+        if not finite:
+            log.warning("step %d: non-finite loss or gradient; update skipped", self.step_count + 1)
+        limit = self.cfg.train.max_nonfinite_steps
+        if limit and self.nonfinite_in_a_row >= limit:
+            raise guards.NonfiniteError(
+                f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient and were skipped "
+                f"(train.max_nonfinite_steps={limit}); lower optim.lr or check the data"
+            )
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def train(self, steps: int | None = None) -> list[dict]:
+        """Train until ``steps`` steps in total (default ``train.steps``); steps done before a resume count."""
+        total = steps if steps is not None else self.cfg.train.steps
+        self._run_claim.acquire()  # held from the constructor; taken again when train() is called once more
+        if self.step_count >= total:
+            return self._finish_or_refuse(total)
+        rows, self.stop_reason = [], None
+        if self.step_count == 0 and self.cfg.eval.before and self.eval_rows:
+            rows.append(self._log_eval())
+        bar = _progress(self.step_count, total, self.cfg.train.progress, self.name)
+        every_eval, every_ckpt = self.cfg.eval.every, self.cfg.train.checkpoint_every
+        while self.step_count < total and self.stop_reason is None:
+            metrics = self.step()
+            self.step_count += 1
+            row = self._log({"step": self.step_count, **metrics})
+            rows.append(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+            self._fire("on_step_end", row)
+            last = self.step_count == total
+            if self.eval_rows and ((every_eval and self.step_count % every_eval == 0) or last):
+                rows.append(self._log_eval())
+            if last or self.stop_reason is not None or (every_ckpt and self.step_count % every_ckpt == 0):
+                self._fire("on_save", self.save_checkpoint())
+        if self.stop_reason is not None:
+            log.warning("stopping at step %d of %d: %s", self.step_count, total, self.stop_reason)
+        if bar is not None:
+            bar.close()
+        self._save_final()
+        self._fire("on_train_end", rows)
+        self._run_claim.release()  # the run's files are complete: a resume may take the directory
+        return rows
+
+    def close(self) -> None:
+        """Let the run directory's lock go (a finished ``train()`` already has)."""
+        self._run_claim.release()
+
+    def evaluate(self) -> dict:
+        """Held-out accuracy by ``reward.correctness``, as the RL trainers measure it."""
+        with linear_kernels(self.cpu_linear):
+            return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg)
+
+    def _log_eval(self) -> dict:
+        row = self._log({"step": self.step_count, **self.evaluate()})
+        self._fire("on_evaluate", row)
+        return row
+
+    # ------------------------------------------------------------------------------------------ persistence
+    def save(self, directory: str | Path | None = None) -> Path:
+        """The model (or LoRA adapter) and tokenizer (default ``RUN_DIR/final``): a valid ``model.init`` for
+        ``cohortrl train``; written atomically, with the step in ``FINAL_MARKER``."""
+        directory = Path(directory) if directory is not None else self.run_dir / "final"
+
+        def write(tmp: Path) -> None:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            (tmp / FINAL_MARKER).write_text(json.dumps({"step": self.step_count}))
+
+        return checkpoint.write_dir(directory, write, step=self.step_count, config_hash=self.config_hash)
+
+    def _save_final(self) -> None:
+        self._fire("on_save", self.save())
+        plot_curves(self.run_dir)
+
+    def _finish_or_refuse(self, total: int) -> list[dict]:
+        """No steps left: write final/ if a run killed after its last checkpoint lacks it, else say so
+        (:class:`RunCompleteError`, on which the CLI exits 0, as ``cohortrl train`` does)."""
+        marker = self.run_dir / "final" / FINAL_MARKER
+        if not marker.is_file() or json.loads(marker.read_text())["step"] != self.step_count:
+            log.warning("run in %s has done all %d steps but not its final save; writing final/", self.run_dir, total)
+            self._save_final()
+            return []
+        raise RunCompleteError(
+            f"run in {self.run_dir} has already done {self.step_count} step(s) and saved final/; to train further "
+            f"pass a larger total: cohortrl sft --run-dir {self.run_dir} --resume --steps N, N > {self.step_count}"
+        )
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "model": checkpoint.trainable_state(self.model),
+            "policy_optimizer": self.optimizer.state_dict(),
+            "policy_scheduler": self.scheduler.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "data": self.stream.state_dict(),
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
+        return checkpoint.save(self.run_dir, self.step_count, state, config_hash=self.config_hash,
+                               keep=self.cfg.train.keep_checkpoints)
+
+    def _load_latest_checkpoint(self) -> None:
+        path = checkpoint.latest(self.run_dir)
+        if path is None:
+            raise RunStateError(f"--resume: no intact checkpoint in {self.run_dir / 'checkpoints'}; start the run again without --resume")
+        state = checkpoint.load(path)
+        load_trainable_state(self.model, state["model"], f"checkpoint {path}")
+        self.optimizer.load_state_dict(state["policy_optimizer"])
+        self.scheduler.load_state_dict(state["policy_scheduler"])
+        self.stream.load_state_dict(state["data"])
+        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        checkpoint.set_rng_state(state["rng"])
+        self.step_count = state["step"]
+        self.log.truncate_after(self.step_count)
+        log.info("resumed from %s at step %d", path, self.step_count)
