@@ -765,8 +765,14 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------ the loop
     def train(self, steps: int | None = None) -> list[dict]:
         """Train until ``steps`` steps in total (default ``train.steps``); steps done before a resume count."""
-        total = steps if steps is not None else self.cfg.train.steps
         self._run_claim.acquire()  # held from the constructor; taken again when train() is called once more
+        try:
+            return self._train(steps)
+        finally:  # however training ends, another trainer (a resume) may take the directory now
+            self._run_claim.release()
+
+    def _train(self, steps: int | None) -> list[dict]:
+        total = steps if steps is not None else self.cfg.train.steps
         if self.step_count >= total:
             return self._finish_or_refuse(total)
         if self.dist.is_main:  # before the first checkpoint, not when one fails hours in
@@ -801,7 +807,6 @@ class RLTrainer:
             bar.close()
         self._save_final()
         self._fire("on_train_end", rows)
-        self._run_claim.release()  # the run's files are complete: another trainer (a resume) may take the directory
         self.dist.barrier()
         return rows
 
