@@ -374,8 +374,14 @@ class SFTTrainer:
     # ------------------------------------------------------------------------------------------ the loop
     def train(self, steps: int | None = None) -> list[dict]:
         """Train until ``steps`` steps in total (default ``train.steps``); steps done before a resume count."""
-        total = steps if steps is not None else self.cfg.train.steps
         self._run_claim.acquire()  # held from the constructor; taken again when train() is called once more
+        try:
+            return self._train(steps)
+        finally:  # however training ends, another trainer (a resume) may take the directory now
+            self._run_claim.release()
+
+    def _train(self, steps: int | None) -> list[dict]:
+        total = steps if steps is not None else self.cfg.train.steps
         if self.step_count >= total:
             return self._finish_or_refuse(total)
         rows, self.stop_reason = [], None
@@ -403,11 +409,10 @@ class SFTTrainer:
             bar.close()
         self._save_final()
         self._fire("on_train_end", rows)
-        self._run_claim.release()  # the run's files are complete: a resume may take the directory
         return rows
 
     def close(self) -> None:
-        """Let the run directory's lock go (a finished ``train()`` already has)."""
+        """Let the run directory's lock go (``train()`` already has, however it ended)."""
         self._run_claim.release()
 
     def evaluate(self) -> dict:
