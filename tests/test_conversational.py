@@ -137,3 +137,10 @@ def test_evaluation_renders_conversations_with_the_chat_template():
     assert out["eval/n"] == 3 and out["eval/accuracy"] == 1.0
     assert [p for prompts, _ in got for p in prompts] == [r["prompt"] for r in CHAT_ROWS[:3]]
     assert all(c[0]["role"] == "assistant" for _, completions in got for c in completions)
+
+
+def test_too_few_rows_for_a_step_says_nothing_was_held_out(tmp_path):
+    with pytest.raises(DataError, match=r"has 1 training prompt\(s\) after holding out data.eval_size=\(unset: 200 from a gym "
+                                        r"task, none from your rows\) for evaluation, fewer than one step's algorithm.prompts_per_step=2"):
+        GRPOTrainer(tiny(), tmp_path / "run", train_dataset=CHAT_ROWS[:1], reward_funcs=[contains_answer])
+    assert not (tmp_path / "run").exists()

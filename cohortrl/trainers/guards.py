@@ -41,7 +41,8 @@ def check_run_fits(cfg, model, n_train_rows: int) -> None:
         # Cycling would put the same prompt into one step more than once, which quietly weights it double.
         raise DataError(
             f"{cfg.data.source!r} has {n_train_rows} training prompt(s) after holding out data.eval_size="
-            f"{cfg.data.eval_size} for evaluation, fewer than one step's algorithm.prompts_per_step={P}; "
+            f"{cfg.data.eval_size if cfg.data.eval_size is not None else '(unset: 200 from a gym task, none from your rows)'}"
+            f" for evaluation, fewer than one step's algorithm.prompts_per_step={P}; "
             "add prompts, lower data.eval_size or lower algorithm.prompts_per_step"
         )
 
