@@ -48,6 +48,8 @@ from cohortrl.data import DataError, PromptStream, check_prompt, load_examples, 
 from cohortrl.kernels import linear_kernels, resolve_cpu_linear
 from cohortrl.rewards.scoring import WeightedReward, resolve
 from cohortrl.rollout.hf import response_logprobs
+from cohortrl.rollout.tools import toolset
+from cohortrl.tools import result_spans, tool_prompt, with_calculator
 from cohortrl.trainers import checkpoint, guards
 from cohortrl.trainers.evaluate import evaluate_config
 from cohortrl.trainers.inputs import as_config, resolve_inputs
@@ -240,20 +242,27 @@ class SFTTrainer:
 
     @_release_run_dir_on_failure
     def __init__(self, config=None, run_dir: str | Path | None = None, *, model=None, tokenizer=None,
-                 train_dataset=None, eval_dataset=None, callbacks=(), resume: bool = False, overwrite: bool = False):
+                 train_dataset=None, eval_dataset=None, callbacks=(), tools=None, resume: bool = False,
+                 overwrite: bool = False):
         """``config``: a ``Config``, a dict of sections, a YAML path, or None. ``model``: a spec (overrides
         ``model.name``) or a loaded model with its ``tokenizer``. ``train_dataset``: rows in one of the formats
         above (a list of dicts, a ``datasets.Dataset``, a ``.jsonl`` path) or a gym task name.
         ``eval_dataset``: held-out prompt rows scored by ``reward.correctness`` (default: a gym task's held-out
         problems; for your own rows, ``data.eval_size`` of them, else none). ``resume``: continue the run in
         ``run_dir`` from its last checkpoint; ``overwrite``: ``run_dir`` may hold another run, whose files are
-        deleted first (without either, such a directory is refused, as by the RL trainers)."""
+        deleted first (without either, such a directory is refused, as by the RL trainers). ``tools``: as for
+        the RL trainers (replace ``rollout.tools``): the warm start then sees the same tool-described system
+        prompt as RL, gym references are written in the calculator's call form (``tools.with_calculator``),
+        and every ``<result>...</result>`` of a text completion carries no loss (the model never writes it)."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("cohortrl sft runs in one process; start it without torchrun")
         cfg = as_config(config)
         inputs = resolve_inputs(cfg, cfg.algorithm.name, model=model, tokenizer=tokenizer,
-                                train_dataset=train_dataset, eval_dataset=eval_dataset)
+                                train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools)
         cfg = self.cfg = inputs.config
+        self.tools = toolset(cfg.rollout, inputs.tools)  # None without tools; resolved before the model loads
+        # The prompt RL and evaluation will show: with tools, their description follows the system prompt.
+        self.system_prompt = tool_prompt(cfg.model.system_prompt, self.tools) if self.tools else cfg.model.system_prompt
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"sft-{time.strftime('%Y%m%d-%H%M%S')}"
         self._run_claim = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)  # locked while in use
         self.config_hash = config_hash(cfg.to_dict())  # in every manifest, as the RL trainers write it (cohortrl verify)
@@ -304,15 +313,17 @@ class SFTTrainer:
         if cfg.data.source.startswith("task:"):
             train, held_out = load_rows(cfg.data, cfg.train.seed, eval_rows=inputs.eval_rows)
             named = [(f"{cfg.data.source} problem {r['sample']['id']}",
-                      {"prompt": r["prompt"], "completion": r["sample"]["reference_solution"]}) for r in train]
+                      {"prompt": r["prompt"], "completion": self._reference(r["sample"]["reference_solution"])})
+                     for r in train]
         else:
             named, held = load_examples(cfg.data, cfg.train.seed, inputs.train_rows)
             for where, row in held:  # held-out SFT rows are checked as strictly as trained ones
-                row_segments(self.tokenizer, row, cfg.model.system_prompt, where)
+                row_segments(self.tokenizer, self._tool_row(row), self.system_prompt, where)
             held_out = [held_out_row(r) for _, r in held] if inputs.eval_rows is None else [dict(r) for r in inputs.eval_rows]
             for i, r in enumerate(held_out):
                 check_prompt(r.get("prompt"), f"held-out row {i}")
-        segments = [(where, row_segments(self.tokenizer, row, cfg.model.system_prompt, where)) for where, row in named]
+        segments = [(where, row_segments(self.tokenizer, self._tool_row(row), self.system_prompt, where))
+                    for where, row in named]
         # Held-out prompts are never trained on (for task rows load_rows has already made sure).
         held_keys = {prompt_key(r["prompt"]) for r in held_out}
         kept = [(w, s) for (w, s), (_, row) in zip(segments, named) if prompt_key(held_out_row(row)["prompt"]) not in held_keys]
@@ -321,6 +332,21 @@ class SFTTrainer:
         if not kept:
             raise DataError(f"data.source {cfg.data.source!r} has no training row whose prompt is not held out")
         return [tokenize_example(self.tokenizer, s, w, cfg.sft.max_length) for w, s in kept], held_out
+
+    def _reference(self, reference: str) -> str:
+        """A gym reference solution as the completion to learn: in the calculator's call form when the run
+        has the calculator, so the warm start writes what RL's rollouts will run."""
+        if self.tools is not None and any(t.name == "calculator" for t in self.tools.tools):
+            return with_calculator(reference)
+        return reference
+
+    def _tool_row(self, row: dict) -> dict:
+        """With tools on, a text completion's tool results carry no loss (unless the row says otherwise)."""
+        completion = row.get("completion")
+        if self.tools is None or not isinstance(completion, str) or "no_loss_spans" in row:
+            return row
+        spans = result_spans(completion)
+        return {**row, "no_loss_spans": spans} if spans else row
 
     # ------------------------------------------------------------------------------------------ the step
     def step(self) -> dict:
@@ -418,7 +444,8 @@ class SFTTrainer:
     def evaluate(self) -> dict:
         """Held-out accuracy by ``reward.correctness``, as the RL trainers measure it."""
         with linear_kernels(self.cpu_linear):
-            return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg)
+            return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
+                                   tools=self.tools)
 
     def _log_eval(self) -> dict:
         row = self._log({"step": self.step_count, **self.evaluate()})

@@ -186,6 +186,24 @@ def test_task_rows_are_reference_solutions_and_never_held_out_problems(tmp_path)
     assert all(tok.decode(e.completion_ids).startswith("ANSWER: ") for e in trainer.stream.rows)
 
 
+
+def test_with_the_calculator_a_warm_start_learns_the_call_form_and_never_the_results(tmp_path):
+    cfg = sft_config(data={"source": "task:axial_stress", "train_size": 6, "eval_size": 2}, eval={"n_prompts": 2},
+                     rollout={"tools": ["calculator"]}, sft={"batch_size": 2})
+    trainer = SFTTrainer(cfg, tmp_path)
+    tok = trainer.tokenizer
+    # The prompt RL and evaluation show: the tools described after the (empty) system prompt.
+    assert trainer.system_prompt.startswith("You can call tools.") and "calculator" in trainer.system_prompt
+    for e in trainer.stream.rows:
+        assert "You can call tools." in tok.decode(e.prompt_ids)
+        text = tok.decode(e.completion_ids)
+        assert text.startswith("A = <call>calculator: pi*") and "<result>" in text
+        # The tokens that carry loss are the model's own: every "<result>VALUE</result>" is missing from them.
+        learned = tok.decode([t for t, m in zip(e.completion_ids, e.loss_mask) if m])
+        assert "<call>calculator:" in learned and "</call>" in learned
+        assert "result>" not in learned and sum(e.loss_mask) < len(e.loss_mask)
+    trainer.train()  # and it trains
+
 # ---------------------------------------------------------------------------------------------- bad data
 @pytest.mark.parametrize("row, message", [
     ({"prompt": "What is 1 + 1?"}, "missing column(s) ['completion']"),
