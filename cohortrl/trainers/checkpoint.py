@@ -103,6 +103,8 @@ def tensor_bytes(obj) -> int:
 def save(run_dir: Path, step: int, state: dict, *, config_hash: str = "", keep: int = KEEP_LAST) -> Path:
     """Write ``state`` as the checkpoint of ``step``, then delete all but the newest ``keep`` checkpoints up
     to it (0: keep all). A failed write raises :class:`CheckpointError` and leaves the others as they were."""
+    for stale in checkpoint_dir(run_dir).glob(".tmp-*"):  # any write or delete a crash interrupted
+        shutil.rmtree(stale, ignore_errors=True)
     path = write_dir(
         checkpoint_dir(run_dir) / f"step_{step:06d}", lambda tmp: _write_state(tmp, {**state, "step": step}),
         step=step, config_hash=config_hash, needed_bytes=tensor_bytes(state),
@@ -373,11 +375,15 @@ def set_aside(paths: list[Path]) -> list[Path]:
     moved = []
     for path in paths:
         target_dir = path.parent / REJECTED
-        target_dir.mkdir(exist_ok=True)
         target, n = target_dir / path.name, 1
         while target.exists():  # the same step damaged again after an earlier resume
             target, n = target_dir / f"{path.name}.{n}", n + 1
-        os.replace(path, target)
+        try:
+            target_dir.mkdir(exist_ok=True)
+            os.replace(path, target)
+        except OSError as e:
+            raise CheckpointError(f"could not move the damaged checkpoint {path} to {target} ({e.strerror or e}); "
+                                  "move or delete it by hand, then resume again") from None
         moved.append(target)
     return moved
 
