@@ -40,11 +40,19 @@ def generate(model, tokenizer, prompts: list[str], *, system: str | None, max_ne
 def last_number_correct(sample, completion: str, rel_tol: float = 0.01) -> float:
     """Lenient reading: the ANSWER line if present, else the last number, against the answer's number (1%).
     This is the correctness the GRPO demo trains on; the gym's own outcome also requires the format."""
-    from cohortrl.rewards.functions import extract_answer, parse_number
+    import re
+
+    from cohortrl.grading.answer_format import NUMBER, parse_number
+    from cohortrl.grading.answers import extract_answer
+
+    def first_number(text: str) -> float | None:
+        found = re.search(NUMBER, text)
+        value = parse_number(found.group(0)) if found else None
+        return None if value is None else float(value)
 
     predicted = extract_answer(completion, mode="last_number")
-    gold = parse_number(str(sample.answer))
-    value = parse_number(predicted) if predicted is not None else None
+    gold = first_number(str(sample.answer))
+    value = first_number(predicted) if predicted is not None else None
     return float(value is not None and gold is not None and abs(value - gold) <= rel_tol * max(abs(gold), 1e-9))
 
 

@@ -215,9 +215,6 @@ class PPOConfig:
     in float32, about 2 GB for SmolLM2-135M) with a zero-initialised value head. Or a directory holding a
     sequence-classification checkpoint with one label (a reward model, as in InstructGPT) whose backbone and
     score head become the critic; it must share the policy's vocabulary."""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """Per-token KL estimate subtracted from the reward, β·KL_t: k1 = log π − log π_ref (Ziegler et al.,
-    InstructGPT) or k3 (non-negative). algorithm.kl_estimator is GRPO's KL in the loss and unused by PPO."""
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     """``fixed`` keeps β = algorithm.beta; ``adaptive`` steers the measured KL towards ``target_kl``
     (Ziegler et al.: β ← β(1 + clip(KL/target − 1, ±0.2)·n/horizon))."""
@@ -239,7 +236,8 @@ class AlgorithmConfig:
     critic and GAE, KL to the reference in the per-token reward; settings under ``algorithm.ppo``)."""
     estimator: str = "grpo"
     """Advantage estimator (registry name in ``cohortrl.algorithms``: grpo, grpo_batch, dr_grpo, rloo,
-    reinforce_pp, reinforce_pp_baseline, grpo_process, grpo_combined)."""
+    reinforce_pp, reinforce_pp_baseline, grpo_process, grpo_combined). GRPO only: PPO's advantages are GAE
+    from its critic, and another name under PPO is refused."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     prompts_per_step: int = 4
@@ -247,14 +245,18 @@ class AlgorithmConfig:
     beta: float = 0.04
     """KL coefficient to the reference model (β = 0 loads no reference model). GRPO: β·KL in the loss;
     PPO: the initial β of −β·KL in the per-token reward (InstructGPT used 0.02)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman): k3 is unbiased and non-negative."""
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
+    """KL estimator (Schulman's k1, k2, k3), one for both trainers (``kl_kind`` resolves null): null is k3 under
+    GRPO (unbiased and non-negative, in the loss or, with kl_in_reward, the reward) and k1 under PPO (log π −
+    log π_ref in the per-token reward, as Ziegler et al. and InstructGPT). The old ``algorithm.ppo.kl_estimator``
+    still loads: under PPO it sets this field (a deprecation warning says so); under GRPO it is ignored."""
     kl_in_reward: bool = False
     """GRPO: put β·KL_t (π_old vs π_ref, ``kl_estimator``; k1 is the usual choice there) into the reward
     instead of the loss, as PPO for RLHF does. Outcome estimators see r − β·Σ_t KL_t per response; token
     estimators (reinforce_pp, REINFORCE++'s own definition) the per-token rewards. PPO always does this."""
     policy_loss: str = "clip"
-    """Policy loss (registry name: clip, gspo)."""
+    """Policy loss (registry name: clip, gspo). gspo needs one advantage per response, so it is refused with
+    an estimator whose advantages vary along the response (reinforce_pp, grpo_process, PPO's GAE)."""
     clip_low: float = 0.2
     """ε_low: the ratio is clipped below at 1 − ε_low."""
     clip_high: float = 0.2
@@ -282,6 +284,12 @@ class AlgorithmConfig:
     """ε added to the std in group normalisation."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO settings (used when ``name`` is ``ppo``)."""
+
+
+    @property
+    def kl_kind(self) -> str:
+        """The KL estimator in use: ``kl_estimator``, or its default for this trainer (k1 PPO, k3 GRPO)."""
+        return self.kl_estimator or ("k1" if self.name == "ppo" else "k3")
 
 
 @dataclass
@@ -580,6 +588,8 @@ def _all_paths(cls: type, prefix: str = "") -> list[str]:
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if cls is AlgorithmConfig:
+        data = _moved_kl_estimator(data)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -600,9 +610,27 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _moved_kl_estimator(data: dict[str, Any]) -> dict[str, Any]:
+    """``algorithm.ppo.kl_estimator`` (before there was one ``algorithm.kl_estimator``) still loads, so old
+    YAML files and saved run configs resume unchanged: under PPO it is the estimator PPO used, so it sets
+    ``algorithm.kl_estimator``; under GRPO it was unused and is dropped."""
+    ppo = data.get("ppo")
+    if not isinstance(ppo, dict) or "kl_estimator" not in ppo:
+        return data
+    data, ppo = dict(data), dict(ppo)
+    old = ppo.pop("kl_estimator")
+    data["ppo"] = ppo
+    if data.get("name") == "ppo":
+        data["kl_estimator"] = old
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "config key 'algorithm.ppo.kl_estimator' is deprecated: write algorithm.kl_estimator (one field for both "
+        "trainers)%s", f"; read as algorithm.kl_estimator = {old!r}" if data.get("name") == "ppo" else "; unused by GRPO, ignored")
+    return data
+
+
 # -------------------------------------------------------------------- cross-field validation
-_GROUP_ESTIMATORS = {"grpo", "grpo_batch", "dr_grpo", "rloo", "reinforce_pp_baseline", "grpo_process", "grpo_combined"}
-_PROCESS_ESTIMATORS = {"grpo_process", "grpo_combined"}
 
 
 def _require(ok: bool, path: str, value: Any, why: str) -> None:
@@ -613,9 +641,29 @@ def _require(ok: bool, path: str, value: Any, why: str) -> None:
 def validate(cfg: Config) -> None:
     """Check settings that are impossible on their own or together. Raises :class:`ConfigError`."""
     a, s, o, d, e, t = cfg.algorithm, cfg.sampling, cfg.optim, cfg.data, cfg.eval, cfg.train
+    from cohortrl.algorithms import (
+        ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS, GAE_NEEDS, POLICY_LOSSES, EstimatorNeeds, SEQUENCE_ADVANTAGE_LOSSES,
+    )
+
+    for path, name, registry in (
+        ("algorithm.estimator", a.estimator, ADVANTAGE_ESTIMATORS),
+        ("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES),
+    ):
+        close = difflib.get_close_matches(name, list(registry), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        _require(name in registry, path, name, f"unknown name; {hint}registered: {', '.join(registry)}")
+    _require(a.name != "ppo" or a.estimator == "grpo", "algorithm.estimator", a.estimator,
+             "is GRPO's setting; PPO's advantages are GAE from its critic (tune algorithm.ppo.gamma / lam), so remove it")
+    needs = GAE_NEEDS if a.name == "ppo" else ESTIMATOR_NEEDS.get(a.estimator, EstimatorNeeds())
+    source = "PPO's GAE" if a.name == "ppo" else f"estimator '{a.estimator}'"
+    _require(
+        a.policy_loss not in SEQUENCE_ADVANTAGE_LOSSES or needs.per_sequence, "algorithm.policy_loss", a.policy_loss,
+        f"needs one advantage per response, but {source} gives advantages that vary along the response (each token "
+        "would get the response's mean advantage); use policy_loss: clip, or an outcome estimator (grpo, dr_grpo, rloo)",
+    )
     _require(a.group_size >= 1, "algorithm.group_size", a.group_size, "must be at least 1")
     _require(
-        a.group_size >= 2 or a.estimator not in _GROUP_ESTIMATORS or a.name == "ppo",
+        a.group_size >= 2 or not needs.groups,
         "algorithm.group_size",
         a.group_size,
         f"estimator '{a.estimator}' normalises within a group and needs at least 2 responses per prompt; "
@@ -636,15 +684,6 @@ def validate(cfg: Config) -> None:
         f"must be >= algorithm.clip_low ({a.clip_low}); clip-higher widens the upper bound, never narrows it",
     )
     _require(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 (typically 3) or null")
-    from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-
-    for path, name, registry in (
-        ("algorithm.estimator", a.estimator, ADVANTAGE_ESTIMATORS),
-        ("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES),
-    ):
-        close = difflib.get_close_matches(name, list(registry), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        _require(name in registry, path, name, f"unknown name; {hint}registered: {', '.join(registry)}")
     _require(a.epochs >= 1, "algorithm.epochs", a.epochs, "must be at least 1")
     batch = a.group_size * a.prompts_per_step
     _require(
@@ -702,13 +741,14 @@ def validate(cfg: Config) -> None:
     _require(cfg.reward.timeout_s >= 0, "reward.timeout_s", cfg.reward.timeout_s, "must be >= 0 (0: no limit)")
     proc = cfg.reward.process
     _require(
-        proc is not None or a.estimator not in _PROCESS_ESTIMATORS or a.name == "ppo",
+        proc is not None or not needs.steps,
         "algorithm.estimator", a.estimator, "uses step rewards: set reward.process (e.g. {name: task_steps})",
     )
     _require(
-        proc is None or a.name == "ppo" or a.estimator in _PROCESS_ESTIMATORS,
+        proc is None or a.name == "ppo" or needs.steps,
         "reward.process", proc and proc.name,
-        f"step rewards would be ignored by estimator '{a.estimator}'; use algorithm.estimator=grpo_process or grpo_combined",
+        f"step rewards would be ignored by estimator '{a.estimator}'; use one that reads them "
+        f"({', '.join(n for n, x in ESTIMATOR_NEEDS.items() if x.steps)})",
     )
     if proc is not None:
         _require(proc.cap > 0, "reward.process.cap", proc.cap, "must be > 0")

@@ -1,5 +1,7 @@
 """Every config error path, with the exact message, before any model is loaded."""
 
+import re
+
 import pytest
 
 from cohortrl.config import Config, ConfigError, apply_overrides
@@ -181,7 +183,6 @@ PPO_ERRORS = [
     ({"critic_init": "/no/such/rm"},
      "config key 'algorithm.ppo.critic_init' = '/no/such/rm': must be 'policy' or a directory with a sequence-classification "
      "checkpoint (config.json not found there)"),
-    ({"kl_estimator": "k2"}, "config key 'algorithm.ppo.kl_estimator': expected one of 'k1', 'k3', got 'k2' (str)"),
     ({"kl_controller": "pid"}, "config key 'algorithm.ppo.kl_controller': expected one of 'fixed', 'adaptive', got 'pid' (str)"),
     ({"gama": 1.0}, "unknown config key 'algorithm.ppo.gama'; did you mean 'algorithm.ppo.gamma'?"),
 ]
@@ -217,3 +218,57 @@ def test_unknown_algorithm_name_and_zero_variance_with_groups_of_one():
 def test_ppo_settings_are_checked_even_when_grpo_runs():
     with pytest.raises(ConfigError, match=r"'algorithm.ppo.gamma' = 2.0: must be in \[0, 1\]"):
         Config.from_dict({"algorithm": {"ppo": {"gamma": 2.0}}})
+
+
+def test_one_kl_estimator_with_a_default_per_trainer_and_the_old_ppo_key_still_loads(caplog):
+    assert Config.from_dict({}).algorithm.kl_kind == "k3"  # GRPO: k3 in the loss
+    assert Config.from_dict({"algorithm": {"name": "ppo"}}).algorithm.kl_kind == "k1"  # PPO: k1 in the reward
+    assert Config.from_dict({"algorithm": {"name": "ppo", "kl_estimator": "k3"}}).algorithm.kl_kind == "k3"
+    # A saved PPO config from before holds both keys; PPO used its own, so that one wins.
+    old = Config.from_dict({"algorithm": {"name": "ppo", "kl_estimator": "k3", "ppo": {"kl_estimator": "k2"}}})
+    assert old.algorithm.kl_kind == "k2"
+    assert "'algorithm.ppo.kl_estimator' is deprecated: write algorithm.kl_estimator" in caplog.text
+    assert Config.from_dict({"algorithm": {"ppo": {"kl_estimator": "k1"}}}).algorithm.kl_kind == "k3"  # unused by GRPO
+    with pytest.raises(ConfigError, match="config key 'algorithm.kl_estimator': expected one of 'k1', 'k2', 'k3'"):
+        Config.from_dict({"algorithm": {"name": "ppo", "ppo": {"kl_estimator": "k4"}}})
+
+
+@pytest.mark.parametrize("algorithm, message", [
+    ({"policy_loss": "gspo", "estimator": "reinforce_pp"},
+     "config key 'algorithm.policy_loss' = 'gspo': needs one advantage per response, but estimator 'reinforce_pp' gives advantages that vary"),
+    ({"policy_loss": "gspo", "estimator": "grpo_combined"}, "but estimator 'grpo_combined' gives advantages that vary along the response"),
+    ({"policy_loss": "gspo", "name": "ppo"}, "but PPO's GAE gives advantages that vary along the response"),
+    ({"name": "ppo", "estimator": "rloo"},
+     "config key 'algorithm.estimator' = 'rloo': is GRPO's setting; PPO's advantages are GAE from its critic"),
+])
+def test_the_registry_refuses_what_an_estimator_or_loss_cannot_do(algorithm, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Config.from_dict({"algorithm": algorithm, "reward": {"process": {"name": "task_steps"}}})
+
+
+def test_config_asks_the_registry_what_a_users_estimator_and_loss_need():
+    from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS, POLICY_LOSSES, SEQUENCE_ADVANTAGE_LOSSES
+    from cohortrl.algorithms import register_advantage_estimator, register_policy_loss
+
+    @register_advantage_estimator("test_needs_steps", groups=True, steps=True)
+    def needs_steps(**kwargs):
+        return None
+
+    @register_policy_loss("test_sequence_loss", sequence_advantages=True)
+    def sequence_loss(**kwargs):
+        return None
+
+    try:
+        with pytest.raises(ConfigError, match="'algorithm.estimator' = 'test_needs_steps': uses step rewards"):
+            Config.from_dict({"algorithm": {"estimator": "test_needs_steps"}})
+        with pytest.raises(ConfigError, match="'algorithm.group_size' = 1: estimator 'test_needs_steps' normalises"):
+            Config.from_dict({"algorithm": {"estimator": "test_needs_steps", "group_size": 1},
+                              "reward": {"process": {"name": "task_steps"}}})
+        with pytest.raises(ConfigError, match="'test_sequence_loss': needs one advantage per response"):
+            Config.from_dict({"algorithm": {"estimator": "reinforce_pp", "policy_loss": "test_sequence_loss"}})
+        assert Config.from_dict({"algorithm": {"policy_loss": "test_sequence_loss"}}).algorithm.estimator == "grpo"
+    finally:
+        for registry, name in ((ADVANTAGE_ESTIMATORS, "test_needs_steps"), (ESTIMATOR_NEEDS, "test_needs_steps"),
+                               (POLICY_LOSSES, "test_sequence_loss")):
+            registry.pop(name, None)
+        SEQUENCE_ADVANTAGE_LOSSES.discard("test_sequence_loss")

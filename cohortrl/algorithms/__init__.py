@@ -13,13 +13,19 @@ tokens; padded slots never influence an output.
 Registries (one call signature per family, so a trainer looks a name up and never branches on it):
     ADVANTAGE_ESTIMATORS / get_advantage_estimator / register_advantage_estimator  (see ``AdvantageEstimator``)
     POLICY_LOSSES / get_policy_loss / register_policy_loss                         (see ``PolicyLoss``)
+Each entry declares what it needs (`estimator_needs`: groups, step rewards, one advantage per response;
+`needs_sequence_advantages` for a loss); ``config.validate`` asks these instead of listing names.
 Users add their own with the ``register_*`` decorators; the same signature check applies to them.
 """
 
 from cohortrl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_NEEDS,
+    GAE_NEEDS,
     GROUP_SCALES,
     AdvantageEstimator,
+    EstimatorNeeds,
+    estimator_needs,
     gae_advantages,
     get_advantage_estimator,
     group_advantages,
@@ -33,8 +39,10 @@ from cohortrl.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLC
 from cohortrl.algorithms.losses import (
     POLICY_LOSS_LEVELS,
     POLICY_LOSSES,
+    SEQUENCE_ADVANTAGE_LOSSES,
     PolicyLoss,
     get_policy_loss,
+    needs_sequence_advantages,
     policy_loss,
     register_policy_loss,
     truncated_importance_weights,
@@ -63,6 +71,10 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "get_advantage_estimator",
     "register_advantage_estimator",
+    "EstimatorNeeds",
+    "ESTIMATOR_NEEDS",
+    "GAE_NEEDS",
+    "estimator_needs",
     # losses
     "policy_loss",
     "value_loss",
@@ -71,6 +83,8 @@ __all__ = [
     "POLICY_LOSSES",
     "get_policy_loss",
     "register_policy_loss",
+    "SEQUENCE_ADVANTAGE_LOSSES",
+    "needs_sequence_advantages",
     "truncated_importance_weights",
     # KL
     "kl_penalty",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -36,6 +37,10 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "get_advantage_estimator",
     "register_advantage_estimator",
+    "EstimatorNeeds",
+    "ESTIMATOR_NEEDS",
+    "GAE_NEEDS",
+    "estimator_needs",
 ]
 
 GROUP_SCALES = ("group", "batch", "none")
@@ -381,10 +386,55 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 }
 
 
-def register_advantage_estimator(name: str):
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an estimator needs from the rest of the run, so the config is checked against the registry
+    rather than against a list of names.
+
+    ``groups``: it compares a response with the others of its prompt, so it needs G >= 2.
+    ``steps``: it reads ``step_rewards`` / ``step_ends``, so it needs a process reward (``reward.process``).
+    ``per_sequence``: every token of a response gets the same advantage (a loss such as ``gspo`` that
+    averages the advantage over the response needs this)."""
+
+    groups: bool = False
+    steps: bool = False
+    per_sequence: bool = False
+
+
+_OUTCOME_GROUP = EstimatorNeeds(groups=True, per_sequence=True)
+ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
+    "grpo": _OUTCOME_GROUP,
+    "grpo_batch": _OUTCOME_GROUP,
+    "dr_grpo": _OUTCOME_GROUP,
+    "rloo": _OUTCOME_GROUP,
+    # Return-to-go varies along the response once token rewards (a KL in the reward) are present.
+    "reinforce_pp": EstimatorNeeds(),
+    "reinforce_pp_baseline": EstimatorNeeds(groups=True),
+    "grpo_process": EstimatorNeeds(groups=True, steps=True),
+    "grpo_combined": EstimatorNeeds(groups=True, steps=True),
+}
+GAE_NEEDS = EstimatorNeeds()
+"""PPO's GAE advantages (`gae_advantages`, computed by the PPO trainer, not looked up by name): per token."""
+
+
+def register_advantage_estimator(name: str, *, groups: bool = False, steps: bool = False, per_sequence: bool = False):
     """Decorator: select ``fn`` by ``algorithm.estimator: NAME``. It must take the keyword arguments of
-    ``AdvantageEstimator`` (or ``**kwargs``) and return advantages (N, T), 0 on padding."""
-    return register(ADVANTAGE_ESTIMATORS, name, "advantage estimator", AdvantageEstimator)
+    ``AdvantageEstimator`` (or ``**kwargs``) and return advantages (N, T), 0 on padding. The keywords
+    declare what it needs (`EstimatorNeeds`); the config is checked against them."""
+    add = register(ADVANTAGE_ESTIMATORS, name, "advantage estimator", AdvantageEstimator)
+
+    def decorator(fn):
+        add(fn)
+        ESTIMATOR_NEEDS[name] = EstimatorNeeds(groups=groups, steps=steps, per_sequence=per_sequence)
+        return fn
+
+    return decorator
+
+
+def estimator_needs(name: str) -> EstimatorNeeds:
+    """What the registered estimator ``name`` declared (`EstimatorNeeds`)."""
+    get_advantage_estimator(name)  # an unknown name: the registry's error
+    return ESTIMATOR_NEEDS.get(name, EstimatorNeeds())
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:

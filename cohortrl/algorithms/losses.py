@@ -21,6 +21,7 @@ from cohortrl.algorithms.registry import lookup, register
 
 __all__ = [
     "POLICY_LOSS_LEVELS", "policy_loss", "value_loss", "PolicyLoss", "POLICY_LOSSES", "get_policy_loss", "register_policy_loss",
+    "SEQUENCE_ADVANTAGE_LOSSES", "needs_sequence_advantages",
     "truncated_importance_weights",
 ]
 
@@ -161,12 +162,32 @@ def _gspo(*, logp, old_logp, advantages, response_mask, clip_low, clip_high, dua
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {"clip": _clip, "gspo": _gspo}
+SEQUENCE_ADVANTAGE_LOSSES: set[str] = {"gspo"}
+"""Losses that need one advantage per response. GSPO's sequence ratio s_i multiplies every token's A_{i,t},
+so its gradient gives each token −s_i·mean_t(A_{i,t})/|o_i|, not the token's own advantage: with advantages
+that vary along a response (reinforce_pp, grpo_process, PPO's GAE) that is not the estimator's credit."""
 
 
-def register_policy_loss(name: str):
+def register_policy_loss(name: str, *, sequence_advantages: bool = False):
     """Decorator: select ``fn`` by ``algorithm.policy_loss: NAME``. It must take the keyword arguments of
-    ``PolicyLoss`` (or ``**kwargs``) and return (loss (N, T), metrics with clip_frac_low / clip_frac_high)."""
-    return register(POLICY_LOSSES, name, "policy loss", PolicyLoss)
+    ``PolicyLoss`` (or ``**kwargs``) and return (loss (N, T), metrics with clip_frac_low / clip_frac_high).
+    ``sequence_advantages``: it is only right when every token of a response has the same advantage."""
+    add = register(POLICY_LOSSES, name, "policy loss", PolicyLoss)
+
+    def decorator(fn):
+        add(fn)
+        SEQUENCE_ADVANTAGE_LOSSES.discard(name)
+        if sequence_advantages:
+            SEQUENCE_ADVANTAGE_LOSSES.add(name)
+        return fn
+
+    return decorator
+
+
+def needs_sequence_advantages(name: str) -> bool:
+    """Whether the registered policy loss ``name`` needs one advantage per response."""
+    get_policy_loss(name)  # an unknown name: the registry's error
+    return name in SEQUENCE_ADVANTAGE_LOSSES
 
 
 def get_policy_loss(name: str) -> PolicyLoss:

@@ -1,14 +1,14 @@
 """Running untrusted, model-written Python out of process, with limits.
 
 Model text never runs in the trainer's process. A `Sandbox` starts a small fork server
-(`cohortrl/rewards/sandbox_server.py`) as a fresh interpreter through ``subprocess`` (fork+exec: it never
+(`cohortrl/grading/sandbox_server.py`) as a fresh interpreter through ``subprocess`` (fork+exec: it never
 inherits the trainer's threads or torch, so it may be started at any time; starting it early only moves
 its ~0.1 s start-up out of the first reward call). The server forks one child per job; the child sets up
 its limits, compiles the model's code, calls one function once per argument list and sends the return
 values back over a pipe as JSON. What each layer does is in the server's docstring; what is active on a
 machine is in `Sandbox.isolation` (and docs/sandbox.md):
 
-    from cohortrl.rewards import sandbox
+    from cohortrl.grading import sandbox
 
     box = sandbox.shared()                 # one per process, started on first use, stopped at exit
     result = box.run("def f(x):\\n    return 2 * x", "f", [[1], [2.5]], timeout_s=1.0)

@@ -1,6 +1,6 @@
 """The sandbox's fork server: a small single-threaded process that forks one child per job.
 
-Run by `cohortrl.rewards.sandbox.Sandbox` as ``python -I -S sandbox_server.py CONFIG_JSON`` (a fresh
+Run by `cohortrl.grading.sandbox.Sandbox` as ``python -I -S sandbox_server.py CONFIG_JSON`` (a fresh
 interpreter, standard library only: never torch, never the trainer's threads, so forking it is safe).
 It talks JSON lines over its stdin/stdout: requests ``{"id", "code", "func", "calls", "timeout_s",
 "memory_mb"}`` in, ``{"id", "result": {...}}`` out, after one ``{"hello": {...}}`` that says which

@@ -1,5 +1,5 @@
 """Scoring responses: built-in reward functions (``functions``), resolving and checking them (``scoring``),
-and the sandbox that runs model-written code out of process (``sandbox``).
+process (step) rewards (``process``). The grading rules they share with the gym live in `cohortrl.grading`.
 
 A reward function has TRL's signature, ``fn(prompts, completions, **columns) -> list[float | None]``;
 ``register_reward_function("name")`` makes a user's own selectable by name from a config."""

@@ -15,18 +15,12 @@ config's ``kwargs`` (``make_accuracy(mode="answer_line")``), so a YAML file can 
 
 from __future__ import annotations
 
-import math
-import re
-import threading
 from typing import Callable
 
+from cohortrl.grading.answers import ACCURACY_MODES, answers_match, commits_to_a_number, extract_answer
 from cohortrl.rewards.grader_errors import contained
 
 RewardFn = Callable[..., list]
-
-_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
-_ANSWER_LINE = re.compile(r"^\s*\**ANSWER\**\s*:\s*(.+?)\s*$", re.MULTILINE | re.IGNORECASE)
-_NUMBER_RE = re.compile(_NUMBER)
 
 
 def completion_text(completion) -> str:
@@ -40,53 +34,10 @@ def _prompt(prompts: list, i: int):
     return prompts[i] if i < len(prompts) else None
 
 
-def parse_number(text: str) -> float | None:
-    """The first number in ``text`` (thousands separators allowed), or None."""
-    m = _NUMBER_RE.search(text)
-    return float(m.group(0).replace(",", "")) if m else None
-
-
-def extract_answer(completion: str, mode: str = "answer_line") -> str | None:
-    """The answer a completion commits to.
-
-    ``answer_line``: the text of the single ``ANSWER: ...`` line (None if there is none, or several that
-    disagree: hedging between answers earns nothing). ``last_number``: the ``ANSWER:`` line if present, else
-    the last number in the text (a lenient reading for models that don't follow the format yet).
-    """
-    lines = [m.group(1) for m in _ANSWER_LINE.finditer(completion)]
-    if lines:
-        return lines[0] if len(set(lines)) == 1 else None
-    if mode == "last_number":
-        numbers = _NUMBER_RE.findall(completion)
-        return numbers[-1] if numbers else None
-    if mode != "answer_line":
-        raise ValueError(f"unknown accuracy mode {mode!r}; use 'answer_line' or 'last_number'")
-    return None
-
-
-def _plain_number(text: str) -> float | None:
-    text = text.strip().rstrip(".").replace(" ", "")
-    return float(text.replace(",", "")) if _NUMBER_RE.fullmatch(text) else None
-
-
-def answers_match(predicted: str, gold, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
-    """Numeric comparison with tolerance when both sides are plain numbers, else math-verify's symbolic
-    equivalence (fractions, expressions, LaTeX)."""
-    p, g = _plain_number(predicted), _plain_number(str(gold))
-    if p is not None and g is not None:
-        return math.isclose(p, g, rel_tol=rel_tol, abs_tol=abs_tol)
-    from math_verify import parse, verify  # imported lazily: it pulls in sympy
-
-    # math-verify bounds its own time with signal.alarm, which only the main thread may set. Off the main thread
-    # (reward.timeout_s runs reward functions in a thread) it would raise, so there the thread's timeout bounds it.
-    main = threading.current_thread() is threading.main_thread()
-    parse_kw, verify_kw = ({}, {}) if main else ({"parsing_timeout": None}, {"timeout_seconds": None})
-    return bool(verify(parse(str(gold), **parse_kw), parse(predicted, **parse_kw), **verify_kw))
-
-
 def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_column: str = "answer") -> RewardFn:
-    """1.0 when the committed answer equals the reference (numeric with tolerance, else math-verify), else 0.0."""
-    if mode not in ("answer_line", "last_number"):
+    """1.0 when the committed answer (`cohortrl.grading.answers.extract_answer`: the gym's ANSWER-line rules)
+    equals the reference (numeric with tolerance, else math-verify), else 0.0."""
+    if mode not in ACCURACY_MODES:
         raise ValueError(f"accuracy mode must be 'answer_line' or 'last_number', got {mode!r}")
 
     def accuracy(prompts, completions, **columns):
@@ -110,7 +61,8 @@ def _accuracy_of(completion: str, gold, mode: str, rel_tol: float) -> float:
 
 
 def make_format() -> RewardFn:
-    """1.0 when the response ends its reasoning with exactly one ``ANSWER: <number>`` line, as prompts ask."""
+    """1.0 when the response commits to exactly one ``ANSWER: <number>`` line, as prompts ask (the gym's
+    commitment rule, `cohortrl.grading.answers.commits_to_a_number`)."""
 
     def format_reward(prompts, completions, **columns):
         out = []
@@ -122,10 +74,7 @@ def make_format() -> RewardFn:
 
 
 def _format_of(completion: str) -> float:
-    lines = [m.group(1) for m in _ANSWER_LINE.finditer(completion)]
-    # The captured text can be a lone whitespace character ("ANSWER: " matches), which has no first word.
-    first = lines[0].split()[:1] if len(lines) == 1 else []
-    return float(bool(first) and _NUMBER_RE.fullmatch(first[0].replace(",", "")) is not None)
+    return float(commits_to_a_number(completion))
 
 
 def make_overlong(cache_length: int = 16, max_length: int | None = None) -> RewardFn:
@@ -184,6 +133,7 @@ def make_reward_model(model: str, batch_size: int = 16, max_length: int = 1024) 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from cohortrl.models import prepare_tokenizer
+    from cohortrl.rewards.models import chat_text
 
     with torch.random.fork_rng(devices=[]):  # a head missing from the checkpoint would be drawn at random
         scorer = AutoModelForSequenceClassification.from_pretrained(model).eval()
@@ -197,11 +147,7 @@ def make_reward_model(model: str, batch_size: int = 16, max_length: int = 1024) 
 
     @torch.no_grad()
     def reward_model(prompts, completions, **columns):
-        def exchange(prompt, completion):  # text prompts as the user's turn; a conversation as it stands
-            asked = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            return [*asked, {"role": "assistant", "content": completion_text(completion)}]
-
-        texts = [tokenizer.apply_chat_template(exchange(p, c), tokenize=False) for p, c in zip(prompts, completions)]
+        texts = [chat_text(tokenizer, p, completion_text(c)) for p, c in zip(prompts, completions)]
         scores = []
         for start in range(0, len(texts), batch_size):
             enc = tokenizer(

@@ -43,8 +43,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from cohortrl.rewards.process import StepScores, StepSource
-from cohortrl.rewards.steps import Span, split_steps, step_end_tokens, token_char_ends
+from cohortrl.rewards.steps import Span, StepScores, StepSource, split_steps, step_end_tokens, token_char_ends
 from cohortrl.rollout.hf import response_logprobs
 
 

@@ -20,7 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
-from cohortrl.tasks.answer_format import evaluate, format_exact, format_sig
+from cohortrl.grading.answer_format import evaluate, format_exact, format_sig
 
 
 class LabelDataError(ValueError):
@@ -304,7 +304,7 @@ def policy_completer(model, tokenizer, prompt: str, max_new_tokens: int = 64, te
 
     @torch.no_grad()
     def complete(prefix: str, n: int) -> list[str]:
-        from cohortrl.rollout.hf import Sampling, _eos_ids, _generate_ids, prefill_cache
+        from cohortrl.rollout.hf import Sampling, eos_token_ids, generate_ids, prefill_cache
 
         head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
@@ -314,8 +314,8 @@ def policy_completer(model, tokenizer, prompt: str, max_new_tokens: int = 64, te
         generator_seed[0] += 1
         # cohortrl's decoding loop: the prefix is prefilled once for the n continuations
         cache = prefill_cache(model, ids, mask) if ids.shape[1] > 1 else None
-        out, lengths = _generate_ids(model, tokenizer, ids, mask, Sampling(temperature=temperature, max_new_tokens=max_new_tokens),
-                                     _eos_ids(model, tokenizer), cache)
+        out, lengths = generate_ids(model, tokenizer, ids, mask, Sampling(temperature=temperature, max_new_tokens=max_new_tokens),
+                                    eos_token_ids(model, tokenizer), cache)
         return [tokenizer.decode(row[ids.shape[1]:ids.shape[1] + k], skip_special_tokens=True)
                 for row, k in zip(out, lengths.tolist())]
 

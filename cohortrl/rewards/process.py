@@ -25,10 +25,8 @@ import math
 import re
 from collections.abc import Callable, Sequence
 
-from cohortrl.rewards.functions import extract_answer
-from cohortrl.rewards.steps import Span, split_steps
-
-StepScores = list[tuple[float, Span | None]]
+from cohortrl.grading.answers import extract_answer
+from cohortrl.rewards.steps import StepScores, StepSource, split_steps
 
 
 def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callable[..., list[StepScores]]:
@@ -112,28 +110,6 @@ def resolve_process(name: str, kwargs: dict | None = None) -> Callable[..., list
 
 
 # ---------------------------------------------------------------------------------------------------- sources
-class StepSource:
-    """A process reward as the trainer calls it. ``score`` gives each response of the rollout its
-    ``(score, span)`` list; ``update`` shows a source that learns online (the implicit PRM) the batch's
-    outcome labels after scoring and returns metrics for the log; ``state_dict`` / ``load_state_dict`` carry
-    what it learned through a checkpoint. A process reward *function* (text in, steps out) is wrapped by
-    `FunctionSteps`; only sources that need the rollout's token ids or the policy's weights subclass this."""
-
-    name: str = "process"
-
-    def score(self, rollout, columns: dict[str, list]) -> list[StepScores]:
-        raise NotImplementedError
-
-    def update(self, rollout, outcomes: Sequence[float | None]) -> dict[str, float]:
-        return {}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
 class FunctionSteps(StepSource):
     """A process reward function called on the prompts and completions, within the reward timeout."""
 

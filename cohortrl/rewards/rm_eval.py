@@ -127,7 +127,7 @@ def best_of_n(family_name: str, n_problems: int, n_candidates: int, *, level: in
     ``prm`` / ``orm`` are ``(model, tokenizer)`` pairs or None (method skipped).
     """
     from cohortrl import tasks
-    from cohortrl.rewards.functions import extract_answer
+    from cohortrl.grading.answers import extract_answer
     from cohortrl.rewards.labels import gym_candidates
     from cohortrl.rewards.models import orm_scores, prm_step_scores
 

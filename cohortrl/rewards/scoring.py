@@ -139,7 +139,7 @@ def call_with_timeout(fn, timeout_s: float | None, name: str, /, *args, **kwargs
 
     The call runs in a daemon thread. Python cannot kill a thread, so a hung call keeps running in the
     background until the process ends (a daemon thread does not keep the process alive); code that may hang
-    or must be killed belongs in the sandbox (``cohortrl.rewards.sandbox``), which runs it in a process."""
+    or must be killed belongs in the sandbox (``cohortrl.grading.sandbox``), which runs it in a process."""
     if not timeout_s:
         return fn(*args, **kwargs)
     result: dict = {}

@@ -4,7 +4,8 @@ A process reward is given per step, but the policy gradient is per token, so eac
 the token that completes the step. Character spans come from the text (a step is a line by default, or the
 pieces between a delimiter / regex matches); token positions come from decoding the response's own token ids
 one prefix at a time, which is correct for any tokenizer: byte-level BPE, SentencePiece, tokens that hold
-the end of one step and the start of the next, and multi-byte characters split across tokens.
+the end of one step and the start of the next, and multi-byte characters split across tokens. `StepSource` is what the
+trainer calls for step rewards; `StepScores` what it returns per response.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 Span = tuple[int, int]  # [start, end) in characters of the decoded completion
+StepScores = list[tuple[float, Span | None]]  # per response: (step reward, span or None for a missing step)
 
 
 def split_steps(text: str, delimiter: str = "\n", regex: str | None = None) -> list[Span]:
@@ -61,3 +63,25 @@ def step_end_tokens(spans: Sequence[Span], char_ends: Sequence[int]) -> list[int
         return []
     last = len(char_ends) - 1
     return [min(bisect_left(char_ends, end), last) for _, end in spans]
+
+
+class StepSource:
+    """A process reward as the trainer calls it. ``score`` gives each response of the rollout its
+    ``(score, span)`` list; ``update`` shows a source that learns online (the implicit PRM) the batch's
+    outcome labels after scoring and returns metrics for the log; ``state_dict`` / ``load_state_dict`` carry
+    what it learned through a checkpoint. A process reward *function* (text in, steps out) is wrapped by
+    `FunctionSteps`; only sources that need the rollout's token ids or the policy's weights subclass this."""
+
+    name: str = "process"
+
+    def score(self, rollout, columns: dict[str, list]) -> list[StepScores]:
+        raise NotImplementedError
+
+    def update(self, rollout, outcomes: Sequence[float | None]) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -38,14 +38,9 @@ class PromptTooLongError(ValueError):
     pass
 
 
-def chat_text(tokenizer, prompt, system_prompt: str | None) -> str:
-    """The prompt (text or a conversation) as the model sees it: ``data.render_prompt``."""
-    return render_prompt(tokenizer, prompt, system_prompt)
-
-
 def encode_prompts(tokenizer, prompts: list[str], system_prompt: str | None, max_prompt_tokens: int, overlong: str):
     """Tokenise chat-formatted prompts, left-padded. Returns (ids (P, Tp), mask (P, Tp), n_truncated)."""
-    texts = [chat_text(tokenizer, p, system_prompt) for p in prompts]
+    texts = [render_prompt(tokenizer, p, system_prompt) for p in prompts]
     # The chat template already holds the special tokens; adding BOS again would shift the distribution.
     encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     n_truncated = 0
@@ -74,7 +69,8 @@ def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """The ids that end a response: the generation config's EOS id(s) and the tokenizer's."""
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
@@ -111,7 +107,7 @@ def generate(
     )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Tp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     was_training = model.training
     model.eval()
     record = record and decoder_for(model) is not None
@@ -119,8 +115,8 @@ def generate(
     # decoder runs the prompts itself, also once each
     shared = group_size > 1 and prompt_ids.shape[1] > 1 and not record
     cache = prefill_cache(model, prompt_ids, prompt_mask) if shared else None
-    out, lengths, *recording = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache,
-                                             record=record, tools=session)
+    out, lengths, *recording = generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache,
+                                            record=record, tools=session)
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
     tool_mask = session.tool_mask(response_ids.shape[1]) if session is not None else None
@@ -144,8 +140,8 @@ def generate(
     )
     return rollout, n_truncated
 
-def _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None,
-                  record: bool = False, tools: ToolSession | None = None):
+def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None,
+                 record: bool = False, tools: ToolSession | None = None):
     """Autoregressive sampling with the KV cache, from ``cache`` (``prefill_cache``) if given: ids (B, Tp + T)
     on the CPU, each row padded after its EOS or stop string, and each row's response length (B,), its ending
     token included; with ``record`` (the lean decoder only), a third value: its :class:`Recording`. The loop ends
@@ -252,14 +248,14 @@ def generate_modes(model, tokenizer, prompts: list[str], samplings: dict[str, Sa
     """One completion per prompt under each of several samplings (say greedy and sampled), the prompts
     prefilled once for all of them: {name: completions}. For evaluations that compare decoding modes."""
     prompt_ids, prompt_mask, _ = encode_prompts(tokenizer, prompts, system_prompt, max_prompt_tokens, "reject")
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     was_training = model.training
     model.eval()
     cache = prefill_cache(model, prompt_ids, prompt_mask) if prompt_ids.shape[1] > 1 else None
     out = {}
     for name, sampling in samplings.items():
-        ids, lengths = _generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids,
-                                     copy.deepcopy(cache) if cache is not None else None)  # generate appends to its cache
+        ids, lengths = generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids,
+                                    copy.deepcopy(cache) if cache is not None else None)  # generate appends to its cache
         out[name] = _finish(ids[:, prompt_ids.shape[1] :], lengths, tokenizer, eos_ids, sampling)[2]
     model.train(was_training)
     return out

@@ -5,10 +5,11 @@
     samples = family.sample(8, seed=0, level=1)
     grade = family.grade(samples[0], completion)  # grade.outcome, grade.steps, grade.score
 
-Every family shares one answer format (`answer_format`), one tolerance-and-units rule (`units`) and one
+Every family shares one answer format (`cohortrl.grading.answer_format`), one tolerance-and-units rule
+(`cohortrl.grading.units`) and one
 step grader with the anti-hacking rules (`base.grade_keyed`). Two code families answer with programs instead:
 ``controller`` (Structured Text, graded by simulating plants) and ``python_function`` (Python, graded by
-hidden tests run in `cohortrl.rewards.sandbox`). See docs/tasks.md and docs/sandbox.md.
+hidden tests run in `cohortrl.grading.sandbox`). See docs/tasks.md and docs/sandbox.md.
 """
 
 from cohortrl.tasks import (  # noqa: F401  (importing registers the families)

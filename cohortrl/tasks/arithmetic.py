@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from fractions import Fraction
 
-from cohortrl.tasks.answer_format import evaluate, format_exact
+from cohortrl.grading.answer_format import evaluate, format_exact
 from cohortrl.tasks.base import Sample, Step, StepResult, TaskFamily, credit_statements, register, rng_for
 
 

@@ -23,7 +23,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from cohortrl.tasks.answer_format import format_instructions, format_sig
+from cohortrl.grading.answer_format import format_instructions, format_sig
 from cohortrl.tasks.base import (
     Sample,
     Step,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from cohortrl.tasks.answer_format import (
+from cohortrl.grading.answer_format import (
     commitment,
     find_statements,
     normalize_key,
@@ -36,7 +36,7 @@ from cohortrl.tasks.answer_format import (
     parse_response,
     rounds_to,
 )
-from cohortrl.tasks.units import quantity_matches
+from cohortrl.grading.units import quantity_matches
 
 
 @dataclass(frozen=True)

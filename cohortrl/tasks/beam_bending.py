@@ -29,9 +29,9 @@ import random
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from cohortrl.tasks.answer_format import format_instructions, format_sig
+from cohortrl.grading.answer_format import format_instructions, format_sig
 from cohortrl.tasks.base import Sample, Step, TaskFamily, clear_of_threshold, register, rng_for, target_utilisation, wants_safe
-from cohortrl.tasks.units import to_si
+from cohortrl.grading.units import to_si
 
 
 @dataclass

@@ -36,7 +36,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from cohortrl.tasks.answer_format import format_sig
+from cohortrl.grading.answer_format import format_sig
 from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, make_grade, register, rng_for, round_nice
 from cohortrl.tasks.code_blocks import extract_code
 from cohortrl.tasks.plants import PLANTS

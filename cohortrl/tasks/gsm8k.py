@@ -47,7 +47,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from cohortrl.tasks.answer_format import (
+from cohortrl.grading.answer_format import (
     commitment,
     evaluate,
     format_exact,

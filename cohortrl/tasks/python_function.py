@@ -15,7 +15,7 @@ from ``tests`` further cases, hidden, drawn from the same ranges. Each hidden te
 the returned value equals the reference within ``rel_tol``, strings and verdicts exactly, or it raises the
 same exception type); outcome = 1 only when every test passes.
 
-The model's code runs only in the sandbox (`cohortrl.rewards.sandbox`): a separate, limited process with
+The model's code runs only in the sandbox (`cohortrl.grading.sandbox`): a separate, limited process with
 no network and no files, killed at ``timeout_s``. A sandbox failure (timeout, memory, forbidden system
 call, no such function, syntax error) fails every test, with the sandbox's reason as the first step's
 ``written``. The reference implementations below compute the expected values here, in-process: they are
@@ -31,7 +31,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from cohortrl.rewards import sandbox
+from cohortrl.grading import sandbox
 from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, make_grade, register, rng_for
 from cohortrl.tasks.code_blocks import extract_code
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cohortrl.tasks.answer_format import format_instructions, format_sig
+from cohortrl.grading.answer_format import format_instructions, format_sig
 from cohortrl.tasks.base import (
     Sample,
     Step,

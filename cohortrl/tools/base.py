@@ -9,7 +9,7 @@ how ``simulate`` knows the scenario shown in the prompt) and is left out of the 
 Calls never raise into the trainer: :func:`run_calls` runs them on threads with a time limit and turns an
 exception, a timeout or an over-long result into a short ``error: ...`` text, which the model reads as the
 call's result. A tool runs in the trainer's process, so a tool that executes model-written code must hand it
-to the sandbox itself (``cohortrl.rewards.sandbox``); the built-in ones only parse and interpret.
+to the sandbox itself (``cohortrl.grading.sandbox``); the built-in ones only parse and interpret.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class GRPOTrainer(RLTrainer):
         metrics, token_rewards = {}, None
         if self._kl_in_reward():
             # r_t = [last]·r − β·KL_t: a reward, so no gradient flows through it (π_old and π_ref are constants).
-            kl_BT = kl_penalty(old_logp, ref_logp, a.kl_estimator)
+            kl_BT = kl_penalty(old_logp, ref_logp, a.kl_kind)
             rewards_B, token_rewards = kl_shaped_rewards(rewards_B, kl_BT, response_mask, a.beta)
             kl_all, mask_all = d.gather_rows(kl_BT), d.gather_rows(response_mask)
             metrics = {"kl_reward_per_response": masked_sum(kl_all, mask_all, dim=-1).mean().item(),
@@ -65,7 +65,7 @@ class GRPOTrainer(RLTrainer):
         """β·KL(π_θ ‖ π_ref) per token (arXiv 2402.03300, eq. 3-4); with β = 0 there is no reference and KL is 0."""
         if targets.ref_logp is None:
             return None, {"kl": torch.zeros_like(logp)}
-        kl_BT = kl_penalty(logp, targets.ref_logp[rows].to(logp.device), self.cfg.algorithm.kl_estimator)
+        kl_BT = kl_penalty(logp, targets.ref_logp[rows].to(logp.device), self.cfg.algorithm.kl_kind)
         if self._kl_in_reward():  # already in the advantages; logged here as the current policy's KL
             return None, {"kl": kl_BT.detach()}
         return self.cfg.algorithm.beta * kl_BT, {"kl": kl_BT}

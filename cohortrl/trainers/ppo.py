@@ -82,7 +82,7 @@ class PPOTrainer(RLTrainer):
         beta = self.kl_controller.value
         kl_BT = torch.zeros(response_mask.shape)
         if ref_logp is not None:
-            kl_BT = masked_fill_padding(kl_penalty(old_logp, ref_logp, p.kl_estimator), response_mask)
+            kl_BT = masked_fill_padding(kl_penalty(old_logp, ref_logp, self.cfg.algorithm.kl_kind), response_mask)
         token_rewards_BT = self._token_rewards(batch, score_B) - beta * kl_BT
 
         # GAE: δ_t = r_t + γV_{t+1} − V_t, A_t = Σ_l (γλ)^l δ_{t+l}, R_t = A_t + V_t (arXiv 1506.02438, eq. 16).

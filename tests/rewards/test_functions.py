@@ -2,16 +2,20 @@ import math
 
 import pytest
 
-from cohortrl.rewards.functions import extract_answer, make_accuracy, make_format, make_overlong
+from cohortrl.grading.answers import extract_answer
+from cohortrl.rewards.functions import make_accuracy, make_format, make_overlong
 from cohortrl.rewards.scoring import RewardFunctionError, WeightedReward, resolve, score
 
 
 def test_doctests_of_the_builtins():
     import doctest
 
-    import cohortrl.rewards.functions as mod
+    import cohortrl.grading.answers
+    import cohortrl.rewards.functions
 
-    assert doctest.testmod(mod).failed == 0
+    for mod in (cohortrl.rewards.functions, cohortrl.grading.answers):
+        result = doctest.testmod(mod)
+        assert result.attempted > 0 and result.failed == 0, mod.__name__
 
 
 @pytest.mark.parametrize(
@@ -19,7 +23,9 @@ def test_doctests_of_the_builtins():
     [
         ("7 + 5 = 12\nANSWER: 12", "answer_line", "12"),
         ("ANSWER: 12\nANSWER: 13", "answer_line", None),  # hedging between answers commits to nothing
-        ("ANSWER: 12\nanswer: 12", "answer_line", "12"),
+        ("ANSWER: 12\nanswer: 12", "answer_line", None),  # the gym's rule: exactly one line commits, even if they agree
+        ("- **ANSWER:** 12 kN", "answer_line", "12 kN"),  # decoration ignored, the unit kept for the comparison
+        ("ANSWER: F = <12>", "answer_line", "12"),  # a named quantity and the template's brackets read as the gym does
         ("The answer is 12.", "answer_line", None),
         ("7 + 5 = 12. So 12", "last_number", "12"),
         ("**ANSWER**: 1,234", "last_number", "1,234"),
@@ -44,6 +50,8 @@ def test_accuracy_numeric_symbolic_and_not_applicable():
 def test_format_reward():
     fmt = make_format()
     assert fmt([""] * 4, ["ANSWER: 5", "ANSWER: five", "ANSWER: 5\nANSWER: 6", "5"]) == [1.0, 0.0, 0.0, 0.0]
+    # The gym's reading (grading.answer_format): a named quantity or "$" still commits; two agreeing lines don't.
+    assert fmt([""] * 3, ["ANSWER: x = 5", "ANSWER: $1,250", "ANSWER: 5\nANSWER: 5"]) == [1.0, 1.0, 0.0]
 
 
 def test_overlong_penalty_matches_dapo():
@@ -99,7 +107,7 @@ def test_symbolic_answers_are_checked_off_the_main_thread():
     there, and used to raise on the first answer that was not a plain number (found by a demo run, seed 1)."""
     import threading
 
-    from cohortrl.rewards.functions import answers_match
+    from cohortrl.grading.answers import answers_match
 
     out = {}
 

@@ -119,7 +119,7 @@ def test_ppo_places_step_rewards_on_step_end_tokens(tmp_path):
         tmp_path / "unused.jsonl",
         data={"source": "task:arithmetic", "level": 2, "train_size": 50, "eval_size": 8},
         reward={"functions": [{"name": "task"}], "correctness": "task", "process": {"name": "task_steps", "coef": 2.0}},
-        algorithm={"name": "ppo", "group_size": 1, "estimator": "reinforce_pp", "beta": 0.0},
+        algorithm={"name": "ppo", "group_size": 1, "beta": 0.0},
         sampling={"max_new_tokens": 12}, train={"steps": 1},
     )
     trainer = PPOTrainer(cfg, tmp_path / "run")

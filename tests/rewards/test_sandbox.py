@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from cohortrl.rewards.sandbox import Job, Sandbox
+from cohortrl.grading.sandbox import Job, Sandbox
 
 LIMIT = 1.0  # seconds, for every job here
 SLACK = 0.75  # a loaded 2-core machine may reap a killed child late
@@ -231,12 +231,12 @@ def test_without_seccomp_the_other_layers_still_contain_the_attacks(caplog, tmp_
     checked by turning the filter off. Run as root here; a non-root trainer gets less (docs/sandbox.md)."""
     import logging
 
-    from cohortrl.rewards import sandbox as module
+    from cohortrl.grading import sandbox as module
 
     monkey_warned, module._warned_no_seccomp = module._warned_no_seccomp, False
     weak = Sandbox(seccomp=False)
     try:
-        with caplog.at_level(logging.WARNING, logger="cohortrl.rewards.sandbox"):
+        with caplog.at_level(logging.WARNING, logger="cohortrl.grading.sandbox"):
             weak.start()
         assert not weak.isolation.seccomp and "seccomp is NOT active" in caplog.text
         if not (weak.isolation.own_uid_per_job and weak.isolation.chroot):

@@ -1,4 +1,4 @@
-"""The sandbox's time limit at its edges (``rewards/sandbox.py``, ``sandbox_server.py``): an honest job that uses
+"""The sandbox's time limit at its edges (``grading/sandbox.py``, ``sandbox_server.py``): an honest job that uses
 60% of its limit succeeds, sleeping or computing; a hostile one (a busy loop, an endless sleep) is killed no
 earlier than its limit and no later than 0.2 s after it, measured by this process's clock around the job.
 
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from cohortrl.rewards.sandbox import Sandbox
+from cohortrl.grading.sandbox import Sandbox
 
 LATE = 0.2  # seconds after the limit by which a hostile job must be dead
 ATTEMPTS = 2

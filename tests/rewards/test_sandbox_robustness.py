@@ -16,9 +16,9 @@ import time
 import pytest
 
 from cohortrl import tasks
-from cohortrl.rewards import sandbox as sandbox_module
-from cohortrl.rewards.sandbox import Job, Sandbox
-from cohortrl.rewards.sandbox_server import as_json, check_result, signal_name
+from cohortrl.grading import sandbox as sandbox_module
+from cohortrl.grading.sandbox import Job, Sandbox
+from cohortrl.grading.sandbox_server import as_json, check_result, signal_name
 
 LIMIT = 1.0
 ESCAPE = ("_os = next(c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close')"

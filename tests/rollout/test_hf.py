@@ -76,7 +76,7 @@ def test_generate_modes_prefills_once_and_matches_one_call_per_mode():
 
 @pytest.mark.parametrize("lora_model", [False, True])
 def test_greedy_decoding_matches_transformers_generate(lora_model):
-    """The decoding loop is ours (see ``_generate_ids``); greedy, it must pick what ``model.generate`` picks."""
+    """The decoding loop is ours (see ``generate_ids``); greedy, it must pick what ``model.generate`` picks."""
     from cohortrl.rollout.hf import encode_prompts
 
     model, tok = load_model("tiny-llama", seed=3)
@@ -237,7 +237,7 @@ def test_a_pad_token_sampled_inside_a_response_does_not_end_it(monkeypatch):
     import cohortrl.rollout.hf as hf
 
     model, tok = load_model("tiny-llama", seed=1)
-    eos = hf._eos_ids(model, tok)[0]
+    eos = hf.eos_token_ids(model, tok)[0]
     a, b = 40, 41
     script = iter([a, tok.pad_token_id, b, eos])
     monkeypatch.setattr(hf, "_sample", lambda logits, sampling: torch.full((logits.shape[0],), next(script)))

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from cohortrl import tasks
-from cohortrl.tasks.answer_format import format_sig
+from cohortrl.grading.answer_format import format_sig
 
 
 def param(name: str, *rest):

@@ -1,6 +1,6 @@
 from fractions import Fraction
 
-from cohortrl.tasks.answer_format import (
+from cohortrl.grading.answer_format import (
     commitment,
     evaluate,
     find_statements,

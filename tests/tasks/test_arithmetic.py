@@ -3,7 +3,7 @@ from fractions import Fraction
 import pytest
 
 from cohortrl import tasks
-from cohortrl.tasks.answer_format import evaluate, format_exact
+from cohortrl.grading.answer_format import evaluate, format_exact
 from cohortrl.tasks.arithmetic import LEVELS, acceptable, evaluate_steps, render
 
 F = Fraction

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from cohortrl import tasks
-from cohortrl.tasks.answer_format import format_sig
+from cohortrl.grading.answer_format import format_sig
 
 from .helpers import FAMILY_LEVELS, perturbed_answer, with_answer, with_verdict
 

@@ -1,4 +1,4 @@
-"""The gym's unit-aware comparison probed exactly at its edges (``tasks/units.py``, read through
+"""The gym's unit-aware comparison probed exactly at its edges (``grading/units.py``, read through
 ``answer_format.py`` as a response is graded): the tolerance is inclusive and relative to the EXPECTED value
 (exactly ±rel_tol passes, a hair beyond fails, on both sides), every SI prefix scales by its own power of ten,
 and a wrong dimension fails even when the numbers agree (units of scale 1, dimensionless expected values).
@@ -9,9 +9,9 @@ from fractions import Fraction as F
 
 import pytest
 
-from cohortrl.tasks.answer_format import parse_response
+from cohortrl.grading.answer_format import parse_response
 from cohortrl.tasks.base import Step
-from cohortrl.tasks.units import parse_unit, quantity_matches
+from cohortrl.grading.units import parse_unit, quantity_matches
 
 HAIR = F(1, 10**6)  # of the tolerance band
 

@@ -2,7 +2,7 @@ from fractions import Fraction
 
 import pytest
 
-from cohortrl.tasks.units import parse_unit, quantity_matches, within_tolerance
+from cohortrl.grading.units import parse_unit, quantity_matches, within_tolerance
 
 F = Fraction
 

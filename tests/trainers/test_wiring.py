@@ -133,8 +133,8 @@ def test_grpo_trains_on_the_configured_estimators_advantages_of_the_steps_reward
 def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path):
     beta, penalty = 0.05, 0.1
     trainer = build(tmp_path, algorithm={
-        "name": "ppo", "group_size": 1, "prompts_per_step": 8, "beta": beta,
-        "ppo": {"kl_controller": "fixed", "kl_estimator": "k1", "gamma": 0.9, "lam": 0.8, "missing_eos_penalty": penalty},
+        "name": "ppo", "group_size": 1, "prompts_per_step": 8, "beta": beta, "kl_estimator": "k1",
+        "ppo": {"kl_controller": "fixed", "gamma": 0.9, "lam": 0.8, "missing_eos_penalty": penalty},
     }, train={"steps": 2})
     seen, losses = record_targets(trainer), record_policy_loss(trainer)
     reference = copy.deepcopy(trainer.model)  # the initial policy: what π_ref must be

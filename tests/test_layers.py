@@ -1,0 +1,117 @@
+"""The layer rule of docs/architecture.md, read from the source: every ``import`` of every module (lazy imports
+inside functions count), mapped to the top-level package or module it lands in.
+
+    cli -> trainers -> (rewards, rollout) -> (tasks, tools, grading, algorithms, models, data, config, ...)
+
+A module may import its own layer or any lower one, never a higher one, and the imports between top-level
+units must not form a cycle (checked even within a layer, where the rule alone would allow one).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "cohortrl"
+
+# Highest layer first. The root package (``cohortrl/__init__.py``: the lazy public API) stands above everything.
+LAYERS = [
+    {"__init__"},
+    {"__main__", "cli"},
+    {"trainers"},
+    {"rewards", "rollout", "reward_models"},
+    {"tasks", "tools", "data", "models", "planner", "distributed", "kernels", "cpu_memory"},
+    {"grading", "algorithms", "config", "trl_names", "user_code", "stats"},
+]
+RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
+
+
+def unit_of(module: str) -> str:
+    """``cohortrl.rewards.functions`` -> ``rewards``; ``cohortrl`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports() -> list[tuple[str, str, str]]:
+    """(importing unit, imported unit, "path:line") for every cross-unit import in the package."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        package = module if rel.name == "__init__" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                # "from cohortrl import tasks" imports the unit named after "import"
+                targets = [f"{base}.{a.name}" for a in node.names] if base == "cohortrl" else [base]
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] != "cohortrl":
+                    continue
+                if target == "cohortrl.__version__":
+                    continue  # a constant of the root package, no import of the API behind it
+                src, dst = unit_of(module), unit_of(target)
+                if src != dst:
+                    found.append((src, dst, f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"))
+    return found
+
+
+def test_every_unit_has_a_layer():
+    units = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    missing = sorted(units - set(RANK))
+    assert not missing, f"{missing} have no layer: add each to LAYERS here and to docs/architecture.md"
+
+
+def test_no_import_goes_up_a_layer():
+    upward = [f"{where}: {src} imports {dst}" for src, dst, where in imports() if RANK[dst] > RANK[src]]
+    assert not upward, "imports against the layer rule (docs/architecture.md):\n" + "\n".join(upward)
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt, stack)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle_between_top_level_units():
+    edges: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for src, dst, at in imports():
+        if src == "__init__":
+            continue  # the root's lazy API table points down at everything; nothing below imports the root
+        edges.setdefault(src, set()).add(dst)
+        where.setdefault((src, dst), at)
+    cycle = find_cycle(edges)
+    if cycle:
+        steps = [f"{a} -> {b} ({where[a, b]})" for a, b in zip(cycle, cycle[1:])]
+        pytest.fail("import cycle between top-level units:\n" + "\n".join(steps))
