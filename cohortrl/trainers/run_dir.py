@@ -96,7 +96,10 @@ def claim(path: str | Path, *, resume: bool = False, overwrite: bool = False, ma
                 )
             for name in found:
                 target = path / name
-                shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                else:
+                    target.unlink()
     except BaseException:
         run.release(failed=True)
         raise
