@@ -90,7 +90,7 @@ def test_a_hung_batch_times_out(fns):
 def test_an_exception_in_the_function_is_reported_not_retried(fns):
     pool = RewardPool([(f"{fns}:raises", {})], workers=1)
     try:
-        with pytest.raises(RewardFunctionError, match=r"^reward function '.*:raises' raised ValueError: bad completion a on sample 0 \(prompt: 'q0'\)$"):
+        with pytest.raises(RewardFunctionError, match=r"^reward function '.*:raises' raised ValueError: bad completion a at .*pool_fns.py:\d+ \(in raises\) on sample 0 \(prompt: 'q0'\)$"):
             pool.result(pool.submit(PROMPTS, COMPLETIONS, COLUMNS))
         assert pool.restarts == 0
     finally:
