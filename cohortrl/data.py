@@ -254,13 +254,13 @@ def _read_jsonl(path: Path, cfg) -> list[tuple[str, dict]]:
 
 
 def _split(rows: list[dict], eval_size: int, seed: int):
+    if not eval_size:
+        return list(rows), []
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
     if eval_size >= len(rows):
         raise DataError(f"data.eval_size={eval_size} leaves no training rows out of {len(rows)}; lower it")
     return [rows[i] for i in order[eval_size:]], [rows[i] for i in order[:eval_size]]
-    if not eval_size:
-        return list(rows), []
 
 
 def _hf_rows(dataset_id: str, cfg):

@@ -934,7 +934,7 @@ class RLTrainer:
         if found.path is None:
             why = "; ".join(problem for _, problem in found.rejected) or "the run stopped before its first checkpoint"
             raise RunStateError(f"--resume: no intact checkpoint in {self.run_dir / 'checkpoints'} ({why}); start the run "
-                                "again without --resume")
+                                "again with --overwrite instead of --resume")
         if found.rejected:
             moved = checkpoint.set_aside([path for path, _ in found.rejected])
             log.warning("resuming from %s, the newest intact checkpoint; discarded: %s (moved to %s) and the metrics "
