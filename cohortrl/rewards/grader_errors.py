@@ -33,8 +33,9 @@ _lock = threading.Lock()
 _records: deque[dict] = deque(maxlen=MAX_KEPT)
 
 
-def contained(reward: str, prompt: Any, completion: Any, grade: Callable[[], float]) -> float:
-    """``grade()``, or 0.0 if it raises: the failure is logged and kept for `drain`."""
+def contained(reward: str, prompt: Any, completion: Any, grade: Callable[[], Any], failed: Any = 0.0) -> Any:
+    """``grade()``, or ``failed`` (a score of 0 in the reward's own shape) if it raises: the failure is logged
+    and kept for `drain`."""
     try:
         return grade()
     except Exception as e:  # noqa: BLE001  (any bug in a built-in grader: reported, never fatal)
@@ -42,7 +43,7 @@ def contained(reward: str, prompt: Any, completion: Any, grade: Callable[[], flo
                 "error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()})
         log.warning("built-in reward '%s' failed on a completion (%s: %s); it scores 0 (the trainer writes the "
                     "completion and traceback to RUN_DIR/grader_errors.jsonl)", reward, type(e).__name__, str(e)[:200])
-        return 0.0
+        return failed
 
 
 def record(entry: dict) -> None:

@@ -26,6 +26,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from cohortrl.grading.answers import extract_answer
+from cohortrl.rewards.grader_errors import contained
 from cohortrl.rewards.steps import StepScores, StepSource, split_steps
 
 
@@ -46,19 +47,26 @@ def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callabl
     if read not in ("keyed", "statements"):
         raise ValueError(f"task_steps: read must be 'keyed' or 'statements', not {read!r}")
 
+    def step_scores(family, problem, completion) -> StepScores:
+        if read == "keyed":
+            grade = family.grade(problem, completion)
+            steps = grade.steps if require_commit else grade.stated
+        else:  # the full grade only for its commitment flag, and only when the gate is on
+            steps = family.grade_statements(problem, completion)
+            if require_commit and not family.grade(problem, completion).committed:
+                steps = [dataclasses.replace(step, correct=False) for step in steps]
+        return [(1.0 if step.correct else 0.0, step.span) for step in steps]
+
     def task_steps(prompts, completions, sample, **columns) -> list[StepScores]:
         out = []
-        for completion, s in zip(completions, sample):
+        for prompt, completion, s in zip(prompts, completions, sample):
             family = tasks.get(s["family"])
             problem = family.sample_from_dict(s)
-            if read == "keyed":
-                grade = family.grade(problem, completion)
-                steps = grade.steps if require_commit else grade.stated
-            else:  # the full grade only for its commitment flag, and only when the gate is on
-                steps = family.grade_statements(problem, completion)
-                if require_commit and not family.grade(problem, completion).committed:
-                    steps = [dataclasses.replace(step, correct=False) for step in steps]
-            out.append([(1.0 if step.correct else 0.0, step.span) for step in steps])
+            if read == "statements" and type(family).grade_statements is tasks.TaskFamily.grade_statements:
+                family.grade_statements(problem, "")  # a setting this family cannot serve: its error stops the run
+            # A grader bug scores every step 0 and is reported (grader_errors.py); it never stops the run.
+            failed = [(0.0, None) for _ in problem.steps]
+            out.append(contained("task_steps", prompt, completion, lambda: step_scores(family, problem, completion), failed))
         return out
 
     return task_steps

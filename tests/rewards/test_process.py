@@ -168,3 +168,23 @@ def test_statement_reading_credits_free_text_steps_and_resists_farming():
         read([beam.prompt], ["1 + 1 = 2"], sample=[beam.to_dict()])
     with pytest.raises(ValueError, match="read must be 'keyed' or 'statements'"):
         make_task_steps(read="lines")
+
+
+def test_a_grader_that_raises_scores_every_step_0_and_is_reported(monkeypatch):
+    from cohortrl.rewards import grader_errors
+
+    family = tasks.get("axial_stress")
+    sample = family.sample(1, seed=0, level=1)[0]
+    fn = make_task_steps()
+    honest = fn(prompts=["p"], completions=[sample.reference_solution], sample=[sample.to_dict()])
+    assert [score for score, _ in honest[0]] == [1.0] * len(sample.steps)
+
+    def broken(self, s, completion):
+        raise OverflowError("a planted grader bug")
+
+    monkeypatch.setattr(type(family), "grade", broken)
+    grader_errors.drain()
+    out = fn(prompts=["p"], completions=[sample.reference_solution], sample=[sample.to_dict()])
+    assert out == [[(0.0, None)] * len(sample.steps)]
+    (record,) = grader_errors.drain()
+    assert record["reward"] == "task_steps" and record["prompt"] == "p" and "planted grader bug" in record["error"]
