@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Mutation testing (issue #28; docs/testing.md, "Mutation testing"): mutmut over one scope, in a throw-away
+# copy of the committed tree (HEAD), so the working tree and other people's edits are never touched.
+# One worker, niced, under a time limit: it is CPU-bound for a long time and not part of `make test`.
+#
+#   tools/mutation.sh algorithms          # cohortrl/algorithms/ against tests/algorithms/
+#   tools/mutation.sh grading             # tasks/units.py and tasks/answer_format.py against their tests
+#   tools/mutation.sh algorithms /tmp/m   # copy into /tmp/m instead of /tmp/cohortrl-mutation-<scope>
+#
+# Then, in the copy: `mutmut results` lists the survivors, `mutmut show NAME` prints one as a diff, and
+# `mutmut run NAME...` re-runs some (e.g. after copying a new test into <copy>/tests and <copy>/mutants/tests).
+set -euo pipefail
+scope=${1:?usage: tools/mutation.sh algorithms|grading [copy-dir]}
+root=$(git rev-parse --show-toplevel)
+dir=${2:-/tmp/cohortrl-mutation-$scope}
+case $scope in
+  algorithms)
+    mutate='"cohortrl/algorithms/*"'
+    tests='"tests/algorithms"' ;;
+  grading)
+    mutate='"cohortrl/tasks/units.py", "cohortrl/tasks/answer_format.py"'
+    tests='"tests/tasks/test_units.py", "tests/tasks/test_unit_boundaries.py", "tests/tasks/test_answer_format.py"' ;;
+  *) echo "unknown scope $scope: algorithms or grading" >&2; exit 2 ;;
+esac
+rm -rf "$dir" && mkdir -p "$dir"
+git -C "$root" archive HEAD | tar -x -C "$dir"
+# mutmut reads its settings from the copy's pyproject.toml. source_paths is the whole package so that the
+# mutated copy imports; only_mutate picks the scope. docs/ is copied because a registry test reads it.
+# forkserver: workers are not forked from a process that has already imported torch and run the tests.
+cat >> "$dir/pyproject.toml" <<TOML
+
+[tool.mutmut]
+source_paths = ["cohortrl"]
+only_mutate = [$mutate]
+also_copy = ["docs/"]
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
+pytest_add_cli_args_test_selection = [$tests]
+process_isolation = "forkserver"
+TOML
+cd "$dir"
+# PYTHONPATH: the copy, not the editable install of the checkout, must be what the tests import.
+PYTHONPATH="$dir" nice -n 19 timeout "${MUTATION_TIMEOUT_S:-7200}" "$root/.venv/bin/mutmut" run --max-children 1 \
+  | tr '\r' '\n' | grep -v '^\s*$' | tail -n 3 || true
+"$root/.venv/bin/mutmut" results
