@@ -17,6 +17,7 @@ from cohortrl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
     AdaptiveKLController,
+    aggregate,
     FixedKLController,
     gae_advantages,
     get_policy_loss,
@@ -372,3 +373,55 @@ def test_clip_fractions_count_strictly_and_ignore_zero_advantages():
     # A = 0.5 (positive but < 1) at ρ = 0.5 below 1 − 0.2: not a low clip (that needs A < 0)
     _, half = policy_loss(t([[math.log(0.5)]]), t([[0.0]]), t([[0.5]]), torch.ones(1, 1))
     assert half["clip_frac_low"] == 0.0
+
+
+def test_group_size_errors_say_what_to_do():
+    with pytest.raises(ValueError) as caught:
+        group_advantages(t([1.0, 2.0]), group_size=0)
+    assert str(caught.value) == "group_size=0: must be a positive number of responses per prompt"
+    with pytest.raises(ValueError) as caught:
+        group_advantages(t([1.0, 2.0]), group_size=1)
+    assert str(caught.value) == ("group_size=1: group normalisation needs at least 2 responses per prompt; "
+                                 "set group_size >= 2 or use estimator 'reinforce_pp'")
+    with pytest.raises(ValueError) as caught:
+        group_advantages(t([1.0, 2.0, 3.0]), group_size=2)
+    assert str(caught.value) == ("N=3 responses is not a multiple of group_size=2: groups are contiguous rows "
+                                 "k*G .. k*G+G-1, so N must equal prompts * group_size")
+
+
+def test_register_names_every_unknown_required_parameter():
+    def two_more(*, rewards, response_mask, group_size, temperature, top_k, **kwargs):
+        return rewards
+
+    with pytest.raises(TypeError) as caught:
+        register_advantage_estimator("two_more_test")(two_more)
+    assert str(caught.value) == (
+        "advantage estimator 'two_more_test' (two_more) requires temperature, top_k, which the trainer never passes")
+    assert "two_more_test" not in ADVANTAGE_ESTIMATORS
+
+
+def test_constant_normaliser_of_zero_is_refused():
+    with pytest.raises(ValueError, match=r"needs norm_length > 0 \(e.g. the max new tokens\), got 0"):
+        aggregate(torch.ones(1, 2), torch.ones(1, 2), "seq-mean-token-sum-norm", norm_length=0)
+
+
+def test_grpo_combined_passes_credit_on():
+    # G = 2, eps = 1, rewards [1, 0]: GRPO gives ±0.5 / (0.70710678 + 1) = ±0.29289322 (a) on every token.
+    # Both responses have steps [1, 0] ending on tokens 0 and 1: over the group's 4 step rewards mean 0.5,
+    # sample std sqrt(4 · 0.25 / 3) = 0.57735027, normalised ±0.5 / 1.57735027 = ±0.31698730 (b).
+    #   credit "min": every token min(b, −b) = −b; total row 0: a − b, row 1: −a − b
+    #   (credit "sum" would give b − b = 0 on token 0 instead)
+    a, b = 0.5 / (math.sqrt(0.5) + 1), 0.5 / (math.sqrt(1 / 3) + 1)
+    got = ADVANTAGE_ESTIMATORS["grpo_combined"](
+        rewards=t([1.0, 0.0]), response_mask=torch.ones(2, 2), group_size=2, eps=1.0, credit="min",
+        step_rewards=[[1.0, 0.0], [1.0, 0.0]], step_ends=[[0, 1], [0, 1]])
+    torch.testing.assert_close(got.double(), t([[a - b, a - b], [-a - b, -a - b]]), rtol=0, atol=1e-6)
+
+
+def test_the_gspo_entry_is_sequence_level():
+    # Token ratios 2 and 1, A = 1, wide clip (0.5 / 10) so nothing is clipped:
+    #   "clip" (token level): −A·ρ_t = [−2, −1];  "gspo": s = exp((log 2 + 0) / 2) = √2 on both tokens: [−√2, −√2]
+    kwargs = dict(logp=t([[math.log(2.0), 0.0]]), old_logp=t([[0.0, 0.0]]), advantages=t([1.0]),
+                  response_mask=torch.ones(1, 2), clip_low=0.5, clip_high=10.0)
+    torch.testing.assert_close(POLICY_LOSSES["clip"](**kwargs)[0], t([[-2.0, -1.0]]))
+    torch.testing.assert_close(POLICY_LOSSES["gspo"](**kwargs)[0], t([[-math.sqrt(2.0)] * 2]))
