@@ -181,7 +181,7 @@ def process_advantages(
         ends += group_ends
         normalised.append(values_S)
     if credit == "min":
-        return masked_fill_padding(_min_to_go(rows, ends, torch.cat(normalised) if normalised else [], n, t_len), mask)
+        return masked_fill_padding(_min_to_go(rows, ends, torch.cat(normalised) if normalised else [], n, t_len).to(mask.device), mask)
     at_step_end_NT = torch.zeros((n, t_len), dtype=dtype)
     at_step_end_NT.index_put_(
         (torch.tensor(rows, dtype=torch.long), torch.tensor(ends, dtype=torch.long)),

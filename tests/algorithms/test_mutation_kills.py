@@ -248,9 +248,6 @@ def test_process_advantages_come_back_on_the_masks_device():
     assert got.device.type == "meta"
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="bug found by mutation testing: _min_to_go builds its output on the CPU and nothing moves "
-                          "it to the mask's device, so credit='min' fails with a GPU mask; remove this mark once fixed")
 def test_min_credit_process_advantages_come_back_on_the_masks_device():
     got = process_advantages([[0.0], [1.0]], [[1], [1]], torch.ones(2, 2, device="meta"), group_size=2, credit="min")
     assert got.device.type == "meta"

@@ -3,14 +3,14 @@
 # copy of the committed tree (HEAD), so the working tree and other people's edits are never touched.
 # One worker, niced, under a time limit: it is CPU-bound for a long time and not part of `make test`.
 #
-#   tools/mutation.sh algorithms          # cohortrl/algorithms/ against tests/algorithms/
-#   tools/mutation.sh grading             # tasks/units.py and tasks/answer_format.py against their tests
-#   tools/mutation.sh algorithms /tmp/m   # copy into /tmp/m instead of /tmp/cohortrl-mutation-<scope>
+#   scripts/mutation.sh algorithms          # cohortrl/algorithms/ against tests/algorithms/
+#   scripts/mutation.sh grading             # grading/units.py and grading/answer_format.py against their tests
+#   scripts/mutation.sh algorithms /tmp/m   # copy into /tmp/m instead of /tmp/cohortrl-mutation-<scope>
 #
 # Then, in the copy: `mutmut results` lists the survivors, `mutmut show NAME` prints one as a diff, and
 # `mutmut run NAME...` re-runs some (e.g. after copying a new test into <copy>/tests and <copy>/mutants/tests).
 set -euo pipefail
-scope=${1:?usage: tools/mutation.sh algorithms|grading [copy-dir]}
+scope=${1:?usage: scripts/mutation.sh algorithms|grading [copy-dir]}
 root=$(git rev-parse --show-toplevel)
 dir=${2:-/tmp/cohortrl-mutation-$scope}
 case $scope in
@@ -18,7 +18,7 @@ case $scope in
     mutate='"cohortrl/algorithms/*"'
     tests='"tests/algorithms"' ;;
   grading)
-    mutate='"cohortrl/tasks/units.py", "cohortrl/tasks/answer_format.py"'
+    mutate='"cohortrl/grading/units.py", "cohortrl/grading/answer_format.py"'
     tests='"tests/tasks/test_units.py", "tests/tasks/test_unit_boundaries.py", "tests/tasks/test_answer_format.py"' ;;
   *) echo "unknown scope $scope: algorithms or grading" >&2; exit 2 ;;
 esac
