@@ -66,6 +66,12 @@ class Found:
     rejected: list[tuple[Path, str]] = field(default_factory=list)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -129,6 +135,7 @@ def write_dir(path: Path, write, *, step: int, config_hash: str = "", needed_byt
         for stale in [*path.parent.glob(f".tmp-{path.name}-*"), *path.parent.glob(f".tmp-old-{path.name}-*")]:
             shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-write
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the checkpoint gets an ordinary directory's mode
         write(tmp)
         faults.point("checkpoint-manifest")
         _write_manifest(tmp, step, config_hash)

@@ -95,6 +95,10 @@ def test_every_checkpoint_and_final_carry_a_complete_manifest(reference, capsys)
         for name, file in on_disk.items():
             assert manifest["files"][name] == {"size": file.stat().st_size, "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}
         assert checkpoint.verify(path, config_hash) is None
+        # an ordinary directory's mode, as the umask gives it (mkdtemp's 0700 would hide it from other users)
+        umask = os.umask(0)
+        os.umask(umask)
+        assert path.stat().st_mode & 0o777 == 0o777 & ~umask
     assert cli.main(["verify", str(run)]) == 0
     assert capsys.readouterr().out.splitlines() == [f"ok   {step_dir(run, 2)}", f"ok   {step_dir(run, 3)}", f"ok   {run / 'final'}"]
 
