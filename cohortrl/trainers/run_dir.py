@@ -34,8 +34,9 @@ def run_files(path: Path) -> list[str]:
 class RunDirectory:
     """A claimed run directory: the lock while it is held, and whether the claim created the directory."""
 
-    def __init__(self, path: Path, created: bool):
+    def __init__(self, path: Path, created: bool, main: bool = True):
         self.path, self.created = path, created
+        self.main = main  # False on torchrun's other ranks: rank 0 holds the lock for the whole job
         self._fd: int | None = None
 
     @property
@@ -44,7 +45,7 @@ class RunDirectory:
 
     def acquire(self) -> None:
         """Take the lock, or raise :class:`RunDirectoryError` naming the process that holds it."""
-        if self._fd is not None:
+        if self._fd is not None or not self.main:
             return
         lock = self.path / LOCK_FILE
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -81,7 +82,7 @@ def claim(path: str | Path, *, resume: bool = False, overwrite: bool = False, ma
         raise RunDirectoryError(f"run directory {path} is a file; give a directory (new or holding a run)")
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    run = RunDirectory(path, created)
+    run = RunDirectory(path, created, main)
     if not main:
         return run
     run.acquire()

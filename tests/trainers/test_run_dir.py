@@ -111,3 +111,13 @@ def test_cli_train_refuses_names_the_flags_and_overwrites(tmp_path):
     assert over.returncode == 0, over.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "r") if "loss" in r] == [1]
     assert (tmp_path / "r" / "config.yaml").stat().st_mtime >= started - 1
+
+
+def test_other_torchrun_ranks_never_take_the_lock_rank_0_holds(tmp_path):
+    rank0 = claim(tmp_path / "run")
+    other = claim(tmp_path / "run", main=False)
+    other.acquire()  # train() re-acquires on every rank; on rank 1 this must not meet rank 0's lock
+    assert rank0.locked and not other.locked
+    other.release()
+    assert rank0.locked
+    rank0.release()
