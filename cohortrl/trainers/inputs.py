@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -114,8 +115,16 @@ def check_optional_packages(cfg: Config) -> None:
         (cfg.train.wandb, "train.wandb", "true", "wandb", "pip install wandb; or train.wandb=false"),
     ]
     for wanted, key, value, package, fix in needs:
-        if wanted and importlib.util.find_spec(package) is None:
+        if wanted and not _installed(package):
             raise ConfigError(f"config key '{key}' = {value} needs the {package} package, which is not installed: {fix}")
+
+
+def _installed(package: str) -> bool:
+    # A module already imported counts as it is: find_spec raises ValueError on one without a __spec__ (a module
+    # built in code, as a test's stand-in is), and None in sys.modules means "import it and fail".
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
 
 
 def _apply_trl_args(args, data: dict, reward_weights):
