@@ -130,7 +130,7 @@ def test_resampling_chooses_the_same_groups_under_two_processes(runs, tmp_path):
 
 def test_ppo_with_its_critic_matches_one_process(runs, tmp_path):
     _, path = runs
-    ppo = ("algorithm.name=ppo", "algorithm.group_size=1", "algorithm.estimator=reinforce_pp", "--steps", "2")
+    ppo = ("algorithm.name=ppo", "algorithm.group_size=1", "algorithm.estimator=grpo", "--steps", "2")  # PPO keeps the default estimator (its advantages are GAE)
     torchrun(1, path, tmp_path / "one", *ppo)
     torchrun(2, path, tmp_path / "two", *ppo)
     step = ("checkpoints", "step_000002")
