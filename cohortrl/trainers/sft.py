@@ -398,13 +398,7 @@ class SFTTrainer:
             )
 
     # ------------------------------------------------------------------------------------------ the loop
-    def train(self, steps: int | None = None) -> list[dict]:
-        """Train until ``steps`` steps in total (default ``train.steps``); steps done before a resume count."""
-        self._run_claim.acquire()  # held from the constructor; taken again when train() is called once more
-        try:
-            return self._train(steps)
-        finally:  # however training ends, another trainer (a resume) may take the directory now
-            self._run_claim.release()
+    train = RLTrainer.train  # the run directory's lock held around this class's own _train
 
     def _train(self, steps: int | None) -> list[dict]:
         total = steps if steps is not None else self.cfg.train.steps
