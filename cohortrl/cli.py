@@ -128,6 +128,8 @@ def cmd_eval(args) -> int:
     cfg = _load_config(args.config, args.overrides)
     if args.adapter:
         _check_adapter(Path(args.adapter))
+    if args.responses and Path(args.responses).exists():
+        raise ConfigError(f"--responses {args.responses} already exists; give a new path (nothing is overwritten)")
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed, init=cfg.model.init)
     if args.adapter:
         from peft import PeftModel
@@ -138,7 +140,10 @@ def cmd_eval(args) -> int:
     correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), timeout_s=cfg.reward.timeout_s)
     # The linear kernel the trainer's own evaluations use (train.cpu_linear), so both report the same numbers.
     with linear_kernels(resolve_cpu_linear(cfg.train.cpu_linear, model_device(model))):
-        result = evaluate_config(model, tokenizer, eval_rows[: cfg.eval.n_prompts], correctness, cfg)
+        responses: list[dict] = []
+        result = evaluate_config(model, tokenizer, eval_rows[: cfg.eval.n_prompts], correctness, cfg, responses=responses)
+    if args.responses:
+        Path(args.responses).write_text("".join(json.dumps(r) + "\n" for r in responses))
     print(json.dumps(result, indent=2) if args.json else _eval_table(result, args.adapter or cfg.model.name))
     return 0
 
@@ -299,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="overrides as key.path=value")
     p.add_argument("--adapter", help="a LoRA adapter directory (e.g. RUN_DIR/final) to apply to the config's model")
     p.add_argument("--json", action="store_true", help="print the raw result as JSON instead of a table")
+    p.add_argument("--responses", metavar="PATH", help="also write each greedy response (prompt, completion, "
+                   "correct, error category) to PATH as JSON lines; PATH must not exist")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("models", help="list model aliases and the cache", description="List model aliases and cached conversions.")

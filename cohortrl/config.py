@@ -82,6 +82,10 @@ class DataConfig:
     """Column holding the reference answer (jsonl / hf sources)."""
     train_size: int = 2000
     """Number of training prompts to draw (task sources) or keep (other sources; 0 keeps all)."""
+    seed: Optional[int] = None
+    """Seed of the problem draw (``task:`` sources) and of the held-out split; unset: ``train.seed``. Fix it when
+    comparing seeds of a run, or phases of a pipeline (SFT then GRPO), so that every run trains and evaluates on
+    the same problems and the held-out set stays disjoint from every run's training problems."""
     eval_size: Optional[int] = None
     """Held-out prompts for evaluation (disjoint from training). Unset: 200 from a gym task or a hub dataset's
     ``eval_split``; none from your own rows (``jsonl:`` / ``python:``), which are all trained on unless you set

@@ -86,13 +86,20 @@ def prompt_preview(prompt, limit: int = 200) -> str:
     return text[:limit]
 
 
+def draw_seed(cfg, run_seed: int) -> int:
+    """The seed that draws a ``config.DataConfig``'s problems and held-out split: ``data.seed``, else the run's."""
+    return run_seed if cfg.seed is None else cfg.seed
+
+
 def load_rows(cfg, seed: int, rows: list[dict] | None = None, eval_rows: list[dict] | None = None):
     """(train rows, held-out eval rows) for a ``config.DataConfig``; eval prompts never appear in train.
+    ``seed`` is the run's ``train.seed``, used unless ``data.seed`` is set (:func:`draw_seed`).
 
     ``rows`` are the Python API's in-memory rows (``data.source = python:NAME``). A user's own rows (in Python or
     a JSONL file) are all trained on unless ``data.eval_size`` is set, which holds that many out; ``eval_rows``
     are used as the held-out set instead. Gym tasks and hub datasets hold out ``data.eval_size`` prompts
     (default :data:`DEFAULT_EVAL_SIZE`)."""
+    seed = draw_seed(cfg, seed)
     kind, _, arg = cfg.source.partition(":")
     if kind == "python":
         if rows is None:
@@ -293,7 +300,7 @@ def load_examples(cfg, seed: int, rows: list[dict] | None = None):
         raise DataError(f"data.source {cfg.source!r}: these rows are read from jsonl:PATH or python:NAME (train_dataset=)")
     if not named:
         raise DataError(f"data.source {cfg.source!r} holds no rows")
-    train, held_out = _split(named, cfg.eval_size or 0, seed)
+    train, held_out = _split(named, cfg.eval_size or 0, draw_seed(cfg, seed))
     return (train[: cfg.train_size] if cfg.train_size else train), held_out
 
 

@@ -78,3 +78,16 @@ def test_eval_a_trained_lora_adapter(tmp_path):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["eval/n"] == 8 and 0 <= result["eval/accuracy"] <= 1 and "eval/pass@2" in result
+    # every failed greedy response has exactly one error category (arithmetic is graded by keyed steps)
+    errors = sum(v for k, v in result.items() if k.startswith("eval/error/"))
+    assert errors == pytest.approx(1 - result["eval/accuracy"])
+    # the trainer kept each evaluation's responses; `eval --responses` writes them too, never over a file
+    kept = [json.loads(line) for line in (tmp_path / "eval_completions.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in kept}) == [0, 1] and len(kept) == 16
+    responses = tmp_path / "responses.jsonl"
+    assert run("eval", config, "--adapter", str(tmp_path / "final"), *lora, "--responses", str(responses)).returncode == 0
+    rows = [json.loads(line) for line in responses.read_text().splitlines()]
+    assert len(rows) == 8 and all((r["category"] in ("correct", "unsupported")) == r["correct"] for r in rows)
+    assert rows == [{k: r[k] for k in rows[0]} for r in kept if r["step"] == 1]  # the run's final evaluation, again
+    again = run("eval", config, "--adapter", str(tmp_path / "final"), *lora, "--responses", str(responses))
+    assert again.returncode != 0 and "already exists" in again.stderr

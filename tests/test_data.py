@@ -119,3 +119,17 @@ def test_hub_source_uses_datasets_load_dataset(monkeypatch):
     assert calls == [("openai/gsm8k", "main")]
     assert [r["prompt"] for r in held_out] == ["q100", "q101", "q102"] and len(train) == 5
     assert train[0] == {"prompt": "q0", "answer": "0"}
+
+
+def test_data_seed_fixes_the_problems_and_held_out_set_across_run_seeds():
+    """Seeds of one study (and the SFT and GRPO phases of a pipeline) must see the same held-out problems, or a
+    GRPO seed's held-out set could hold the warm start's training problems."""
+    def draw(run_seed, data_seed):
+        train, held = load_rows(DataConfig(source="task:axial_stress", level=3, train_size=50, eval_size=20, seed=data_seed), run_seed)
+        return [r["prompt"] for r in train], [r["prompt"] for r in held]
+
+    assert draw(0, 7) == draw(1, 7) == draw(2, 7)
+    assert draw(0, None) == draw(0, 0)
+    assert draw(1, None)[1] != draw(0, None)[1]  # unset: the run's seed draws them, as before
+    train, held = draw(3, 7)
+    assert not set(train) & set(held)

@@ -6,12 +6,17 @@ import logging
 
 import torch
 
+from cohortrl.rewards.error_categories import CATEGORIES, row_category
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, score
 from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.rollout.tools import toolset
 from cohortrl.stats import wilson_interval
 
 progress = logging.getLogger("cohortrl.progress")  # printed by the command line (cli._show_progress)
+
+# Each evaluation's greedy responses, one row each with its step, prompt, completion, correctness and error
+# category: what the model gets wrong, readable after the run.
+EVAL_RESPONSES = "eval_completions.jsonl"
 
 
 def _columns(rollout) -> dict[str, list]:
@@ -55,22 +60,34 @@ def evaluate(
     overlong_prompts: str = "reject",
     trainer_state: TrainerState | None = None,
     tools=None,
+    responses: list | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy with a 95% Wilson interval, and (if ``pass_k``) k samples per prompt at ``temperature``:
     pass@k and the sampled accuracy with a 95% interval over prompts. Sampling runs under a forked RNG so evaluating never changes the training
     run's random stream (a resumed run evaluates at different moments). A response is correct when the
     correctness function gives it at least 1 (its mean value, for functions that are not 0/1, is logged as
     ``eval/correctness_mean``). With ``tools`` (a ``Toolset``) the model may call them, as in training; the
-    built-in ``task`` reward grades the rendered text (``tools.render``)."""
+    built-in ``task`` reward grades the rendered text (``tools.render``).
+
+    On gym problems graded by keyed steps, ``eval/error/<category>`` is the fraction of greedy responses whose
+    first error is of that category, and ``eval/unsupported_correct`` the fraction right by the outcome with a
+    required step missing or wrong (``rewards/error_categories.py``). ``responses``, if given, receives one
+    dict per greedy response: its prompt, completion, correctness and category."""
     out: dict[str, float] = {}
     kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts,
               tools=tools)
-    correct, lengths, calls = [], [], []
+    correct, lengths, calls, categories = [], [], [], []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         rollout, _ = generate(model, tokenizer, chunk, 1, Sampling(temperature=0, max_new_tokens=max_new_tokens), **kw)
         _, per_fn = score_rollout([correctness], rollout, max_new_tokens, trainer_state=trainer_state)
-        correct += [float(v or 0.0) for v in per_fn[correctness.name]]
+        values = [float(v or 0.0) for v in per_fn[correctness.name]]
+        kinds = [row_category(row, text) for row, text in zip(chunk, rollout.completions)]
+        if responses is not None:
+            responses += [{"prompt": row["prompt"], "completion": text, "correct": v >= 1.0, "category": kind}
+                          for row, text, v, kind in zip(chunk, rollout.completions, values, kinds)]
+        correct += values
+        categories += kinds
         lengths += rollout.lengths.tolist()
         progress.info("held-out evaluation: %d/%d prompts (greedy)", len(correct), len(rows))
         calls += rollout.tool_calls.tolist() if rollout.tool_calls is not None else []
@@ -80,6 +97,9 @@ def evaluate(
                 "eval/correctness_mean": sum(correct) / max(n, 1), "eval/n": n, "eval/response_length_mean": sum(lengths) / max(len(lengths), 1)})
     if tools is not None:
         out["eval/tool_calls_per_response"] = sum(calls) / max(len(calls), 1)
+    if categories and None not in categories:
+        out.update({f"eval/error/{kind}": categories.count(kind) / n for kind in CATEGORIES[2:]})
+        out["eval/unsupported_correct"] = categories.count("unsupported") / n  # right answer, a step missing or wrong
     if pass_k:
         # k samples per prompt give both pass@k (any of the k correct) and the sampled accuracy (mean over
         # the k), whose interval is taken over prompts: samples of one prompt are not independent.
@@ -104,7 +124,7 @@ def evaluate(
 
 
 def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedReward, cfg,
-                    trainer_state: TrainerState | None = None, tools=None) -> dict[str, float]:
+                    trainer_state: TrainerState | None = None, tools=None, responses: list | None = None) -> dict[str, float]:
     """``evaluate`` with the settings of a run config (``eval``, ``sampling``, ``model``, ``data``, ``rollout``
     sections): the one place the trainer and ``cohortrl eval`` read them. ``tools``: the run's ``Toolset``
     (default: built from ``rollout.tools``)."""
@@ -114,5 +134,5 @@ def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedRew
         max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens, batch_size=e.batch_size,
         pass_k=e.pass_k, temperature=e.temperature, max_prompt_tokens=cfg.data.max_prompt_tokens,
         overlong_prompts=cfg.data.overlong_prompts, trainer_state=trainer_state,
-        tools=tools if tools is not None else toolset(cfg.rollout),
+        tools=tools if tools is not None else toolset(cfg.rollout), responses=responses,
     )

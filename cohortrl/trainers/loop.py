@@ -56,7 +56,7 @@ from cohortrl.rollout.tools import tool_metrics, toolset
 from cohortrl.rollout.types import Rollout
 from cohortrl.trainers import checkpoint, faults, guards
 from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
-from cohortrl.trainers.evaluate import evaluate_config, rollout_columns, score_rollout
+from cohortrl.trainers.evaluate import EVAL_RESPONSES, evaluate_config, rollout_columns, score_rollout
 from cohortrl.trainers.inputs import resolve_inputs
 from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, peak_rss_mb, plot_curves
 from cohortrl.trainers.run_dir import claim as claim_run_dir
@@ -266,6 +266,7 @@ class RLTrainer:
         self.step_count = 0
         self.log = MetricsLog(self.run_dir)
         self.grader_log = MetricsLog(self.run_dir, grader_errors.FILE)  # built-in graders' failures (a bug report)
+        self.eval_log = MetricsLog(self.run_dir, EVAL_RESPONSES)
         grader_errors.drain()  # failures from before this run (each logged when it happened) are not this run's
         self.callbacks = [*self._config_loggers(), *callbacks]
         self.stop_reason: str | None = None
@@ -278,6 +279,7 @@ class RLTrainer:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
             self.log.truncate_after(-1)
             self.grader_log.truncate_after(-1)
+            self.eval_log.truncate_after(-1)
 
     @classmethod
     def resume(cls, run_dir: str | Path, config=None, **inputs) -> "RLTrainer":
@@ -841,15 +843,20 @@ class RLTrainer:
         )
 
     def _log_eval(self) -> dict:
-        row = self._log({"step": self.step_count, **self.evaluate(), "eval/grader_errors": self._log_grader_errors(self.step_count)})
+        responses: list[dict] = []
+        metrics = self.evaluate(responses)
+        row = self._log({"step": self.step_count, **metrics, "eval/grader_errors": self._log_grader_errors(self.step_count)})
+        for response in responses:  # filled on rank 0 only
+            self.eval_log.write({"step": self.step_count, **response})
         self._fire("on_evaluate", row)
         return row
 
-    def evaluate(self) -> dict:
-        """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers."""
+    def evaluate(self, responses: list | None = None) -> dict:
+        """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers. ``responses``
+        (rank 0) receives each greedy response (``evaluate.evaluate``)."""
         with self.dist.gathered(self.model), linear_kernels(self.cpu_linear):  # FSDP2: rank 0 runs forward passes the others do not
             metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
-                                      self.trainer_state, tools=self.tools) if self.dist.is_main else None
+                                      self.trainer_state, tools=self.tools, responses=responses) if self.dist.is_main else None
         return self.dist.broadcast(metrics)
 
     def _log_grader_errors(self, step: int) -> int:
@@ -971,6 +978,7 @@ class RLTrainer:
         if self.dist.is_main:
             self.log.truncate_after(self.step_count)
             self.grader_log.truncate_after(self.step_count)
+            self.eval_log.truncate_after(self.step_count)
         log.info("resumed from %s at step %d", path, self.step_count)
 
     def _check_resume_config(self) -> None:

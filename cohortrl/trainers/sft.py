@@ -51,7 +51,7 @@ from cohortrl.rollout.hf import response_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.tools import result_spans, tool_prompt, with_calculator
 from cohortrl.trainers import checkpoint, guards
-from cohortrl.trainers.evaluate import evaluate_config
+from cohortrl.trainers.evaluate import EVAL_RESPONSES, evaluate_config
 from cohortrl.trainers.inputs import as_config, resolve_inputs
 from cohortrl.trainers.loop import (
     FINAL_MARKER, RLTrainer, RunCompleteError, RunStateError, _progress, _release_run_dir_on_failure, config_hash,
@@ -294,6 +294,7 @@ class SFTTrainer:
         self.step_count = 0
         self.nonfinite_in_a_row = 0
         self.log = MetricsLog(self.run_dir)
+        self.eval_log = MetricsLog(self.run_dir, EVAL_RESPONSES)
         self.callbacks = [*self._config_loggers(), *callbacks]
         self.stop_reason: str | None = None
         if resume:
@@ -301,6 +302,7 @@ class SFTTrainer:
         else:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
             self.log.truncate_after(-1)
+            self.eval_log.truncate_after(-1)
 
     @classmethod
     def resume(cls, run_dir: str | Path, config=None, **inputs) -> "SFTTrainer":
@@ -435,14 +437,18 @@ class SFTTrainer:
         """Let the run directory's lock go (``train()`` already has, however it ended)."""
         self._run_claim.release()
 
-    def evaluate(self) -> dict:
-        """Held-out accuracy by ``reward.correctness``, as the RL trainers measure it."""
+    def evaluate(self, responses: list | None = None) -> dict:
+        """Held-out accuracy by ``reward.correctness``, as the RL trainers measure it; ``responses`` receives each
+        greedy response (``evaluate.evaluate``)."""
         with linear_kernels(self.cpu_linear):
             return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
-                                   tools=self.tools)
+                                   tools=self.tools, responses=responses)
 
     def _log_eval(self) -> dict:
-        row = self._log({"step": self.step_count, **self.evaluate()})
+        responses: list[dict] = []
+        row = self._log({"step": self.step_count, **self.evaluate(responses)})
+        for response in responses:
+            self.eval_log.write({"step": self.step_count, **response})
         self._fire("on_evaluate", row)
         return row
 
@@ -501,4 +507,5 @@ class SFTTrainer:
         checkpoint.set_rng_state(state["rng"])
         self.step_count = state["step"]
         self.log.truncate_after(self.step_count)
+        self.eval_log.truncate_after(self.step_count)
         log.info("resumed from %s at step %d", path, self.step_count)
