@@ -55,6 +55,28 @@ class Dist:
         x = x_B[groups.start * group_size : groups.stop * group_size]
         return x[:, :length] if length is not None else x
 
+    def local_share(self, rows_all: torch.Tensor, weights_all: torch.Tensor, n_groups: int, group_size: int,
+                    width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a minibatch chosen over the whole batch of ``n_groups`` groups: its rows among the
+        global ``rows_all``, as positions in its own rows, and their (b, T) token weights, cut to its own padded
+        ``width`` and scaled by the number of processes (DDP averages gradients over ranks, so each rank's
+        weights are its share of the global sum). One process: everything, unchanged."""
+        if not self.launched or self.world == 1:
+            return rows_all, weights_all
+        groups = self.local_groups(n_groups)
+        first, stop = groups.start * group_size, groups.stop * group_size
+        mine = (rows_all >= first) & (rows_all < stop)
+        return rows_all[mine] - first, weights_all[mine][:, :width] * self.world
+
+    def padding_micro_batches(self, n: int) -> int:
+        """How many zero-weight micro-batches this rank runs after its ``n``: a rank with no rows in a minibatch
+        still joins the gradient all-reduce (one), and under FSDP2 every rank runs as many forwards as the busiest
+        (each forward gathers every layer's shards)."""
+        runs = max(n, 1)
+        if self.sharded:
+            runs = self.max_int(runs)
+        return runs - n
+
     # ------------------------------------------------------------------ collectives (identity on one process)
     def gather_rows(self, x_B: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's (b, ...) rows in rank order; a second dimension is right-padded with 0 to

@@ -1,4 +1,4 @@
-"""GRPO (DeepSeekMath, arXiv 2402.03300) and its group-baseline relatives on the shared step (``loop.py``).
+"""GRPO (DeepSeekMath, arXiv 2402.03300) and its group-baseline relatives on the shared step (``rl.py``).
 
 What is GRPO's own, against PPO (``ppo.py``):
 
@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from cohortrl.algorithms import get_advantage_estimator, kl_penalty, kl_shaped_rewards, masked_mean, masked_sum
-from cohortrl.trainers.loop import RLTrainer, RunStateError, ScoredBatch, Targets, token_weights
+from cohortrl.trainers.loop import RunStateError
+from cohortrl.trainers.rl import RLTrainer, ScoredBatch, Targets
+from cohortrl.trainers.update import token_weights
 
 __all__ = ["GRPOTrainer", "RunStateError", "token_weights"]
 

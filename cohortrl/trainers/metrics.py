@@ -1,4 +1,5 @@
-"""Where a run's numbers go: ``RUN_DIR/metrics.jsonl`` (one row per step, each with its ``step``) and
+"""A run's numbers: how a step's row is assembled (``step_metrics``, with the update's sums in
+``UpdateTotals``), and where rows go: ``RUN_DIR/metrics.jsonl`` (one row per step, each with its ``step``) and
 ``RUN_DIR/curves.png``; TensorBoard and Weights & Biases are callbacks (``callbacks.py``)."""
 
 from __future__ import annotations
@@ -7,8 +8,16 @@ import json
 import os
 import resource
 import time
+from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and the rollout are imported inside the functions that need them: ``cohortrl plot`` and ``cohortrl
+# report`` read metrics.jsonl through this module and start in a fraction of the time without them.
 
 
 def peak_rss_mb() -> float:
@@ -123,3 +132,149 @@ def plot_curves(run_dir: Path) -> Path:
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- a step's row
+class UpdateTotals:
+    """Sums over an update's micro-batches (this process's rows), reduced over ranks into the step's loss,
+    policy loss, entropy, clip fractions, the algorithm's per-token numbers and the grad norms."""
+
+    def __init__(self):
+        self.sums = {"policy_loss": 0.0, "loss": 0.0, "entropy": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0}
+        self.token_sums: dict[str, float] = defaultdict(float)  # the algorithm's per-token metrics
+        self.grad_norms: dict[str, list[float]] = defaultdict(list)
+        self.n_updates, self.token_count, self.skipped, self.replayed = 0, 0, 0, 0
+
+    def add_policy(self, mb, loss_BT, entropy_BT, pg_metrics: dict) -> None:
+        """The clipped surrogate's numbers on micro-batch ``mb`` (an ``update.MicroBatch``)."""
+        import torch
+
+        w, n_loss_tokens = mb.weights, int(mb.loss_mask.sum())
+        self.sums["policy_loss"] += torch.where(w != 0, w * loss_BT.detach(), 0.0).sum().item()
+        self.sums["entropy"] += masked_total(entropy_BT, mb.response_mask)
+        self.sums["clip_frac_low"] += pg_metrics["clip_frac_low"] * n_loss_tokens
+        self.sums["clip_frac_high"] += pg_metrics["clip_frac_high"] * n_loss_tokens
+
+    def add_extra(self, mb, metrics_BT: dict) -> None:
+        """The algorithm's per-token numbers (``_extra_loss``'s metrics), summed over response tokens."""
+        for name, value_BT in metrics_BT.items():
+            self.token_sums[name] += masked_total(value_BT.detach(), mb.response_mask)
+
+    def add_loss(self, mb, loss: float) -> None:
+        self.sums["loss"] += loss
+        self.token_count += int(mb.response_mask.sum())
+
+    def add_update(self, finite: bool, norms: dict[str, float]) -> None:
+        self.n_updates += 1
+        if not finite:
+            self.skipped += 1
+            return
+        for metric, norm in norms.items():
+            self.grad_norms[metric].append(norm)
+
+    def result(self, d, n_loss_tokens: int, trained_metrics: list[str], train_policy: bool) -> dict:
+        """The update's part of the step's row, over every rank. ``n_loss_tokens``: the whole batch's loss
+        tokens times the epochs (the clip fractions' denominator); ``trained_metrics``: the grad-norm names
+        of the models this update trained."""
+        sums = d.sum(self.sums)
+        for key in ("loss", "policy_loss"):  # weighted by world-scaled weights: back to the global aggregate
+            sums[key] /= d.world
+        token_sums = d.sum(dict(self.token_sums))
+        token_count = d.sum({"n": self.token_count})["n"]
+        n_loss_tokens = max(1, n_loss_tokens)
+        policy = {
+            "policy_loss": sums["policy_loss"] / self.n_updates,
+            **{k: v / max(1, token_count) for k, v in token_sums.items()},
+            "entropy": sums["entropy"] / max(1, token_count),
+            "clip_frac_low": sums["clip_frac_low"] / n_loss_tokens,
+            "clip_frac_high": sums["clip_frac_high"] / n_loss_tokens,
+        }
+        if not train_policy:  # nothing was measured: None, not a misleading 0
+            policy.update(policy_loss=None, entropy=None, clip_frac_low=None, clip_frac_high=None, grad_norm=None)
+        return {
+            "loss": sums["loss"] / self.n_updates,
+            **policy,
+            **{m: mean(self.grad_norms[m]) for m in trained_metrics},  # None when every update was skipped
+            "skipped_nonfinite": self.skipped,
+            "rollout_forward_reused": self.replayed,  # updates that differentiated decoding's forward (train.reuse_rollout_forward)
+        }
+
+
+def step_metrics(d, batch, rewards_B, keep_B, targets, process_metrics: dict, update: dict, *, group_size: int,
+                 correctness: str, lr: float, timer: PhaseTimer, started: float, grader_errors: int) -> dict:
+    """A step's row of ``metrics.jsonl``, over the whole batch (every rank's rows under torchrun): rewards
+    per function, accuracy, zero-variance groups, lengths, the algorithm's numbers (``targets.metrics``),
+    the process rewards' (``process_metrics``), the update's (``UpdateTotals.result``), LR, timings, memory."""
+    from cohortrl.rollout.tools import tool_metrics
+
+    rollout, response_mask = batch.rollout, batch.rollout.response_mask
+    rewards_all = d.gather_rows(rewards_B)
+    per_fn = {k: d.gather_list(v) for k, v in batch.per_fn.items()}
+    zero_variance = d.gather_rows(batch.zero_variance.long())
+    lengths = d.gather_rows(rollout.lengths).float()
+    counts = d.sum({
+        "tokens": float(response_mask.sum()), "kept": float(keep_B.sum()), "truncated": float(rollout.truncated.sum()),
+        "prompts_truncated": float(batch.prompts_truncated),
+        "advantage_abs": masked_total(targets.advantages.abs(), response_mask),
+    })
+    elapsed = time.perf_counter() - started
+    G = group_size
+    return {
+        "reward_mean": rewards_all.mean().item(),
+        "reward_std": rewards_all.std().item() if len(rewards_all) > 1 else 0.0,
+        **{f"reward/{k}_mean": mean(v) for k, v in per_fn.items()},
+        **{f"reward/{k}_std": _std(v) for k, v in per_fn.items()},
+        "accuracy": mean(per_fn[correctness]),
+        # A group of one response has no variance to speak of (PPO with G = 1): None, not a misleading 1.
+        "zero_variance_frac": batch.zero_variance_first_draw if G > 1 else None,
+        "zero_variance_groups": int(zero_variance.sum()) if G > 1 else None,
+        "resample_draws": batch.draws - 1,
+        "prompts_truncated": int(counts["prompts_truncated"]),
+        "trained_responses": int(counts["kept"]),
+        "advantage_abs_mean": counts["advantage_abs"] / max(1.0, counts["tokens"]),
+        **targets.metrics,
+        **process_metrics,
+        "response_length_mean": lengths.mean().item(),
+        # Split by outcome (correct at >= 1, as evaluation counts it): the length biases of per-sequence
+        # normalisation (Dr. GRPO, arXiv 2503.20783) show as incorrect responses growing longer.
+        **_lengths_by_outcome(lengths, per_fn[correctness]),
+        "response_length_max": lengths.max().item(),
+        "truncation_rate": counts["truncated"] / len(lengths),
+        **tool_metrics(rollout, d.sum),
+        **update,
+        "lr": lr,
+        **{f"time/{k}": v for k, v in timer.seconds.items()},
+        "time/step": elapsed,
+        "tokens_per_s": counts["tokens"] / elapsed,
+        "peak_rss_mb": peak_rss_mb(),
+        "grader_errors": grader_errors,  # built-in graders that raised: scored 0
+    }
+
+
+def mean(values: list) -> float | None:
+    """Mean of the values that are not None (None if there are none)."""
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _std(values: list) -> float | None:
+    """Sample std of the values a reward function returned (None where it did not apply)."""
+    import torch
+
+    vals = torch.tensor([v for v in values if v is not None])
+    return vals.std().item() if len(vals) > 1 else None
+
+
+def _lengths_by_outcome(lengths: torch.Tensor, correctness: list) -> dict:
+    """Mean response length of the correct and of the incorrect responses (None where there are none)."""
+    pairs = [(float(n), c is not None and c >= 1.0) for n, c in zip(lengths.tolist(), correctness)]
+    right = [n for n, ok in pairs if ok]
+    wrong = [n for n, ok in pairs if not ok]
+    return {"response_length_correct_mean": mean(right), "response_length_incorrect_mean": mean(wrong)}
+
+
+def masked_total(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """Σ x over the mask's tokens, as a Python float."""
+    import torch
+
+    return torch.where(mask_BT.bool(), x_BT, 0.0).sum().item()

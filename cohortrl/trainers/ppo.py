@@ -1,4 +1,4 @@
-"""PPO for RLHF (Ziegler et al., arXiv 1909.08593; InstructGPT, arXiv 2203.02155) on the shared step (``loop.py``).
+"""PPO for RLHF (Ziegler et al., arXiv 1909.08593; InstructGPT, arXiv 2203.02155) on the shared step (``rl.py``).
 
 What is PPO's own, against GRPO (``grpo.py``):
 
@@ -37,8 +37,9 @@ from cohortrl.algorithms import (
 )
 from cohortrl.trainers import checkpoint
 from cohortrl.trainers.critic import build_critic, response_values
-from cohortrl.trainers.loop import Optimised, RLTrainer, ScoredBatch, Targets, load_trainable_state
-from cohortrl.trainers.setup import build_optimizer, build_scheduler
+from cohortrl.trainers.loop import load_trainable_state
+from cohortrl.trainers.rl import RLTrainer, ScoredBatch, Targets
+from cohortrl.trainers.setup import Optimised, build_optimizer, build_scheduler
 
 __all__ = ["PPOTrainer"]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +57,16 @@ class Reference:
                 yield self.policy
         else:
             yield self.model
+
+
+@dataclass
+class Optimised:
+    """A model the update trains: its parameters, optimiser and LR schedule; ``metric`` names its grad norm."""
+
+    metric: str
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
 def build_optimizer(model, optim_cfg) -> torch.optim.Optimizer:

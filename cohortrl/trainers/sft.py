@@ -24,14 +24,15 @@ completion's row may carry ``no_loss_spans``, (start, end) character pairs into 
 ``<result>...</result>``, say), and every token overlapping one carries no loss (read from the tokenizer's
 offsets).
 
-Shared with the RL trainers rather than copied: the inputs (``inputs.py``), the model, LoRA, optimiser and
-schedule (``setup.py``), response log-probs (``rollout/hf.py``), checkpoints (``checkpoint.py``), metrics and
-curves (``metrics.py``), callbacks and held-out evaluation (``evaluate.py``). One process only for now.
+Shared with the RL trainers rather than copied: the run around the steps (``loop.Trainer``: train loop,
+evaluation schedule, checkpoints and resume, metrics rows, callbacks, final save), the inputs (``inputs.py``),
+the model, LoRA, optimiser and schedule (``setup.py``), the optimiser step with its non-finite guard
+(``update.optimizer_step``), response log-probs (``rollout/hf.py``) and held-out evaluation (``evaluate.py``).
+One process only for now.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -50,16 +51,14 @@ from cohortrl.rewards.scoring import WeightedReward, resolve
 from cohortrl.rollout.hf import response_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.tools import result_spans, tool_prompt, with_calculator
-from cohortrl.trainers import checkpoint, guards
-from cohortrl.trainers.evaluate import EVAL_RESPONSES, evaluate_config
+from cohortrl.trainers import guards
+from cohortrl.trainers.evaluate import evaluate_config
 from cohortrl.trainers.inputs import as_config, resolve_inputs
-from cohortrl.trainers.loop import (
-    FINAL_MARKER, RLTrainer, RunCompleteError, RunStateError, _progress, _release_run_dir_on_failure, config_hash,
-    load_trainable_state,
-)
-from cohortrl.trainers.metrics import MetricsLog, peak_rss_mb, plot_curves
+from cohortrl.trainers.loop import Trainer, _release_run_dir_on_failure, config_hash
+from cohortrl.trainers.metrics import peak_rss_mb
 from cohortrl.trainers.run_dir import claim as claim_run_dir
-from cohortrl.trainers.setup import allocate_optimizer_state, build_optimizer, build_policy, build_scheduler
+from cohortrl.trainers.setup import Optimised, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler
+from cohortrl.trainers.update import optimizer_step
 
 log = logging.getLogger("cohortrl")
 
@@ -228,17 +227,11 @@ def held_out_row(row: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the trainer
-class SFTTrainer:
-    """Supervised fine-tuning with the RL trainers' construction, run directory and checkpoints."""
+class SFTTrainer(Trainer):
+    """Supervised fine-tuning in the RL trainers' run (``loop.Trainer``): run directory, loop, checkpoints."""
 
     name = "sft"
-    # The RL trainer's own plumbing, used as is: it reads only run_dir, cfg, dist, log, callbacks and step_count,
-    # which this class has too.
-    _check_resume_config = RLTrainer._check_resume_config  # config.yaml against this config
-    _config_loggers = RLTrainer._config_loggers  # train.tensorboard / train.wandb as callbacks
-    stop = RLTrainer.stop  # from a callback: stop after the current step, with a checkpoint
-    _fire = RLTrainer._fire  # call every callback's hook
-    _log = RLTrainer._log  # a row of metrics.jsonl
+    command = "sft"
 
     @_release_run_dir_on_failure
     def __init__(self, config=None, run_dir: str | Path | None = None, *, model=None, tokenizer=None,
@@ -290,24 +283,11 @@ class SFTTrainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         allocate_optimizer_state(self.optimizer)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler)}
         self.step_count = 0
         self.nonfinite_in_a_row = 0
-        self.log = MetricsLog(self.run_dir)
-        self.eval_log = MetricsLog(self.run_dir, EVAL_RESPONSES)
-        self.callbacks = [*self._config_loggers(), *callbacks]
-        self.stop_reason: str | None = None
-        if resume:
-            self._load_latest_checkpoint()
-        else:
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
-            self.log.truncate_after(-1)
-            self.eval_log.truncate_after(-1)
-
-    @classmethod
-    def resume(cls, run_dir: str | Path, config=None, **inputs) -> "SFTTrainer":
-        """The run in ``run_dir``, ready to continue from its last checkpoint (rows given in Python are passed again)."""
-        return cls(config if config is not None else Path(run_dir) / "config.yaml", run_dir, resume=True, **inputs)
+        self._open_run(resume, callbacks)
 
     def _load_data(self, inputs) -> tuple[list[Example], list[dict]]:
         """(tokenised training examples, held-out prompt rows); every bad row is an error naming it."""
@@ -366,13 +346,8 @@ class SFTTrainer:
                 loss.backward()
                 loss_total += loss.item()
                 seen += int(batch[1].sum())
-        max_norm = self.cfg.optim.max_grad_norm or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        finite = guards.finite(loss_total, {"grad_norm": grad_norm})
-        if finite:  # no optimiser or scheduler step on a NaN/inf: their state stays exactly as before
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # no optimiser or scheduler step on a NaN/inf: their state stays exactly as before
+        finite, norms = optimizer_step([self.optimised["policy"]], loss_total, self.cfg.optim.max_grad_norm)
         self._count_nonfinite(finite)
         elapsed = time.perf_counter() - t0
         return {
@@ -380,7 +355,7 @@ class SFTTrainer:
             "tokens": n_tokens,  # loss tokens
             "examples": s.batch_size * s.grad_accum,
             "epoch": self.stream.epoch,
-            "grad_norm": grad_norm if finite else None,
+            "grad_norm": norms["grad_norm"] if finite else None,
             "lr": lr,
             "skipped_nonfinite": int(not finite),
             "time/step": elapsed,
@@ -399,44 +374,7 @@ class SFTTrainer:
                 f"(train.max_nonfinite_steps={limit}); lower optim.lr or check the data"
             )
 
-    # ------------------------------------------------------------------------------------------ the loop
-    train = RLTrainer.train  # the run directory's lock held around this class's own _train
-
-    def _train(self, steps: int | None) -> list[dict]:
-        total = steps if steps is not None else self.cfg.train.steps
-        if self.step_count >= total:
-            return self._finish_or_refuse(total)
-        rows, self.stop_reason = [], None
-        if self.step_count == 0 and self.cfg.eval.before and self.eval_rows:
-            rows.append(self._log_eval())
-        bar = _progress(self.step_count, total, self.cfg.train.progress, self.name)
-        every_eval, every_ckpt = self.cfg.eval.every, self.cfg.train.checkpoint_every
-        while self.step_count < total and self.stop_reason is None:
-            metrics = self.step()
-            self.step_count += 1
-            row = self._log({"step": self.step_count, **metrics})
-            rows.append(row)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-            self._fire("on_step_end", row)
-            last = self.step_count == total
-            if self.eval_rows and ((every_eval and self.step_count % every_eval == 0) or last):
-                rows.append(self._log_eval())
-            if last or self.stop_reason is not None or (every_ckpt and self.step_count % every_ckpt == 0):
-                self._fire("on_save", self.save_checkpoint())
-        if self.stop_reason is not None:
-            log.warning("stopping at step %d of %d: %s", self.step_count, total, self.stop_reason)
-        if bar is not None:
-            bar.close()
-        self._save_final()
-        self._fire("on_train_end", rows)
-        return rows
-
-    def close(self) -> None:
-        """Let the run directory's lock go (``train()`` already has, however it ended)."""
-        self._run_claim.release()
-
+    # ------------------------------------------------------------------------------------------ the run (loop.Trainer)
     def evaluate(self, responses: list | None = None) -> dict:
         """Held-out accuracy by ``reward.correctness``, as the RL trainers measure it; ``responses`` receives each
         greedy response (``evaluate.evaluate``)."""
@@ -444,68 +382,8 @@ class SFTTrainer:
             return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
                                    tools=self.tools, responses=responses)
 
-    def _log_eval(self) -> dict:
-        responses: list[dict] = []
-        row = self._log({"step": self.step_count, **self.evaluate(responses)})
-        for response in responses:
-            self.eval_log.write({"step": self.step_count, **response})
-        self._fire("on_evaluate", row)
-        return row
+    def _extra_state(self) -> dict:
+        return {"nonfinite_in_a_row": self.nonfinite_in_a_row}
 
-    # ------------------------------------------------------------------------------------------ persistence
-    def save(self, directory: str | Path | None = None) -> Path:
-        """The model (or LoRA adapter) and tokenizer (default ``RUN_DIR/final``): a valid ``model.init`` for
-        ``cohortrl train``; written atomically, with the step in ``FINAL_MARKER``."""
-        directory = Path(directory) if directory is not None else self.run_dir / "final"
-
-        def write(tmp: Path) -> None:
-            self.model.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            (tmp / FINAL_MARKER).write_text(json.dumps({"step": self.step_count}))
-
-        return checkpoint.write_dir(directory, write, step=self.step_count, config_hash=self.config_hash)
-
-    def _save_final(self) -> None:
-        self._fire("on_save", self.save())
-        plot_curves(self.run_dir)
-
-    def _finish_or_refuse(self, total: int) -> list[dict]:
-        """No steps left: write final/ if a run killed after its last checkpoint lacks it, else say so
-        (:class:`RunCompleteError`, on which the CLI exits 0, as ``cohortrl train`` does)."""
-        marker = self.run_dir / "final" / FINAL_MARKER
-        if not marker.is_file() or json.loads(marker.read_text())["step"] != self.step_count:
-            log.warning("run in %s has done all %d steps but not its final save; writing final/", self.run_dir, total)
-            self._save_final()
-            return []
-        raise RunCompleteError(
-            f"run in {self.run_dir} has already done {self.step_count} step(s) and saved final/; to train further "
-            f"pass a larger total: cohortrl sft --run-dir {self.run_dir} --resume --steps N, N > {self.step_count}"
-        )
-
-    def save_checkpoint(self) -> Path:
-        state = {
-            "model": checkpoint.trainable_state(self.model),
-            "policy_optimizer": self.optimizer.state_dict(),
-            "policy_scheduler": self.scheduler.state_dict(),
-            "rng": checkpoint.rng_state(),
-            "data": self.stream.state_dict(),
-            "nonfinite_in_a_row": self.nonfinite_in_a_row,
-        }
-        return checkpoint.save(self.run_dir, self.step_count, state, config_hash=self.config_hash,
-                               keep=self.cfg.train.keep_checkpoints)
-
-    def _load_latest_checkpoint(self) -> None:
-        path = checkpoint.latest(self.run_dir)
-        if path is None:
-            raise RunStateError(f"--resume: no intact checkpoint in {self.run_dir / 'checkpoints'}; start the run again without --resume")
-        state = checkpoint.load(path)
-        load_trainable_state(self.model, state["model"], f"checkpoint {path}")
-        self.optimizer.load_state_dict(state["policy_optimizer"])
-        self.scheduler.load_state_dict(state["policy_scheduler"])
-        self.stream.load_state_dict(state["data"])
+    def _load_extra_state(self, state: dict) -> None:
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
-        checkpoint.set_rng_state(state["rng"])
-        self.step_count = state["step"]
-        self.log.truncate_after(self.step_count)
-        self.eval_log.truncate_after(self.step_count)
-        log.info("resumed from %s at step %d", path, self.step_count)

@@ -1,0 +1,628 @@
+"""The training step GRPO and PPO share (``RLTrainer.step``), read top to bottom:
+
+1. rollout: sample P prompts and generate G responses each (``_sample_and_score``);
+2. rewards: score every response with the weighted reward functions; count zero-variance groups (all G equally
+   correct) and keep / filter / resample them; step rewards when ``reward.process`` is set;
+3. log-probs of the reference model (β > 0) and of the policy that sampled (when the algorithm needs them);
+4. advantages — the algorithm's part (``_targets``): GRPO's group baseline, or PPO's critic values, KL in
+   the reward and GAE;
+5. loss and update (``_update``): μ epochs over minibatches of whole groups, the clipped surrogate plus the
+   algorithm's extra per-token loss (``_extra_loss``: GRPO's β·KL, PPO's value loss), aggregated by the
+   configured mode through token weights so gradient accumulation over micro-batches is exact; grad-norm
+   clipping, AdamW and LR schedule for every trained model (the policy, and PPO's critic);
+6. the step's metrics (``metrics.step_metrics``).
+
+The update is the plain single-process loop; torchrun's row sharing and padding sit behind ``distributed.Dist``
+and the CPU fast path's replayed backward behind ``update.ReplayedForward`` (``update.py``). The run around
+the steps (train loop, evaluation, checkpoints, resume) is ``loop.Trainer``, shared with SFT.
+
+An algorithm is a subclass that fills in ``_targets`` and ``_extra_loss`` (and, if it trains more than the
+policy, registers it in ``self.optimised`` and saves it via ``_algorithm_state``). Nothing else differs.
+
+Departures from the papers, on purpose: log-probs are computed from logits divided by the sampling
+temperature (the distribution actually sampled from, as TRL does); a zero-variance group is detected on the
+correctness signal, not on the shaped total reward (a shaped total hides all-wrong groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cohortrl import distributed
+from cohortrl.algorithms import get_policy_loss, masked_mean, truncated_importance_weights
+from cohortrl.config import Config
+from cohortrl.cpu_memory import apply_cpu_allocator, resolve_cpu_allocator
+from cohortrl.data import PromptStream, load_rows
+from cohortrl.kernels import linear_kernels, resolve_cpu_linear
+from cohortrl.models import load_model
+from cohortrl.rewards import grader_errors
+from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
+from cohortrl.rewards.scoring import RewardFunctionError, TrainerState, WeightedReward, resolve
+from cohortrl.rewards.steps import step_end_tokens, token_char_ends
+from cohortrl.rollout.hf import generate, response_logprobs
+from cohortrl.rollout.tools import toolset
+from cohortrl.rollout.types import Rollout
+from cohortrl.trainers import faults, guards
+from cohortrl.trainers.evaluate import evaluate_config, rollout_columns, score_rollout
+from cohortrl.trainers.inputs import resolve_inputs
+from cohortrl.trainers.loop import Trainer, _check_distributed, _release_run_dir_on_failure, config_hash
+from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, UpdateTotals, step_metrics
+from cohortrl.trainers.run_dir import claim as claim_run_dir
+from cohortrl.trainers.setup import (
+    Optimised, Reference, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler,
+)
+from cohortrl.trainers.update import (
+    PlainForward, ReplayedForward, is_whole_rollout, micro_batches, minibatch_rows, optimizer_step, token_weights,
+)
+
+log = logging.getLogger("cohortrl")
+
+
+@dataclass
+class ScoredBatch:
+    rollout: Rollout
+    rewards: list[float]  # (B,) weighted total reward
+    per_fn: dict[str, list[float | None]]  # each reward function's values, (B,) each
+    zero_variance: torch.Tensor  # (P,) bool: all G responses of the group equally correct
+    zero_variance_first_draw: float  # fraction of zero-variance groups in the step's first draw
+    draws: int  # prompt batches generated this step (1 unless resampling)
+    prompts_truncated: int = 0  # prompts cut to data.max_prompt_tokens (overlong_prompts=truncate), all draws
+    step_rewards: list[list[float]] | None = None  # (B, S_i) guarded step rewards (reward.process), else None
+    step_ends: list[list[int]] | None = None  # (B, S_i) response-token index where each step ends
+
+
+@dataclass
+class Targets:
+    """What the update regresses onto, fixed for the whole step: the algorithm's output of step 4."""
+
+    advantages: torch.Tensor  # (B, T) advantage per response token, 0 on padding
+    old_logp: torch.Tensor | None  # (B, T) log π_old (the sampling policy); None: on-policy, ratio 1
+    ref_logp: torch.Tensor | None  # (B, T) log π_ref; None when β = 0
+    old_values: torch.Tensor | None = None  # (B, T) PPO: the critic's values at rollout time
+    returns: torch.Tensor | None = None  # (B, T) PPO: GAE returns, the critic's regression target
+    metrics: dict = field(default_factory=dict)  # the algorithm's numbers for the step's log row
+    is_weights: torch.Tensor | None = None  # (B, T) truncated importance weights for a vLLM sampler; None: 1
+
+
+class RLTrainer(Trainer):
+    """The shared step; subclasses (``GRPOTrainer``, ``PPOTrainer``) supply the algorithm."""
+
+    name = "rl"
+    # The update may differentiate decoding's own forward (train.reuse_rollout_forward): the algorithm's loss
+    # reaches the policy only through the log-probs of the sampled tokens under the sampling policy.
+    reuses_rollout_forward = False
+
+    @_release_run_dir_on_failure
+    def __init__(
+        self,
+        config: Config | dict | str | Path | None = None,
+        run_dir: str | Path | None = None,
+        *,
+        model=None,
+        tokenizer=None,
+        reward_funcs=None,
+        reward_weights=None,
+        train_dataset=None,
+        eval_dataset=None,
+        callbacks=(),
+        tools=None,
+        resume: bool = False,
+        strict: bool = False,
+        overwrite: bool = False,
+        args: dict | None = None,
+        peft_config=None,
+    ):
+        """``config``: a ``Config``, a dict of sections, a YAML path, or None (defaults). ``run_dir``: where
+        metrics, checkpoints and the final model go (default ``runs/<algorithm>-<time>``). ``model``: a model
+        spec (overrides ``model.name``) or a loaded model, then with its ``tokenizer``. ``reward_funcs``:
+        functions ``fn(prompts, completions, **columns)`` or reward names (replace ``reward.functions``;
+        the first is the correctness signal unless ``reward.correctness`` names one of them), weighted by
+        ``reward_weights``. ``train_dataset``: a list of dicts (or prompt strings), a ``datasets.Dataset``,
+        a ``.jsonl`` path or a gym task name; ``eval_dataset``: held-out rows (default: held out from the
+        training source, ``data.eval_size``). ``callbacks``: see ``cohortrl.trainers.callbacks``. ``tools``:
+        functions (or tool names) the model may call mid-response (replace ``rollout.tools``; docs/tools.md).
+        ``resume``: continue the run in ``run_dir`` from its newest intact checkpoint (``strict``: refuse,
+        rather than fall back, when the newest one is damaged). ``overwrite``: ``run_dir`` may hold another run,
+        whose files are deleted first (without it, or ``resume``, such a directory is refused). TRL's spellings:
+        ``args``, a dict of TRL ``GRPOConfig`` field names, over the config (``docs/trl_migration.md``);
+        ``peft_config``, a PEFT ``LoraConfig``, as ``model.lora``."""
+        inputs = resolve_inputs(
+            config, self.name, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
+            reward_weights=reward_weights, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
+            args=args, peft_config=peft_config,
+        )
+        cfg = self.cfg = inputs.config
+        a = cfg.algorithm
+        self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # Refused if it holds another run, locked against a second process, removed if this start fails (run_dir.py);
+        # rank 0 of a torchrun job claims it for all ranks.
+        self._run_claim = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite,
+                                        main=os.environ.get("RANK", "0") == "0")
+        self.policy_loss = get_policy_loss(a.policy_loss)  # names already checked by config.validate
+        self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
+        self.device = distributed.resolve_device(cfg.train.device, self.dist)
+        self.cpu_linear = resolve_cpu_linear(cfg.train.cpu_linear, self.device)  # the kernel every step and evaluation use
+        apply_cpu_allocator(resolve_cpu_allocator(cfg.train.cpu_allocator, self.device))  # process-wide, before the first step
+        if self.dist.launched:
+            _check_distributed(cfg, self.name, self.dist)
+        if resume:
+            self._check_resume_config()
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+
+        self.rewards = [
+            WeightedReward(f.name, inputs.reward_fns.get(f.name) or resolve(f.name, f.kwargs), f.weight, cfg.reward.timeout_s)
+            for f in cfg.reward.functions
+        ]
+        self.correctness = next(r for r in self.rewards if r.name == cfg.reward.correctness)
+        self.tools = toolset(cfg.rollout, inputs.tools)  # None without tools; resolved before the model loads
+        train_rows, eval_rows = load_rows(cfg.data, cfg.train.seed, inputs.train_rows, inputs.eval_rows)
+        self.stream = PromptStream(train_rows, cfg.train.seed)
+        self.eval_rows = eval_rows[: cfg.eval.n_prompts]
+
+        model, tokenizer = inputs.model, inputs.tokenizer
+        if model is None:
+            model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed, init=cfg.model.init)
+        self.optimised: dict[str, Optimised] = {}
+        self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
+        self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
+        self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer)
+        self.model.to(self.device)
+        guards.check_run_fits(cfg, self.model, len(train_rows))
+        self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
+        # Under torchrun: DDP around the policy, or FSDP2 sharding it in place (and the reference's own copy).
+        self.train_model = self.dist.wrap(self.model)
+        if self.dist.sharded and self.reference is not None and self.reference.model is not None:
+            distributed.shard(self.reference.model)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.updates_per_step = a.epochs * a.minibatches
+        policy_updates = max(0, cfg.train.steps - self.policy_frozen_steps) * self.updates_per_step
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, policy_updates)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler), **self.optimised}
+        for o in self.optimised.values():  # AdamW's moments now, before the first rollout (a resume overwrites them)
+            allocate_optimizer_state(o.optimizer)
+        self.sampling = cfg.sampling
+        self.pool = self._reward_pool(inputs.reward_fns)
+        p = cfg.reward.process
+        self.process = None if p is None else build_step_source(  # the implicit PRM starts from the initial policy
+            p.name, p.kwargs, timeout_s=cfg.reward.timeout_s, policy=self.model, tokenizer=self.tokenizer,
+            reference=self.reference.model if self.reference is not None else None,
+        )
+        self.generator = None  # the vLLM engine, when sampling.backend is vllm
+        if cfg.sampling.backend == "vllm":
+            from cohortrl.rollout.vllm import VLLMGenerator
+
+            self.generator = VLLMGenerator(self.model, self.tokenizer, gpu_memory_utilization=cfg.sampling.vllm_gpu_memory_utilization,
+                                           seed=cfg.train.seed)
+        self._engine_stale = False  # the policy changed since the engine last got its weights
+        self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or bool(
+            getattr(getattr(self.model, "config", None), "attention_dropout", 0))
+        self.norm_length = a.norm_length or cfg.sampling.max_new_tokens
+        self.step_count = 0
+        self.grader_log = MetricsLog(self.run_dir, grader_errors.FILE)  # built-in graders' failures (a bug report)
+        grader_errors.drain()  # failures from before this run (each logged when it happened) are not this run's
+        self.guard = guards.NonfiniteGuard(self.run_dir, cfg.train.max_nonfinite_steps, self.dist.rank)
+        self.config_hash = config_hash(cfg.to_dict())  # in every checkpoint's manifest
+        self.strict = strict
+        self._open_run(resume, callbacks, logs=(self.grader_log,))
+
+    def close(self) -> None:
+        """Stop the reward workers (if any), then let the run go (``Trainer.close``)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        super().close()
+
+    @property
+    def trainer_state(self) -> TrainerState:
+        """What reward functions get as ``trainer_state`` (TRL's argument): steps done and the run's total."""
+        return TrainerState(global_step=self.step_count, max_steps=self.cfg.train.steps)
+
+    # ------------------------------------------------------------------------------------------ the algorithm
+    def _init_algorithm(self, model) -> None:
+        """Build what the algorithm holds besides the policy (``model`` is the policy before LoRA)."""
+
+    def _needs_old_logp(self) -> bool:
+        """Whether step 3 computes log π_old; without it the update is on-policy (ratio 1). A vLLM sampler
+        needs it for the importance weights (its own log-probs come from other numerics)."""
+        a = self.cfg.algorithm
+        return a.epochs > 1 or a.minibatches > 1 or self.generator is not None
+
+    def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer: PhaseTimer) -> Targets:
+        """Step 4: advantages (and whatever else the update regresses onto) for the scored batch."""
+        raise NotImplementedError
+
+    def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
+        """The per-token loss added to the clipped surrogate on ``rows`` (``loss_mask`` is theirs, (b, T)):
+        (loss (b, T) or None, metrics), where metrics maps a name to a (b, T) tensor averaged over response
+        tokens for the log. ``logp`` (b, T) carries the policy's gradient; it is None while the policy is
+        frozen."""
+        raise NotImplementedError
+
+    def _algorithm_state(self) -> dict:
+        """Extra checkpoint entries (e.g. PPO's critic and KL coefficient)."""
+        return {}
+
+    def _load_algorithm_state(self, state: dict) -> None:
+        pass
+
+    def _synced_modules(self, train_policy: bool) -> list:
+        """The data-parallel modules whose gradients this update's backward produces (the algorithm may add
+        its own, e.g. PPO's critic)."""
+        return [self.train_model] if train_policy else []
+
+    # ------------------------------------------------------------------------------------------ the step
+    def step(self) -> dict:
+        """One training step: rollout → rewards → advantages → loss → update. Returns its metrics."""
+        with linear_kernels(self.cpu_linear):  # the CPU fast path's matmul kernel, for this step only
+            timer, started = PhaseTimer(), time.perf_counter()
+
+            # 1-2. rollout and rewards (with step rewards under reward.process)
+            batch = self._sample_and_score(timer)
+            rollout, rewards_B = batch.rollout, torch.tensor(batch.rewards)
+            process_metrics = {}
+            if self.process is not None:
+                with timer("score_steps"):
+                    process_metrics = self._score_steps(batch)
+            keep_B = self._rows_to_train(batch)
+            loss_mask = rollout.response_mask * keep_B.unsqueeze(-1)
+
+            # 3. reference and old-policy log-probs, with the same micro-batches as the update
+            with timer("reference"), torch.no_grad():
+                ref_logp = self._reference_logprobs(rollout) if self.reference is not None else None
+                old_logp = self._logprobs(self.model, rollout.input_ids(), rollout.attention_mask(),
+                                          rollout.response_ids) if self._needs_old_logp() else None
+
+            # 4. advantages: where the algorithms differ
+            targets = self._targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
+            if rollout.sampling_logp is not None:  # sampled by vLLM: correct for its numerics
+                self._add_importance_weights(targets, rollout, old_logp)
+
+            # 5. loss and update: μ epochs over minibatches of whole groups
+            with timer("train"):
+                update_metrics = self._update(rollout, loss_mask, targets, timer)
+            self.guard.after_step(self.step_count + 1, update_metrics, batch)  # saves skipped steps' samples; may stop the run
+
+            # 6. metrics, over the whole batch (every rank's rows, under torchrun)
+            errors = self._log_grader_errors(self.step_count + 1)  # built-in graders that raised: scored 0
+            return step_metrics(self.dist, batch, rewards_B, keep_B, targets, process_metrics, update_metrics,
+                                group_size=self.cfg.algorithm.group_size, correctness=self.correctness.name,
+                                lr=self.scheduler.get_last_lr()[0], timer=timer, started=started, grader_errors=errors)
+
+    def _rows_to_train(self, batch: ScoredBatch) -> torch.Tensor:
+        """(B,) bool: the responses the loss keeps after the zero-variance and truncation settings."""
+        a = self.cfg.algorithm
+        keep_B = torch.ones(batch.rollout.batch_size, dtype=torch.bool)
+        if a.zero_variance == "filter":
+            keep_B &= ~batch.zero_variance.repeat_interleave(a.group_size)
+        if a.mask_truncated:
+            keep_B &= ~batch.rollout.truncated
+        return keep_B
+
+    def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """log π_ref of the response tokens (B, T)."""
+        with self.reference() as ref_model:
+            if rollout.replay is not None and rollout.replay.can_score(ref_model):
+                # the CPU fast path: on decoding's recorded rows, every product over all of them at once (rollout/replay.py)
+                return rollout.replay.logprobs_under(ref_model, rollout.response_ids, rollout.response_mask)
+            return self._logprobs(ref_model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids)
+
+    def _add_importance_weights(self, targets: Targets, rollout: Rollout, old_logp: torch.Tensor) -> None:
+        """vLLM sampled the batch: truncated importance weights w_t = min(π_old / π_vLLM, C) per token correct
+        the policy loss for the engine's other numerics."""
+        targets.is_weights = truncated_importance_weights(old_logp, rollout.sampling_logp, rollout.response_mask, self.sampling.is_cap)
+        targets.metrics["is_weight_mean"] = masked_mean(targets.is_weights, rollout.response_mask).item()
+
+    # ------------------------------------------------------------------------------------------ 1-2. rollout, rewards
+    def _sample_and_score(self, timer: PhaseTimer) -> ScoredBatch:
+        """P groups of G responses, scored; with ``algorithm.zero_variance: resample``, more draws until P
+        informative groups are found (``_resample``, DAPO's dynamic sampling)."""
+        batch, zero_all = self._draw(timer, 0)
+        if self.cfg.algorithm.zero_variance != "resample":
+            return batch
+        return self._resample(timer, [(batch, zero_all)])
+
+    def _draw(self, timer: PhaseTimer, k: int, first_frac: float | None = None) -> tuple[ScoredBatch, torch.Tensor]:
+        """Draw ``k`` (0 first) of the step's prompt batches: this rank's groups generated and scored, and every
+        group's zero-variance flag (P,). Under torchrun each rank generates its share, each group seeded by its
+        global index (``distributed.group_seed``), so sampling does not depend on the number of processes."""
+        a, d = self.cfg.algorithm, self.dist
+        P, G = a.prompts_per_step, a.group_size
+        local = d.local_groups(P)
+        rows = self.stream.take(P)
+        faults.point("generate")
+        group_ids = range(k * P + local.start, k * P + local.stop) if d.launched else None  # one process: batched
+        rollout, rewards, per_fn, n_trunc = self._rollout_and_score([rows[g] for g in local], timer, group_ids)
+        correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, G)
+        zero_local = (correct_PG == correct_PG[:, :1]).all(-1)
+        zero_all = d.gather_rows(zero_local.long()).bool()
+        first_frac = zero_all.float().mean().item() if first_frac is None else first_frac
+        return ScoredBatch(rollout, rewards, per_fn, zero_local, first_frac, k + 1, n_trunc), zero_all
+
+    def _resample(self, timer: PhaseTimer, draws: list[tuple[ScoredBatch, torch.Tensor]]) -> ScoredBatch:
+        """DAPO dynamic sampling: draw more prompt batches (at most ``max_resample_draws`` extra) until P
+        informative groups are found. They are chosen over the whole batch in draw order, then dealt out again
+        so that every rank trains on an equal share."""
+        a, d = self.cfg.algorithm, self.dist
+        P, G = a.prompts_per_step, a.group_size
+        first = draws[0][0]
+
+        def first_draw_only() -> ScoredBatch:  # nothing informative to train on: the first draw, where only KL acts
+            return dataclasses.replace(first, draws=len(draws), prompts_truncated=sum(b.prompts_truncated for b, _ in draws))
+
+        while True:
+            informative = sum(int((~z).sum()) for _, z in draws)
+            if informative >= P:
+                break
+            if len(draws) > a.max_resample_draws:
+                log.warning(
+                    "resample: only %d informative group(s) of %d after %d extra draws (algorithm.max_resample_draws); "
+                    "training on what there is", informative, P, a.max_resample_draws,
+                )
+                if informative == 0:
+                    return first_draw_only()
+                break
+            draws.append(self._draw(timer, len(draws), first.zero_variance_first_draw))
+        chosen = [(k, g) for k, (_, z) in enumerate(draws) for g in range(P) if not z[g]][:P]
+        if len(chosen) % d.world:
+            log.warning("resample: %d informative group(s) do not split over %d processes; the last %d are not trained on",
+                        len(chosen), d.world, len(chosen) % d.world)
+            chosen = chosen[: len(chosen) - len(chosen) % d.world]
+            if not chosen:
+                return first_draw_only()
+        local = d.local_groups(P)
+        mine = []  # the chosen groups this rank generated
+        for k, g in chosen:
+            if g in local:
+                part, idx = draws[k][0], list(range((g - local.start) * G, (g - local.start + 1) * G))
+                mine.append(((k, g), part.rollout.select(idx), [part.rewards[i] for i in idx],
+                             {name: [v[i] for i in idx] for name, v in part.per_fn.items()}))
+        everything = sorted(d.gather_list(mine), key=lambda item: item[0])  # every chosen group, in draw order
+        mine_now = d.local_groups(len(everything))
+        share = everything[mine_now.start : mine_now.stop]
+        rollout = Rollout.concat([r for _, r, _, _ in share], self.tokenizer.pad_token_id)
+        rewards = [x for _, _, rs, _ in share for x in rs]
+        per_fn = {name: [x for _, _, _, fn in share for x in fn[name]] for name in first.per_fn}
+        return ScoredBatch(rollout, rewards, per_fn, torch.zeros(len(share), dtype=torch.bool), first.zero_variance_first_draw,
+                           len(draws), sum(b.prompts_truncated for b, _ in draws))
+
+    def _rollout_and_score(self, rows: list[dict], timer: PhaseTimer, group_ids: range | None = None):
+        """G responses for each row, scored: (rollout, total rewards, each function's values, prompts truncated).
+
+        The rows are generated in chunks: one chunk normally; one per group under torchrun (``group_ids``),
+        each sampled under its own seed (``distributed.group_seed``) so what a group samples does not depend on
+        the number of processes; two halves with a reward pool, whose scoring of the first then runs while the
+        second is generated."""
+        cfg = self.cfg
+        if group_ids is not None:
+            chunks = [([row], distributed.group_seed(cfg.train.seed, self.step_count, g)) for row, g in zip(rows, group_ids)]
+        elif self.pool is not None and len(rows) > 1:
+            half = (len(rows) + 1) // 2
+            chunks = [(rows[:half], None), (rows[half:], None)]
+        else:
+            chunks = [(rows, None)]
+        if self.generator is not None and self._engine_stale:
+            with timer("weight_sync"):
+                self.generator.sync_weights(self.model)
+            self._engine_stale = False
+        parts, jobs = [], []
+        with self.dist.gathered(self.model):  # FSDP2: ranks run different numbers of decoding steps
+            for chunk, seed in chunks:
+                with timer("generate"), torch.random.fork_rng(devices=[], enabled=seed is not None):
+                    if seed is not None:
+                        torch.manual_seed(seed)
+                    rollout, n_trunc = self._generate(chunk, seed)
+                parts.append((rollout, n_trunc))
+                if self.pool is not None:
+                    cols = rollout_columns(rollout, self.sampling.max_new_tokens, self.trainer_state)
+                    jobs.append(self.pool.submit([r["prompt"] for r in rollout.rows], rollout.completions, cols))
+        n_truncated = sum(n for _, n in parts)
+        parts = [r for r, _ in parts]
+        if n_truncated:
+            log.warning("%d prompt(s) truncated to data.max_prompt_tokens=%d", n_truncated, cfg.data.max_prompt_tokens)
+        rollout = parts[0] if len(parts) == 1 else Rollout.concat(parts, self.tokenizer.pad_token_id)
+        with timer("score"):
+            computed = None
+            if jobs:
+                results = [self.pool.result(job) for job in jobs]
+                computed = {name: [v for res in results for v in res[name]] for name in results[0]}
+            rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens, computed, self.trainer_state)
+        return rollout, rewards, per_fn, n_truncated
+
+    def _generate(self, rows: list[dict], seed: int | None):
+        cfg = self.cfg
+        kw = dict(system_prompt=cfg.model.system_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                  overlong_prompts=cfg.data.overlong_prompts)
+        if self.generator is not None:
+            return self.generator.generate(rows, cfg.algorithm.group_size, self.sampling, seed=seed, **kw)
+        return generate(self.model, self.tokenizer, rows, cfg.algorithm.group_size, self.sampling,
+                        record=self._reuse_rollout_forward(), tools=self.tools, **kw)
+
+    def _reuse_rollout_forward(self) -> bool:
+        """Whether this step's update can differentiate decoding's forward (``train.reuse_rollout_forward``):
+        the rollout is exactly the batch of a single on-policy update, and decoding computes what training
+        would. Then ``generate`` records it (where the lean decoder runs)."""
+        a = self.cfg.algorithm
+        return (self.cfg.train.reuse_rollout_forward and self.reuses_rollout_forward and not self._needs_old_logp()
+                and a.epochs == 1 and a.minibatches == 1 and self.dist.world == 1
+                and (a.micro_batch_size == 0 or a.micro_batch_size >= a.prompts_per_step * a.group_size)
+                and a.zero_variance != "resample" and self.pool is None  # a batch joined from parts drops the recording
+                and self.step_count >= self.policy_frozen_steps and not self._dropout)
+
+    def _score_steps(self, batch: ScoredBatch) -> dict:
+        """Fill ``batch.step_rewards`` / ``step_ends`` from the process reward function (guarded, see
+        ``rewards/process.py``) and return the step detectors' metrics (over the whole batch)."""
+        p, rollout = self.cfg.reward.process, batch.rollout
+        prompts = [r["prompt"] for r in rollout.rows]
+        cols = rollout_columns(rollout, self.sampling.max_new_tokens, self.trainer_state)
+        raw = self.process.score(rollout, cols)
+        if not isinstance(raw, (list, tuple)) or len(raw) != rollout.batch_size:
+            raise RewardFunctionError(
+                f"process reward '{p.name}' must return one list of (score, span) per completion "
+                f"({rollout.batch_size}), got {type(raw).__name__}" + (f" of {len(raw)}" if hasattr(raw, "__len__") else "")
+            )
+        step_rewards, step_ends = [], []
+        for i, (completion, steps) in enumerate(zip(rollout.completions, raw)):
+            for score, span in steps:
+                if not isinstance(score, (int, float)) or not math.isfinite(score):
+                    raise RewardFunctionError(
+                        f"process reward '{p.name}' returned step score {score!r} for sample {i} "
+                        f"(prompt: {prompts[i][:200]!r}); step scores must be finite numbers"
+                    )
+            guarded = guard_steps(completion, steps, cap=p.cap, max_steps=p.max_steps, require_answer=p.require_answer)
+            ids = rollout.response_ids[i][rollout.sequence_mask[i].bool()].tolist()  # every token of the text
+            char_ends = token_char_ends(self.tokenizer, ids)
+            stated = iter(step_end_tokens([span for _, span in guarded if span is not None], char_ends))
+            last = max(0, len(ids) - 1)  # a required step never stated counts on the last token
+            step_rewards.append([score for score, _ in guarded])
+            step_ends.append([next(stated) if span is not None else last for _, span in guarded])
+        batch.step_rewards, batch.step_ends = step_rewards, step_ends
+        learned = self.process.update(rollout, batch.per_fn[self.correctness.name])  # a PRM that learns online
+        d = self.dist
+        return {**step_detectors(
+            d.gather_list(rollout.completions), d.gather_list(step_rewards),
+            d.gather_list(batch.per_fn[self.correctness.name]), p.coef,
+        ), **learned}
+
+    def _reward_pool(self, in_memory: dict):
+        """Worker processes for the reward functions that can be loaded by name (``reward.workers`` > 0)."""
+        if not self.cfg.reward.workers:
+            return None
+        from cohortrl.rewards.pool import RewardPool
+
+        specs = [(f.name, f.kwargs) for f in self.cfg.reward.functions if f.name not in in_memory]
+        if not specs:
+            return None
+        return RewardPool(specs, self.cfg.reward.workers, self.cfg.reward.timeout_s)
+
+    # ------------------------------------------------------------------------------------------ 3. log-probs
+    def _micro_batches(self, n: int) -> list[torch.Tensor]:
+        """Positions 0..n-1 split into micro-batches of ``algorithm.micro_batch_size`` (0: one batch)."""
+        return list(torch.arange(n).split(self.cfg.algorithm.micro_batch_size or n))
+
+    def _logprobs(self, model, input_ids, attention_mask, response_ids) -> torch.Tensor:
+        parts = []
+        for idx in self._micro_batches(len(input_ids)):
+            logp, _ = response_logprobs(
+                model, input_ids[idx], attention_mask[idx], response_ids[idx], temperature=self.sampling.temperature
+            )
+            parts.append(logp.cpu())  # the batch and its targets live on the CPU; micro-batches move to the device
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------------------------------------ 5. loss, update
+    def _update(self, rollout: Rollout, loss_mask, targets: Targets, timer: PhaseTimer) -> dict:
+        """μ epochs over minibatches of whole groups; in each, every micro-batch's loss is accumulated into the
+        gradients, then one optimiser step per trained model. Returns the update's metrics."""
+        a, d = self.cfg.algorithm, self.dist
+        # Token weights come from the whole batch's loss mask (every rank's rows under torchrun), so an
+        # aggregation over the batch (token-mean) divides by the global token count.
+        loss_mask_all = d.gather_rows(loss_mask)
+        n_groups = loss_mask_all.shape[0] // a.group_size
+        train_policy = self.step_count >= self.policy_frozen_steps
+        trained = [o for name, o in self.optimised.items() if name != "policy" or train_policy]
+        inputs = rollout.input_ids(), rollout.attention_mask()
+        plain = PlainForward(self.train_model, rollout, *inputs, self.sampling.temperature, share_prompts=d.world == 1)
+        totals = UpdateTotals()
+        for rows_all in minibatch_rows(n_groups, a.group_size, a.epochs, a.minibatches):
+            weights_all = token_weights(loss_mask_all[rows_all], a.aggregation, self.norm_length)
+            # torchrun: this rank's rows of the minibatch, and zero-weight micro-batches that keep ranks in step
+            rows, weights_BT = d.local_share(rows_all, weights_all, n_groups, a.group_size, loss_mask.shape[1])
+            positions = self._micro_batches(len(rows)) if len(rows) else []
+            batches = micro_batches(rows, weights_BT, loss_mask, rollout.response_mask, positions, self.device,
+                                    n_padding=d.padding_micro_batches(len(positions)))
+            # the CPU fast path: one on-policy update on every row of the rollout is what decoding computed
+            replay = train_policy and a.epochs == 1 and rollout.replay is not None and is_whole_rollout(batches, rollout.batch_size)
+            forward = ReplayedForward(rollout.replay, rollout, self.sampling.temperature) if replay else plain
+            for o in trained:
+                o.optimizer.zero_grad(set_to_none=True)
+            update_loss = 0.0
+            for mb in batches:
+                # DDP / FSDP2 sync gradients on the last micro-batch only; the forwards belong inside too.
+                with d.no_sync(self._synced_modules(train_policy), mb.sync):
+                    loss = self._micro_batch_loss(mb, forward if train_policy else None, inputs, targets, totals)
+                totals.add_loss(mb, loss)
+                update_loss += loss
+            totals.replayed += int(forward.replayed)
+            with timer("optimizer"):  # part of the "train" phase: clipping and the AdamW step
+                faults.point("update")
+                # No optimiser or scheduler step on a non-finite update; every rank decides alike.
+                finite, norms = optimizer_step(trained, d.sum({"loss": update_loss})["loss"], self.cfg.optim.max_grad_norm)
+                totals.add_update(finite, norms)
+            if finite:
+                self._engine_stale = self.generator is not None and train_policy
+        rollout.replay = None  # used up (or unused): free decoding's activations
+        return totals.result(d, int(loss_mask_all.sum()) * a.epochs, [o.metric for o in trained], train_policy)
+
+    def _micro_batch_loss(self, mb, forward, inputs, targets: Targets, totals: UpdateTotals) -> float:
+        """Σ w·L over micro-batch ``mb``, backpropagated: the clipped surrogate on the log-probs ``forward``
+        computes (None while the policy is frozen: no surrogate) plus the algorithm's extra loss. ``inputs``: the
+        rollout's (input ids, attention mask). Returns the loss's value."""
+        a, dev = self.cfg.algorithm, self.device
+        logp, loss_BT = None, torch.zeros(mb.loss_mask.shape, device=dev)
+        if forward is not None:
+            logp, entropy = forward.logprobs(mb.rows)
+            old = targets.old_logp[mb.rows].to(dev) if targets.old_logp is not None else logp.detach()
+            loss_BT, pg_metrics = self.policy_loss(
+                logp=logp, old_logp=old, advantages=targets.advantages[mb.rows].to(dev), response_mask=mb.loss_mask,
+                clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+            )
+            if targets.is_weights is not None:  # vLLM sampled: w_t = min(π_old / π_vLLM, C) per token
+                loss_BT = loss_BT * targets.is_weights[mb.rows].to(dev)
+            totals.add_policy(mb, loss_BT, entropy, pg_metrics)
+        extra_BT, extra_metrics = self._extra_loss(mb.rows, mb.loss_mask, logp, *inputs, targets)
+        if extra_BT is not None:
+            loss_BT = loss_BT + extra_BT
+        totals.add_extra(mb, extra_metrics)
+        loss = torch.where(mb.weights != 0, mb.weights * loss_BT, 0.0).sum()
+        if forward is None:  # the policy is frozen: only the algorithm's own model (PPO's critic) learns
+            loss.backward()
+        else:
+            forward.backward(loss, logp)
+        return loss.item()
+
+    # ------------------------------------------------------------------------------------------ the run (loop.Trainer)
+    def _progress_postfix(self, metrics: dict) -> dict:
+        return {"reward": f"{metrics['reward_mean']:.3f}", "acc": f"{metrics['accuracy']:.2f}", "kl": f"{metrics['kl']:.4f}"}
+
+    def evaluate(self, responses: list | None = None) -> dict:
+        """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers. ``responses``
+        (rank 0) receives each greedy response (``evaluate.evaluate``)."""
+        with self.dist.gathered(self.model), linear_kernels(self.cpu_linear):  # FSDP2: rank 0 runs forward passes the others do not
+            metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
+                                      self.trainer_state, tools=self.tools, responses=responses) if self.dist.is_main else None
+        return self.dist.broadcast(metrics)
+
+    def _eval_metrics(self, responses: list) -> dict:
+        metrics = self.evaluate(responses)
+        return {**metrics, "eval/grader_errors": self._log_grader_errors(self.step_count)}
+
+    def _log_grader_errors(self, step: int) -> int:
+        """Append every rank's built-in grader failures since the last call to ``grader_errors.jsonl``, tagged
+        with ``step``; returns how many there were."""
+        errors = self.dist.gather_list([{"step": step, **e} for e in grader_errors.drain()])
+        if self.dist.is_main:
+            for entry in errors:
+                self.grader_log.write(entry)
+        return len(errors)
+
+    def _extra_state(self) -> dict:
+        return {"guard": self.guard.state_dict(), "process": self.process.state_dict() if self.process is not None else {},
+                **self._algorithm_state()}
+
+    def _load_extra_state(self, state: dict) -> None:
+        self.guard.load_state_dict(state.get("guard", {}))  # absent in checkpoints written before the guard
+        if self.process is not None:
+            self.process.load_state_dict(state.get("process", {}))
+        self._load_algorithm_state(state)
