@@ -1,11 +1,12 @@
-# Two commands on a fresh machine: `make demo` (the main job on the embedded default model) and `make test`.
+# Two commands on a fresh machine: `make demo` (the main claim on the embedded default model: a supervised warm
+# start, cached after the first run, then GRPO on an engineering gym family) and `make test`.
 # Both create or reuse .venv and install what they need first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo demo-arithmetic test venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +23,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/cohortrl demo
+
+# The earlier demo: GRPO alone on arithmetic level 1 (configs/demo_arithmetic.yaml).
+demo-arithmetic: $(STAMP)
+	$(BIN)/cohortrl demo --arithmetic
 
 clean:
 	rm -rf $(VENV) runs

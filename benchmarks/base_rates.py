@@ -39,7 +39,7 @@ def generate(model, tokenizer, prompts: list[str], *, system: str | None, max_ne
 
 def last_number_correct(sample, completion: str, rel_tol: float = 0.01) -> float:
     """Lenient reading: the ANSWER line if present, else the last number, against the answer's number (1%).
-    This is the correctness the GRPO demo trains on; the gym's own outcome also requires the format."""
+    This is the correctness the arithmetic GRPO demo trains on; the gym's own outcome also requires the format."""
     import re
 
     from cohortrl.grading.answer_format import NUMBER, parse_number
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="for the sampled column (default 1.0)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--system", default="Be brief.", help="system prompt (default 'Be brief.', as the demo)")
+    parser.add_argument("--system", default="Be brief.", help="system prompt (default 'Be brief.', as the arithmetic demo)")
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
     parser.add_argument("--dump", default=None, help="write every prompt, completion and grade to this JSONL file")
     args = parser.parse_args()

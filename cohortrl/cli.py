@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -253,13 +254,123 @@ def cmd_plan(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The default run: GRPO on SmolLM2-135M-Instruct (configs/demo.yaml)."""
-    run_dir = args.run_dir or time.strftime("runs/demo-%Y%m%d-%H%M%S")  # a new directory each time: never refused
-    ns = argparse.Namespace(
-        config=str(REPO_CONFIGS / "demo.yaml"), overrides=args.overrides, run_dir=run_dir, steps=None, resume=False,
-        overwrite=args.overwrite,
-    )
-    return cmd_train(ns)
+    """The library's main claim on the default model: a supervised warm start, then GRPO, on an engineering gym
+    family with the calculator (configs/demo_sft.yaml, configs/demo_grpo.yaml), held-out accuracy before and
+    after each phase. The warm start is trained once and cached in $COHORTRL_HOME/demo/ (--fresh: train it
+    again); GRPO runs into a new runs/demo-DATE-TIME each time. --arithmetic: the earlier GRPO-only demo
+    (configs/demo_arithmetic.yaml)."""
+    run_dir = Path(args.run_dir or time.strftime("runs/demo-%Y%m%d-%H%M%S"))  # a new directory each time: never refused
+    if args.arithmetic:
+        if args.fresh or args.sft or args.sft_config or args.grpo_config:
+            raise ConfigError("--arithmetic runs GRPO alone: --fresh, --sft, --sft-config and --grpo-config do not apply")
+        return cmd_train(argparse.Namespace(
+            config=str(REPO_CONFIGS / "demo_arithmetic.yaml"), overrides=args.overrides, run_dir=str(run_dir),
+            steps=None, resume=False, overwrite=args.overwrite,
+        ))
+    from cohortrl.models import cohortrl_home
+    from cohortrl.trainers import make_trainer
+    from cohortrl.trainers.run_dir import RunDirectoryError, run_files
+    from cohortrl.trainers.warm_start import cached_sft, lookup
+
+    sft_path = args.sft_config or str(REPO_CONFIGS / "demo_sft.yaml")
+    rl_path = args.grpo_config or str(REPO_CONFIGS / "demo_grpo.yaml")
+    sft_cfg, rl_cfg = _load_config(sft_path, args.sft), _load_config(rl_path, args.overrides)
+    _check_same_evaluation(sft_cfg, rl_cfg)  # the summary compares the phases' numbers: before any model loads
+    if not args.overwrite and run_files(run_dir):  # refused now, not after the warm start's minutes of training
+        raise RunDirectoryError(f"{run_dir} already holds a run ({', '.join(run_files(run_dir))}); give another "
+                                "--run-dir, or --overwrite to delete that run's files first")
+    rl_name = rl_cfg.algorithm.name.upper()
+    tools = f", tools {', '.join(sft_cfg.rollout.tools)}" if sft_cfg.rollout.tools else ""
+    print(f"cohortrl demo: {sft_cfg.model.name} on {sft_cfg.data.source} level {sft_cfg.data.level}{tools}: "
+          f"a supervised warm start ({sft_path}), then {rl_name} ({rl_path})", flush=True)
+
+    root = cohortrl_home() / "demo"
+    cached, problem = lookup(sft_cfg, root)
+    if problem is None and not args.fresh:
+        print(f"warm start: reusing the run cached in {cached}, trained {_mtime(cached / 'final')} "
+              "(cohortrl demo --fresh trains it again)", flush=True)
+    else:
+        why = "--fresh" if args.fresh and problem is None else ("none cached yet" if not cached.exists() else f"the cached one is not usable: {problem}")
+        print(f"warm start: training it ({sft_cfg.train.steps} SFT steps; {why}); it will be cached in {cached}", flush=True)
+    warm = cached_sft(sft_cfg, root, fresh=args.fresh, callbacks=[_PrintEvaluations()])
+
+    rl = rl_cfg.to_dict()
+    rl["model"]["init"] = str(warm.final)
+    print(f"{rl_name}: {rl_cfg.train.steps} step(s) from the warm start ({warm.final}) into {run_dir}", flush=True)
+    trainer = make_trainer(Config.from_dict(rl), run_dir, overwrite=args.overwrite, callbacks=[_PrintEvaluations()])
+    try:
+        rl_rows = trainer.train()
+    finally:
+        trainer.close()
+    shutil.copyfile(warm.path / "curves.png", run_dir / "warm_start_curves.png")
+    summary = _demo_summary(sft_cfg, rl_cfg, warm, [r for r in rl_rows if "eval/accuracy" in r], run_dir)
+    (run_dir / "demo_summary.txt").write_text(summary + "\n")
+    print(summary)
+    return 0
+
+
+def _check_same_evaluation(sft: Config, rl: Config) -> None:
+    """Both phases must measure alike (the same held-out problems, model, prompt, tools, token budget and
+    correctness), or the demo's before/after numbers would not compare; say what differs."""
+    from cohortrl.data import load_rows, prompt_key
+
+    def measured(cfg: Config) -> dict:
+        _, held_out = load_rows(cfg.data, cfg.train.seed)
+        fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
+        return {
+            "held-out problems (data.*, eval.n_prompts)": [prompt_key(r["prompt"]) for r in held_out[: cfg.eval.n_prompts]],
+            "model.name": cfg.model.name, "model.system_prompt": cfg.model.system_prompt,
+            "rollout.tools": cfg.rollout.tools, "eval.max_new_tokens": cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
+            "reward.correctness": (fn.name, fn.kwargs),
+        }
+
+    a, b = measured(sft), measured(rl)
+    differ = [key for key in a if a[key] != b[key]]
+    if differ:
+        raise ConfigError(f"the warm start and the RL phase must be evaluated alike for the demo to compare them; "
+                          f"they differ in: {', '.join(differ)}")
+
+
+def _mtime(path: Path) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+
+
+def _demo_summary(sft: Config, rl: Config, warm, rl_evals: list[dict], run_dir: Path) -> str:
+    """The demo's closing lines: held-out accuracy of the base model, after the warm start and after RL (each
+    with its 95% interval and n, and where it was measured), and where the curves are."""
+    def acc(r: dict | None) -> str:
+        if r is None:
+            return "not measured"
+        return f"{r['eval/accuracy']:.3f} (95% CI {r['eval/accuracy_ci_low']:.3f}-{r['eval/accuracy_ci_high']:.3f}, n={r['eval/n']})"
+
+    sft_evals = warm.evaluations()
+    base = next((r for r in sft_evals if r["step"] == 0), None)
+    after_sft = next((r for r in sft_evals if r["step"] == sft.train.steps), None)  # None: eval.n_prompts is 0
+    fn = next(f for f in sft.reward.functions if f.name == sft.reward.correctness)
+    how = fn.name + (f" ({', '.join(f'{k}={v}' for k, v in fn.kwargs.items())})" if fn.kwargs else "")
+    if (fn.name, fn.kwargs.get("field")) == ("task", "outcome"):
+        how += ": the gym grader's strict outcome"
+    name = rl.algorithm.name.upper()
+    when = f"measured when the cached warm start was trained, {_mtime(warm.final)}" if warm.reused else "this run"
+    rows = [
+        (f"base model ({sft.model.name})", acc(base) if base else "not measured (the warm start's eval.before is off)",
+         f"the warm start's step-0 evaluation, {when}" if base else "docs/tasks.md has base rates (without tools)"),
+        (f"after the warm start ({sft.train.steps} SFT steps)", acc(after_sft), f"its final evaluation, {when}"),
+    ]
+    rl_before = next((r for r in rl_evals if r["step"] == 0), None)
+    if rl_before:
+        rows.append((f"before {name} (the warm start, merged)", acc(rl_before), "this run, step 0"))
+    if rl_evals and rl_evals[-1]["step"] > 0:
+        n = rl_evals[-1]["step"]
+        rows.append((f"after {name} ({n} step{'s' * (n != 1)})", acc(rl_evals[-1]), "this run"))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"summary: held-out greedy accuracy by reward.correctness {how}; the same held-out problems in every line",
+             *(f"  {label:<{width}}  {value}  [{where}]" for label, value, where in rows)]
+    if not rl_before:
+        lines.append(f"  ({name} starts from the warm start: its 'before' is the warm start's line, not evaluated again)")
+    lines.append(f"curves: {run_dir / 'curves.png'} ({name}), {warm.path / 'curves.png'} (the warm start; copied to "
+                 f"{run_dir / 'warm_start_curves.png'}); run directory {run_dir}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,10 +467,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-mfu", type=float, default=0.1, help="utilisation while decoding (default 0.1: bandwidth-bound)")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("demo", help="the default GRPO run on SmolLM2-135M-Instruct", description=cmd_demo.__doc__)
-    p.add_argument("overrides", nargs="*", help="overrides to configs/demo.yaml as key.path=value")
-    p.add_argument("--run-dir", default=None, help="run directory (default runs/demo-DATE-TIME, a new one each time)")
+    p = sub.add_parser("demo", help="SFT warm start then GRPO on SmolLM2-135M-Instruct (engineering gym)",
+                       description=cmd_demo.__doc__)
+    p.add_argument("overrides", nargs="*", help="overrides to the GRPO config (configs/demo_grpo.yaml; with "
+                   "--arithmetic configs/demo_arithmetic.yaml) as key.path=value")
+    p.add_argument("--run-dir", default=None, help="GRPO's run directory (default runs/demo-DATE-TIME, a new one each time)")
     p.add_argument("--overwrite", action="store_true", help="--run-dir may hold an earlier run: delete its files first")
+    p.add_argument("--fresh", action="store_true", help="train the warm start again, replacing the cached one")
+    p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override to the warm start's config (repeatable); a changed config is a new cache entry")
+    p.add_argument("--sft-config", default=None, help="the warm start's config (default configs/demo_sft.yaml)")
+    p.add_argument("--grpo-config", default=None, help="the RL phase's config (default configs/demo_grpo.yaml)")
+    p.add_argument("--arithmetic", action="store_true",
+                   help="the earlier demo instead: GRPO alone on arithmetic level 1 (configs/demo_arithmetic.yaml)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("config", help="show a config with every default filled in",

@@ -140,7 +140,7 @@ def write_dir(path: Path, write, *, step: int, config_hash: str = "", needed_byt
         faults.point("checkpoint-manifest")
         _write_manifest(tmp, step, config_hash)
         faults.point("checkpoint-write")
-        _swap_in(tmp, path)
+        swap_in(tmp, path)
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -189,7 +189,7 @@ def _write_file(path: Path, write) -> None:
         raise OSError(error.errno, error.strerror or str(error), str(path)) from e
 
 
-def _swap_in(tmp: Path, path: Path) -> None:
+def swap_in(tmp: Path, path: Path) -> None:
     """Rename ``tmp`` to ``path``. An old ``path`` is renamed aside first and put back if the rename fails;
     a crash between the two renames leaves no ``path`` at all, never a mix."""
     old = None

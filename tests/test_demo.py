@@ -1,0 +1,103 @@
+"""``cohortrl demo`` (``make demo``) on tiny stand-in configs: the first run trains and caches the warm start, a
+second reuses it without training, both print the before/after numbers; phases that would not be evaluated
+alike are refused before any model loads. The shipped configs' held-out sets agree."""
+
+import re
+import shutil
+
+import pytest
+import yaml
+
+from cohortrl import cli
+from cohortrl.trainers.sft import SFTTrainer
+
+COMMON = {
+    "model": {"name": "tiny-llama", "system_prompt": None, "lora": {"enabled": True, "r": 4}},
+    "data": {"source": "task:arithmetic", "seed": 0, "train_size": 24, "eval_size": 4},
+    "reward": {"functions": [{"name": "task", "kwargs": {"field": "outcome"}}], "correctness": "task"},
+    "sampling": {"max_new_tokens": 4},
+}
+SFT = {**COMMON, "optim": {"lr": 1e-2}, "sft": {"batch_size": 4},
+       "train": {"steps": 2, "progress": False}, "eval": {"before": True, "n_prompts": 4, "batch_size": 4}}
+GRPO = {**COMMON, "algorithm": {"group_size": 2, "prompts_per_step": 2},
+        "train": {"steps": 1, "progress": False}, "eval": {"before": False, "n_prompts": 4, "batch_size": 4}}
+NUMBER = r"\d\.\d{3} \(95% CI \d\.\d{3}-\d\.\d{3}, n=4\)"
+
+
+@pytest.fixture
+def demo(tmp_path, monkeypatch, capsys):
+    """``cohortrl demo`` with the stand-in configs, COHORTRL_HOME and the working directory in tmp_path."""
+    monkeypatch.setenv("COHORTRL_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for name, config in (("sft.yaml", SFT), ("grpo.yaml", GRPO)):
+        (tmp_path / name).write_text(yaml.safe_dump(config))
+
+    def run(*args):
+        code = cli.main(["demo", "--sft-config", "sft.yaml", "--grpo-config", "grpo.yaml", *args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+    return run
+
+
+def test_first_run_trains_the_warm_start_and_the_second_reuses_it(demo, tmp_path, monkeypatch):
+    code, out, err = demo("--run-dir", "runs/a")
+    assert code == 0, err
+    assert "warm start: training it (2 SFT steps; none cached yet); it will be cached in" in out
+    summary = out[out.index("summary:"):]
+    assert re.search(rf"base model \(tiny-llama\)\s+{NUMBER}  \[the warm start's step-0 evaluation, this run\]", summary)
+    assert re.search(rf"after the warm start \(2 SFT steps\)\s+{NUMBER}  \[its final evaluation, this run\]", summary)
+    assert re.search(rf"after GRPO \(1 step\)\s+{NUMBER}  \[this run\]", summary)
+    assert "GRPO starts from the warm start: its 'before' is the warm start's line" in summary
+    run = tmp_path / "runs" / "a"
+    assert (run / "demo_summary.txt").read_text().strip() == summary.strip()
+    assert (run / "curves.png").is_file() and (run / "warm_start_curves.png").is_file()
+    [cached] = (tmp_path / "home" / "demo").iterdir()
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["init"] == str(cached / "final")
+
+    def refuse(self, steps=None):
+        raise AssertionError("the warm start was trained again")
+    monkeypatch.setattr(SFTTrainer, "train", refuse)
+    code, again, err = demo("--run-dir", "runs/b")
+    assert code == 0, err
+    assert f"warm start: reusing the run cached in {cached}, trained " in again
+    second = again[again.index("summary:"):]
+    cached_line = re.compile(r"after the warm start .*\[its final evaluation, measured when the cached warm start was trained, [-\d: ]+\]")
+    assert cached_line.search(second)
+    # the warm start's numbers are the cached run's, the same in both summaries
+    assert [line.split("[")[0] for line in second.splitlines()[1:3]] == [line.split("[")[0] for line in summary.splitlines()[1:3]]
+    assert (tmp_path / "runs" / "b" / "curves.png").is_file()
+
+    # a damaged cache is not used: it is trained again (here: refused training proves the attempt)
+    shutil.rmtree(cached / "final")
+    with pytest.raises(AssertionError, match="trained again"):
+        demo("--run-dir", "runs/c")
+
+
+def test_phases_that_would_not_be_evaluated_alike_are_refused_before_any_model_loads(demo, tmp_path, monkeypatch):
+    monkeypatch.setattr(SFTTrainer, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
+    code, _, err = demo("data.seed=1")  # the GRPO phase's held-out problems would be other ones
+    assert code == 2 and "they differ in: held-out problems (data.*, eval.n_prompts)" in err
+    code, _, err = demo("--sft", "model.system_prompt=Be brief.")
+    assert code == 2 and "they differ in: model.system_prompt" in err
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    (tmp_path / "runs" / "x" / "metrics.jsonl").write_text("")
+    code, _, err = demo("--run-dir", "runs/x")  # refused now, not after the warm start trained
+    assert code == 2 and "runs/x already holds a run" in err
+    code, _, err = demo("--arithmetic", "--fresh")
+    assert code == 2 and "--arithmetic runs GRPO alone" in err
+
+
+def test_the_shipped_demo_configs_share_their_held_out_problems():
+    sft = cli._load_config(str(cli.REPO_CONFIGS / "demo_sft.yaml"), [])
+    grpo = cli._load_config(str(cli.REPO_CONFIGS / "demo_grpo.yaml"), [])
+    cli._check_same_evaluation(sft, grpo)  # raises if not
+    assert sft.eval.before and not grpo.eval.before and grpo.model.init is None  # the demo sets model.init
+
+
+def test_arithmetic_runs_the_earlier_grpo_only_demo(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(cli, "cmd_train", lambda ns: seen.append(ns) or 0)
+    assert cli.main(["demo", "--arithmetic", "--run-dir", str(tmp_path / "r"), "train.steps=3"]) == 0
+    [ns] = seen
+    assert ns.config == str(cli.REPO_CONFIGS / "demo_arithmetic.yaml") and ns.overrides == ["train.steps=3"]
+    assert ns.run_dir == str(tmp_path / "r") and not ns.resume
