@@ -15,6 +15,9 @@ Formulas (consistent units N, mm, MPa = N/mm^2):
   P_cr = pi^2 E I / (K L)^2 with K = 1 pinned-pinned, 2 fixed-free, 0.5 fixed-fixed, 0.7 fixed-pinned
   SF_b = P_cr / N,  SF = min(SF_y, SF_b);  VERDICT SAFE iff SF >= the required safety factor.
 Generated loads put SF / SF_required at least 10% from 1, and SAFE/FAIL alternate.
+Reference expressions use only the given sizes: a hollow section's inner diameter is written (D - 2*t), not
+worked out beforehand, so a solution learned from them leaves no arithmetic to be done in the head (a warm
+start on references with the inner diameter precomputed never learned the hole: docs/engineering.md).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def area_expression(s: dict) -> str:
     if s["shape"] == "solid":
         return f"pi*{s['d']}^2/4"
     if s["shape"] == "hollow":
-        return f"pi*({s['D']}^2 - {s['D'] - 2 * s['t']}^2)/4"
+        return f"pi*({s['D']}^2 - ({s['D']} - 2*{s['t']})^2)/4"  # d = D - 2t written out (module doc)
     return f"{s['b']}*{s['h']}"
 
 
@@ -100,7 +103,7 @@ def inertia_expression(s: dict) -> str:
     if s["shape"] == "solid":
         return f"pi*{s['d']}^4/64"
     if s["shape"] == "hollow":
-        return f"pi*({s['D']}^4 - {s['D'] - 2 * s['t']}^4)/64"
+        return f"pi*({s['D']}^4 - ({s['D']} - 2*{s['t']})^4)/64"
     return f"{max(s['b'], s['h'])}*{min(s['b'], s['h'])}^3/12"
 
 
