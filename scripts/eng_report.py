@@ -1,0 +1,129 @@
+"""The engineering study's table and plots (docs/engineering.md), computed from the runs of scripts/eng_study.sh:
+
+    .venv/bin/python scripts/eng_report.py runs/eng docs/engineering/axial3
+
+writes OUT.md (held-out strict accuracy of every arm with its 95% Wilson interval, the GRPO seeds' mean and
+spread, accuracy by section shape, error categories) and OUT.png (per-seed training curves of the RL phase:
+sampled accuracy, groups with signal, response length, tool calls). Every number is read from the files."""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cohortrl.rewards.error_categories import CATEGORIES  # noqa: E402
+from cohortrl.stats import wilson_interval  # noqa: E402
+
+SHAPES = ("solid round", "hollow round", "rectangular")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def final_responses(run: Path) -> list[dict]:
+    """The greedy responses of a run's last evaluation."""
+    rows = read_jsonl(run / "eval_completions.jsonl")
+    last = max(r["step"] for r in rows)
+    return [r for r in rows if r["step"] == last]
+
+
+def arms(root: Path) -> list[tuple[str, list[dict]]]:
+    found = []
+    if (root / "eval_base.jsonl").is_file():
+        found.append(("base SmolLM2-135M-Instruct, with the calculator", read_jsonl(root / "eval_base.jsonl")))
+    if (root / "sft_axial3_e200" / "eval_completions.jsonl").is_file():
+        found.append(("SFT (40 steps)", final_responses(root / "sft_axial3_e200")))
+    elif (root / "eval_sft.jsonl").is_file():  # a warm start trained before runs kept their responses
+        found.append(("SFT (40 steps), `cohortrl eval` of its final/", read_jsonl(root / "eval_sft.jsonl")))
+    for seed in range(10):
+        run = root / f"grpo_s{seed}"
+        if (run / "final").is_dir():
+            found.append((f"SFT + GRPO (20 steps), seed {seed}", final_responses(run)))
+    more = root / "sft_axial3_e200_more"
+    if (more / "final").is_dir():
+        steps = max(r["step"] for r in read_jsonl(more / "metrics.jsonl"))
+        found.append((f"SFT continued to {steps} steps (the GRPO phase's wall time)", final_responses(more)))
+    return found
+
+
+def shape(prompt) -> str:
+    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    return next((s for s in SHAPES if s in text), "other")
+
+
+def accuracy(rows: list[dict]) -> tuple[float, float, float, int]:
+    hits = sum(r["correct"] for r in rows)
+    lo, hi = wilson_interval(hits, len(rows))
+    return hits / len(rows), lo, hi, len(rows)
+
+
+def table(root: Path) -> str:
+    found = arms(root)
+    lines = ["| arm | held-out strict accuracy (95% Wilson CI, n) | " + " | ".join(SHAPES) + " |",
+             "|---|---|" + "---|" * len(SHAPES)]
+    for name, rows in found:
+        acc, lo, hi, n = accuracy(rows)
+        by_shape = []
+        for s in SHAPES:
+            sub = [r for r in rows if shape(r["prompt"]) == s]
+            by_shape.append(f"{sum(r['correct'] for r in sub)}/{len(sub)}" if sub else "-")
+        lines.append(f"| {name} | {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}) | " + " | ".join(by_shape) + " |")
+    seeds = [accuracy(rows)[0] for name, rows in found if "GRPO" in name]
+    out = ["\n".join(lines)]
+    if seeds:
+        spread = f", sd {statistics.stdev(seeds):.3f}" if len(seeds) > 1 else ""
+        out.append(f"GRPO over {len(seeds)} seed(s): mean {statistics.mean(seeds):.3f}, range "
+                   f"{min(seeds):.3f}-{max(seeds):.3f}{spread}.")
+    kinds = [k for k in CATEGORIES if k != "correct"]
+    cat = ["| arm | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for name, rows in found:
+        counts = collections.Counter(r["category"] for r in rows)
+        cat.append(f"| {name} | " + " | ".join(str(counts.get(k, 0)) for k in kinds) + " |")
+    out.append("Greedy responses by category (`rewards/error_categories.py`; `unsupported` = right answer with a "
+               "required step missing or wrong):\n\n" + "\n".join(cat))
+    return "\n\n".join(out) + "\n"
+
+
+def plot(root: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("accuracy", "sampled accuracy (32 responses, T 0.8)"),
+              ("zero_variance_frac", "groups without signal (fraction)"),
+              ("response_length_mean", "response length (tokens)"),
+              ("tools/calls_per_response", "calculator calls per response")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))
+    for seed in range(10):
+        path = root / f"grpo_s{seed}" / "metrics.jsonl"
+        if not path.is_file():
+            continue
+        rows = [r for r in read_jsonl(path) if "reward_mean" in r]
+        for ax, (key, title) in zip(axes, panels):
+            ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], label=f"seed {seed}", lw=1.2)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("GRPO step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    root, out = Path(argv[0]), Path(argv[1])
+    out.with_suffix(".md").write_text(table(root))
+    plot(root, out.with_suffix(".png"))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
