@@ -136,6 +136,11 @@ class RolloutConfig:
     """Tool calls per response; a call beyond it is not run and gets an error text as its result."""
     tool_timeout_s: float = 10.0
     """Seconds the calls made at one decoding step may take; a call still running then gets an error text."""
+    tool_format: Literal["auto", "text", "chat"] = "auto"
+    """How the model calls tools (docs/tools.md): ``chat``, its chat template's own tool calling (the tools
+    described by the template, ``<tool_call>{json}</tool_call>``, results as tool messages); ``text``, the
+    ``<call>NAME: ARGUMENT</call>`` protocol for templates without it (SmolLM2); ``auto``, chat when the
+    template renders tools in that form, else text. ``chat`` on a template that cannot is refused."""
 
 
 @dataclass

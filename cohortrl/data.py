@@ -57,22 +57,27 @@ def check_prompt(prompt, where: str, column: str | None = None) -> None:
         raise DataError(f"{where}: the conversation has no user message; give at least one {{'role': 'user', ...}}")
 
 
-def render_prompt(tokenizer, prompt, system_prompt: str | None = None) -> str:
-    """The prompt as the model sees it, through its chat template, ready for the assistant's answer.
-
-    Text becomes the user's turn after ``system_prompt`` (when not None). A conversation is rendered as it
-    stands; ``system_prompt`` goes first only if it has no system message of its own. A conversation that ends
-    with an assistant message is continued inside that message (``continue_final_message``, as TRL does),
-    otherwise the assistant's header is added."""
-    if is_conversation(prompt):
-        messages = [dict(m) for m in prompt]
-    else:
-        messages = [{"role": "user", "content": prompt}]
+def prompt_messages(prompt, system_prompt: str | None = None) -> list[dict]:
+    """The prompt as chat messages: text becomes the user's turn after ``system_prompt`` (when not None); a
+    conversation is copied as it stands, ``system_prompt`` going first only if it has no system message."""
+    messages = [dict(m) for m in prompt] if is_conversation(prompt) else [{"role": "user", "content": prompt}]
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render_prompt(tokenizer, prompt, system_prompt: str | None = None, tools: list[dict] | None = None) -> str:
+    """The prompt as the model sees it, through its chat template, ready for the assistant's answer.
+
+    The messages are :func:`prompt_messages`. A conversation that ends with an assistant message is continued
+    inside that message (``continue_final_message``, as TRL does), otherwise the assistant's header is added.
+    ``tools``: JSON schemas the template describes itself (``apply_chat_template(tools=...)``; docs/tools.md's
+    chat protocol); None leaves them out."""
+    messages = prompt_messages(prompt, system_prompt)
+    extra = {"tools": tools} if tools is not None else {}
     if messages[-1]["role"] == "assistant":
-        return tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True, **extra)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
 def prompt_key(prompt) -> str:

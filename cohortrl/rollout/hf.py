@@ -21,11 +21,11 @@ import torch
 from transformers import DynamicCache
 
 from cohortrl.config import SamplingConfig
-from cohortrl.data import prompt_preview, render_prompt
+from cohortrl.data import prompt_messages, prompt_preview, render_prompt
 from cohortrl.kernels import decoding_weights
 from cohortrl.rollout.decoder import decoder_for
 from cohortrl.rollout.replay import Recording
-from cohortrl.rollout.tools import ToolSession
+from cohortrl.rollout.tools import ToolSession, tool_protocol
 from cohortrl.rollout.types import Rollout
 from cohortrl.tools import Toolset, tool_prompt
 
@@ -38,9 +38,11 @@ class PromptTooLongError(ValueError):
     pass
 
 
-def encode_prompts(tokenizer, prompts: list[str], system_prompt: str | None, max_prompt_tokens: int, overlong: str):
-    """Tokenise chat-formatted prompts, left-padded. Returns (ids (P, Tp), mask (P, Tp), n_truncated)."""
-    texts = [render_prompt(tokenizer, p, system_prompt) for p in prompts]
+def encode_prompts(tokenizer, prompts: list[str], system_prompt: str | None, max_prompt_tokens: int, overlong: str,
+                   tools: list[dict] | None = None):
+    """Tokenise chat-formatted prompts, left-padded. Returns (ids (P, Tp), mask (P, Tp), n_truncated).
+    ``tools``: JSON schemas the chat template describes (``data.render_prompt``)."""
+    texts = [render_prompt(tokenizer, p, system_prompt, tools) for p in prompts]
     # The chat template already holds the special tokens; adding BOS again would shift the distribution.
     encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     n_truncated = 0
@@ -96,14 +98,21 @@ def generate(
 
     ``record``: where the lean decoder runs, keep its forward for the update's backward
     (``rollout.replay``, a ``rollout/replay.py`` :class:`Recording`; None where it does not run).
-    ``tools``: the model may call them (``rollout/tools.py``); they are described after the system prompt, and
+    ``tools``: the model may call them (``rollout/tools.py``), in the protocol ``tool_protocol`` picks: the text
+    protocol describes them after the system prompt, the chat protocol hands their schemas to the chat template;
     their results are in the responses as tokens marked by ``rollout.tool_mask``."""
-    session = None
+    session, schemas = None, None
     if tools is not None:
-        system_prompt = tool_prompt(system_prompt, tools)
-        session = ToolSession(tools, tokenizer, [row for row in rows for _ in range(group_size)])
+        group_rows = [row for row in rows for _ in range(group_size)]
+        if tool_protocol(tools, tokenizer) == "chat":
+            schemas = tools.schemas()
+            messages = [prompt_messages(row["prompt"], system_prompt) for row in group_rows]
+            session = ToolSession(tools, tokenizer, group_rows, messages, schemas)
+        else:
+            system_prompt = tool_prompt(system_prompt, tools)
+            session = ToolSession(tools, tokenizer, group_rows)
     prompt_ids, prompt_mask, n_truncated = encode_prompts(
-        tokenizer, [r["prompt"] for r in rows], system_prompt, max_prompt_tokens, overlong_prompts
+        tokenizer, [r["prompt"] for r in rows], system_prompt, max_prompt_tokens, overlong_prompts, schemas
     )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Tp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
@@ -121,6 +130,8 @@ def generate(
     response_ids = out[:, prompt_ids.shape[1] :]
     tool_mask = session.tool_mask(response_ids.shape[1]) if session is not None else None
     response_mask, truncated, completions = _finish(response_ids, lengths, tokenizer, eos_ids, sampling, tool_mask)
+    if schemas is not None:  # the chat protocol: tool turns as <tool_response>RESULT</tool_response>
+        completions = session.completions(response_ids, lengths)
     tool_calls, tool_errors = session.counts() if session is not None else (None, None)
     sequence_mask = response_mask if tool_mask is None else response_mask | tool_mask
     response_ids = response_ids.masked_fill(sequence_mask == 0, tokenizer.pad_token_id)

@@ -3,8 +3,10 @@
 This package is low in the layers: it imports no rollout, reward or trainer code (only ``simulate`` reads the
 gym's controller family). ``base``: the protocol (a tool is a typed, documented Python function), the registry
 of built-ins and the guarded runner; ``calculator``: the safe expression evaluator; ``simulate``: the
-controller family's try-it-first tool; ``text``: the ``<call>``/``<result>`` text protocol, ``render`` and
-``with_calculator``. Generation with tools lives in ``cohortrl/rollout/tools.py``.
+controller family's try-it-first tool; ``text``: the ``<call>``/``<result>`` text protocol, ``render`` (both
+protocols) and ``with_calculator``; ``chat``: the chat-template protocol (``<tool_call>{json}</tool_call>``, results
+as the template's tool turn) for models whose template renders tools. Generation with tools lives in
+``cohortrl/rollout/tools.py``, which picks the protocol per model.
 
 The tool functions themselves are ``cohortrl.tools.calculator.calculator`` and
 ``cohortrl.tools.simulate.simulate`` (not re-exported here, where they would hide their modules' names).

@@ -69,6 +69,7 @@ class Toolset:
     tools: list[Tool]
     max_calls: int = 4  # per response; a call beyond it is answered with an error text, not run
     timeout_s: float = 10.0  # per round of calls; a call still running then gets an error text
+    format: str = "auto"  # the call protocol (rollout.tool_format): auto (chat if the template can), text or chat
     by_name: dict[str, Tool] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

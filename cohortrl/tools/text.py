@@ -21,6 +21,7 @@ import re
 
 from cohortrl.tools.base import Tool, ToolError, Toolset
 from cohortrl.tools.calculator import CalculatorError, evaluate, format_value
+from cohortrl.tools.chat import render_calls
 
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -92,12 +93,14 @@ def result_spans(text: str) -> list[tuple[int, int]]:
 
 
 def render(text: str) -> str:
-    """``text`` as graders read it: calculator calls as ``EXPR = VALUE``, other calls and results removed. Text
-    without tool calls is unchanged.
+    """``text`` as graders read it: calculator calls as ``EXPR = VALUE``, other calls and results removed, in
+    either protocol (this one's ``<call>``/``<result>`` and the chat protocol's ``<tool_call>`` with its
+    ``<tool_response>``, ``chat.render_calls``). Text without tool calls is unchanged.
 
     >>> render("A = <call>calculator: pi*19^2/4</call><result>283.5</result> mm^2")
     'A = pi*19^2/4 = 283.5 mm^2'
     """
+    text = render_calls(text)
     # whitespace the model wrote after </call> (a token may hold "</call>" and a newline) goes after the value
     text = _CALCULATED.sub(lambda m: f"{m['expr'].strip()} = {m['value'].strip()}{m['space']}", text)
     return _OTHER_CALL.sub("", text)

@@ -1,0 +1,149 @@
+"""The chat protocol of tool calls, for models whose chat template renders tools (Qwen2.5, Qwen3, Hermes-style
+templates; docs/tools.md says when it is chosen):
+
+    the prompt       the template's own description of the tools: ``apply_chat_template(messages, tools=schemas)``
+    <tool_call>{"name": NAME, "arguments": {...}}</tool_call>
+                     written by the model; decoding of that response pauses right after ``</tool_call>``
+    the tool turn    what the template renders between the model's text and its next turn when a
+                     ``{"role": "tool", "content": RESULT}`` message follows: end of turn, the tool turn's header,
+                     RESULT, end of turn, the assistant's header. Appended by the rollout as tokens that are not
+                     the model's; decoding goes on after it.
+
+:func:`tool_turn` finds that text by rendering the conversation with markers where the model's text ends and
+where the result goes, so whatever a template puts around a tool result is reproduced as it renders it.
+:func:`unsupported_reason` says why a template cannot drive the protocol (None when it can).
+
+Graders and reward functions read each tool turn as ``<tool_response>RESULT</tool_response>`` right after the
+call, whatever the template wraps around the result (the token ids hold the template's rendering);
+:func:`render_calls` turns a calculator call with its result into ``EXPR = VALUE``, as ``text.render`` does
+for the text protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from cohortrl.tools.base import Tool, ToolError, Toolset, ToolSetupError
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+# Markers rendered in place of the model's text and of a result: text no model writes and no template alters.
+_SAID, _RESULT = "\u2063cohortrl-said\u2063", "\u2063cohortrl-result\u2063"
+_PROBE = {"type": "function", "function": {
+    "name": "cohortrl_probe_tool", "description": "Repeat a text.",
+    "parameters": {"type": "object", "properties": {"text": {"type": "string", "description": "the text"}},
+                   "required": ["text"]},
+}}
+_CALL_RESPONSE = re.compile(r"<tool_call>(?P<call>.*?)</tool_call>(?P<space>\s*)<tool_response>(?P<value>.*?)</tool_response>",
+                            re.DOTALL)
+
+
+def has_call(text: str) -> bool:
+    """Whether ``text`` (a response since its last tool turn) holds a finished call."""
+    return CALL_CLOSE in text
+
+
+def _name_and_arguments(body: str) -> tuple[str, dict]:
+    """NAME and ARGUMENTS of a call's JSON ``{"name": NAME, "arguments": {...}}``; ARGUMENTS may also come as a
+    JSON string holding the object (OpenAI's wire form). Raises :class:`ToolError` saying what is wrong."""
+    form = 'a call is the JSON object {"name": NAME, "arguments": {...}} between the tool_call tags'
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ToolError(f"the call is not valid JSON ({e.msg} at character {e.pos}); {form}") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ToolError(f"the call has no tool name; {form}")
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        raise ToolError(f"the arguments of {call['name']} are not a JSON object; {form}")
+    return call["name"], arguments
+
+
+def parse_call(text: str, toolset: Toolset) -> tuple[Tool, dict]:
+    """The tool and arguments of the first finished call in ``text``; raises :class:`ToolError` (its message is
+    the call's result) when there is none that can be run."""
+    end = text.find(CALL_CLOSE)
+    start = text.rfind(CALL_OPEN, 0, end)
+    if end < 0 or start < 0:
+        raise ToolError('a call is the JSON object {"name": NAME, "arguments": {...}} between the tool_call tags')
+    name, arguments = _name_and_arguments(text[start + len(CALL_OPEN) : end].strip())
+    return toolset.get(name), arguments
+
+
+def called_name(text: str) -> str | None:
+    """The tool name of the first finished call in ``text``, if it can be read (for the tool message)."""
+    end = text.find(CALL_CLOSE)
+    start = text.rfind(CALL_OPEN, 0, end)
+    if end < 0 or start < 0:
+        return None
+    try:
+        return _name_and_arguments(text[start + len(CALL_OPEN) : end].strip())[0]
+    except ToolError:
+        return None
+
+
+def tool_turn(tokenizer, messages: list[dict], schemas: list[dict], name: str | None = None,
+              said: str = "") -> tuple[str, str]:
+    """(before, after): the text the chat template puts between the end of the model's text and the result of a
+    tool call, and between the result and the model's next turn (its assistant header included).
+
+    ``messages``: the conversation before the model's text ``said`` (the prompt's messages, then the earlier
+    assistant texts and tool messages of this response); a final assistant message there is one ``said``
+    continues. ``name``: the called tool's, given to the tool message as templates that show it expect."""
+    convo = [dict(m) for m in messages]
+    if convo and convo[-1]["role"] == "assistant":
+        said = convo.pop()["content"] + said
+    tool_message = {"role": "tool", "content": _RESULT} | ({"name": name} if name else {})
+    convo += [{"role": "assistant", "content": said + _SAID}, tool_message]
+    text = tokenizer.apply_chat_template(convo, tools=schemas, tokenize=False, add_generation_prompt=True)
+    if text.count(_SAID) != 1 or text.count(_RESULT) != 1 or text.find(_SAID) > text.find(_RESULT):
+        raise ToolSetupError("the chat template does not render an assistant message followed by a tool message "
+                             "with their contents as given")
+    before, _, after = text.partition(_SAID)[2].partition(_RESULT)
+    return before, after
+
+
+def unsupported_reason(tokenizer) -> str | None:
+    """Why the tokenizer's chat template cannot drive the chat protocol, or None when it can: it must describe
+    the ``tools`` it is given, ask for calls as ``<tool_call>...</tool_call>`` and render a tool message."""
+    user = [{"role": "user", "content": "hi"}]
+    try:
+        prompt = tokenizer.apply_chat_template(user, tools=[_PROBE], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template may raise anything (jinja's own errors, raise_exception)
+        return f"its chat template fails when given tools ({type(e).__name__}: {e})"
+    if _PROBE["function"]["name"] not in prompt:
+        return "its chat template does not describe tools"
+    if CALL_OPEN not in prompt:
+        return f"its chat template asks for tool calls in another form than {CALL_OPEN}{{json}}{CALL_CLOSE}"
+    try:
+        tool_turn(tokenizer, user, [_PROBE], _PROBE["function"]["name"])
+    except Exception as e:
+        return f"its chat template cannot render a tool message ({type(e).__name__}: {e})"
+    return None
+
+
+def render_calls(text: str) -> str:
+    """``text`` with each chat-protocol call and its ``<tool_response>``: a calculator call becomes
+    ``EXPR = VALUE``, any other is removed (``text.render`` applies this too).
+
+    >>> render_calls('A = <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call><tool_response>6</tool_response> N')
+    'A = 2*3 = 6 N'
+    """
+    def one(m: re.Match) -> str:
+        try:
+            name, arguments = _name_and_arguments(m["call"].strip())
+        except ToolError:
+            return ""
+        expression = next(iter(arguments.values())) if len(arguments) == 1 else None
+        if name != "calculator" or not isinstance(expression, str):
+            return ""
+        return f"{expression.strip()} = {m['value'].strip()}{m['space']}"
+
+    return _CALL_RESPONSE.sub(one, text)
