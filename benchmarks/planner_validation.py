@@ -59,9 +59,9 @@ def child(model: str, algorithm: str, args) -> None:
         after_setup = peak_rss_mb()
         update = trainer._update
 
-        def recording_update(rollout, input_ids, *rest):
-            shapes.append((rollout.response_ids.shape[1], input_ids.shape[1] - rollout.response_ids.shape[1]))
-            return update(rollout, input_ids, *rest)
+        def recording_update(rollout, *rest):
+            shapes.append((rollout.response_ids.shape[1], rollout.prompt_ids.shape[1]))
+            return update(rollout, *rest)
 
         trainer._update = recording_update
         for _ in range(args.steps):

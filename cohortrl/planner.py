@@ -294,7 +294,7 @@ LOGPROB_KEEP_BYTES = 128 * 2**20  # = rollout.hf.LOGPROB_KEEP_BYTES
 @dataclass(frozen=True)
 class Memory:
     """Bytes per device by component; ``peak`` = persistent states + the larger of the two phases. Gradients
-    belong to the update phase: the trainer frees them after each optimiser step (``trainers/loop.py``)."""
+    belong to the update phase: the trainer frees them after each optimiser step (``trainers/update.py``)."""
 
     policy: ModelStates
     critic: ModelStates | None

@@ -1,6 +1,7 @@
-"""The training loops: one shared RL step (``loop.py``) and a small subclass per algorithm (``grpo.py``,
-``ppo.py``); ``make_trainer`` picks the one ``algorithm.name`` asks for. Supervised fine-tuning, the stage
-before RL, is ``sft.py``."""
+"""The trainers: one shared RL step (``rl.py``, its update's pieces in ``update.py``) and a small subclass per
+algorithm (``grpo.py``, ``ppo.py``); ``make_trainer`` picks the one ``algorithm.name`` asks for. Supervised
+fine-tuning, the stage before RL, is ``sft.py``. Every trainer runs in ``loop.Trainer`` (train loop,
+evaluation schedule, checkpoints and resume, logs, final save)."""
 
 from __future__ import annotations
 
