@@ -140,14 +140,28 @@ class RLTrainer(Trainer):
             reward_weights=reward_weights, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
             args=args, peft_config=peft_config,
         )
-        cfg = self.cfg = inputs.config
-        a = cfg.algorithm
+        self.cfg = inputs.config
+        self._start_run(run_dir, resume, overwrite)
+        n_train_rows = self._build_rewards_and_data(inputs)
+        self._build_models(inputs, n_train_rows)
+        self._build_rollout(inputs)
+        self.step_count = 0
+        self.grader_log = MetricsLog(self.run_dir, grader_errors.FILE)  # built-in graders' failures (a bug report)
+        grader_errors.drain()  # failures from before this run (each logged when it happened) are not this run's
+        self.guard = guards.NonfiniteGuard(self.run_dir, self.cfg.train.max_nonfinite_steps, self.dist.rank)
+        self.config_hash = config_hash(self.cfg.to_dict())  # in every checkpoint's manifest
+        self.strict = strict
+        self._open_run(resume, callbacks, logs=(self.grader_log,))
+
+    def _start_run(self, run_dir, resume: bool, overwrite: bool) -> None:
+        """The run directory, the process (torchrun or not), the device and the seeds, before anything loads."""
+        cfg = self.cfg
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         # Refused if it holds another run, locked against a second process, removed if this start fails (run_dir.py);
         # rank 0 of a torchrun job claims it for all ranks.
         self._run_claim = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite,
                                         main=os.environ.get("RANK", "0") == "0")
-        self.policy_loss = get_policy_loss(a.policy_loss)  # names already checked by config.validate
+        self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss)  # names already checked by config.validate
         self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
         self.cpu_linear = resolve_cpu_linear(cfg.train.cpu_linear, self.device)  # the kernel every step and evaluation use
@@ -161,6 +175,10 @@ class RLTrainer(Trainer):
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
 
+    def _build_rewards_and_data(self, inputs) -> int:
+        """The weighted reward functions, the tools, the prompt stream and the held-out rows; returns the number
+        of training prompts."""
+        cfg = self.cfg
         self.rewards = [
             WeightedReward(f.name, inputs.reward_fns.get(f.name) or resolve(f.name, f.kwargs), f.weight, cfg.reward.timeout_s)
             for f in cfg.reward.functions
@@ -170,7 +188,12 @@ class RLTrainer(Trainer):
         train_rows, eval_rows = load_rows(cfg.data, cfg.train.seed, inputs.train_rows, inputs.eval_rows)
         self.stream = PromptStream(train_rows, cfg.train.seed)
         self.eval_rows = eval_rows[: cfg.eval.n_prompts]
+        return len(train_rows)
 
+    def _build_models(self, inputs, n_train_rows: int) -> None:
+        """The policy (with LoRA if enabled), the algorithm's own models, the reference, the data-parallel
+        wrappers, and an optimiser and LR schedule for each trained model (``self.optimised``)."""
+        cfg, a = self.cfg, self.cfg.algorithm
         model, tokenizer = inputs.model, inputs.tokenizer
         if model is None:
             model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed, init=cfg.model.init)
@@ -179,7 +202,7 @@ class RLTrainer(Trainer):
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer)
         self.model.to(self.device)
-        guards.check_run_fits(cfg, self.model, len(train_rows))
+        guards.check_run_fits(cfg, self.model, n_train_rows)
         self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
         # Under torchrun: DDP around the policy, or FSDP2 sharding it in place (and the reference's own copy).
         self.train_model = self.dist.wrap(self.model)
@@ -193,6 +216,11 @@ class RLTrainer(Trainer):
         self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler), **self.optimised}
         for o in self.optimised.values():  # AdamW's moments now, before the first rollout (a resume overwrites them)
             allocate_optimizer_state(o.optimizer)
+
+    def _build_rollout(self, inputs) -> None:
+        """What the step samples and scores with besides the policy: the reward workers, the process reward,
+        the vLLM engine; and the settings the step reads."""
+        cfg = self.cfg
         self.sampling = cfg.sampling
         self.pool = self._reward_pool(inputs.reward_fns)
         p = cfg.reward.process
@@ -209,14 +237,7 @@ class RLTrainer(Trainer):
         self._engine_stale = False  # the policy changed since the engine last got its weights
         self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or bool(
             getattr(getattr(self.model, "config", None), "attention_dropout", 0))
-        self.norm_length = a.norm_length or cfg.sampling.max_new_tokens
-        self.step_count = 0
-        self.grader_log = MetricsLog(self.run_dir, grader_errors.FILE)  # built-in graders' failures (a bug report)
-        grader_errors.drain()  # failures from before this run (each logged when it happened) are not this run's
-        self.guard = guards.NonfiniteGuard(self.run_dir, cfg.train.max_nonfinite_steps, self.dist.rank)
-        self.config_hash = config_hash(cfg.to_dict())  # in every checkpoint's manifest
-        self.strict = strict
-        self._open_run(resume, callbacks, logs=(self.grader_log,))
+        self.norm_length = self.cfg.algorithm.norm_length or cfg.sampling.max_new_tokens
 
     def close(self) -> None:
         """Stop the reward workers (if any), then let the run go (``Trainer.close``)."""
@@ -266,7 +287,7 @@ class RLTrainer(Trainer):
     # ------------------------------------------------------------------------------------------ the step
     def step(self) -> dict:
         """One training step: rollout → rewards → advantages → loss → update. Returns its metrics."""
-        with linear_kernels(self.cpu_linear):  # the CPU fast path's matmul kernel, for this step only
+        with linear_kernels(self.cpu_linear):  # train.cpu_linear: the oneDNN linear kernel, for this step only
             timer, started = PhaseTimer(), time.perf_counter()
 
             # 1-2. rollout and rewards (with step rewards under reward.process)
@@ -399,39 +420,26 @@ class RLTrainer(Trainer):
                            len(draws), sum(b.prompts_truncated for b, _ in draws))
 
     def _rollout_and_score(self, rows: list[dict], timer: PhaseTimer, group_ids: range | None = None):
-        """G responses for each row, scored: (rollout, total rewards, each function's values, prompts truncated).
-
-        The rows are generated in chunks: one chunk normally; one per group under torchrun (``group_ids``),
-        each sampled under its own seed (``distributed.group_seed``) so what a group samples does not depend on
-        the number of processes; two halves with a reward pool, whose scoring of the first then runs while the
-        second is generated."""
-        cfg = self.cfg
-        if group_ids is not None:
-            chunks = [([row], distributed.group_seed(cfg.train.seed, self.step_count, g)) for row, g in zip(rows, group_ids)]
-        elif self.pool is not None and len(rows) > 1:
-            half = (len(rows) + 1) // 2
-            chunks = [(rows[:half], None), (rows[half:], None)]
-        else:
-            chunks = [(rows, None)]
-        if self.generator is not None and self._engine_stale:
+        """G responses for each row, scored: (rollout, total rewards, each function's values, prompts truncated)."""
+        if self._engine_stale:  # vLLM: the policy changed since the engine last got its weights
             with timer("weight_sync"):
                 self.generator.sync_weights(self.model)
             self._engine_stale = False
         parts, jobs = [], []
         with self.dist.gathered(self.model):  # FSDP2: ranks run different numbers of decoding steps
-            for chunk, seed in chunks:
+            for chunk, seed in self._generation_chunks(rows, group_ids):
                 with timer("generate"), torch.random.fork_rng(devices=[], enabled=seed is not None):
                     if seed is not None:
                         torch.manual_seed(seed)
                     rollout, n_trunc = self._generate(chunk, seed)
                 parts.append((rollout, n_trunc))
-                if self.pool is not None:
+                if self.pool is not None:  # reward workers score this chunk while the next one is generated
                     cols = rollout_columns(rollout, self.sampling.max_new_tokens, self.trainer_state)
                     jobs.append(self.pool.submit([r["prompt"] for r in rollout.rows], rollout.completions, cols))
         n_truncated = sum(n for _, n in parts)
         parts = [r for r, _ in parts]
         if n_truncated:
-            log.warning("%d prompt(s) truncated to data.max_prompt_tokens=%d", n_truncated, cfg.data.max_prompt_tokens)
+            log.warning("%d prompt(s) truncated to data.max_prompt_tokens=%d", n_truncated, self.cfg.data.max_prompt_tokens)
         rollout = parts[0] if len(parts) == 1 else Rollout.concat(parts, self.tokenizer.pad_token_id)
         with timer("score"):
             computed = None
@@ -440,6 +448,18 @@ class RLTrainer(Trainer):
                 computed = {name: [v for res in results for v in res[name]] for name in results[0]}
             rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens, computed, self.trainer_state)
         return rollout, rewards, per_fn, n_truncated
+
+    def _generation_chunks(self, rows: list[dict], group_ids: range | None) -> list[tuple[list[dict], int | None]]:
+        """The rows cut into generation calls, each with its sampling seed (None: the run's random stream). One
+        chunk normally; one per group under torchrun (``group_ids``), seeded by its global index
+        (``distributed.group_seed``) so what a group samples does not depend on the number of processes; two
+        halves with a reward pool, whose scoring of the first then runs while the second is generated."""
+        if group_ids is not None:
+            return [([row], distributed.group_seed(self.cfg.train.seed, self.step_count, g)) for row, g in zip(rows, group_ids)]
+        if self.pool is not None and len(rows) > 1:
+            half = (len(rows) + 1) // 2
+            return [(rows[:half], None), (rows[half:], None)]
+        return [(rows, None)]
 
     def _generate(self, rows: list[dict], seed: int | None):
         cfg = self.cfg
