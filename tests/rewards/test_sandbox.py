@@ -82,8 +82,10 @@ HOSTILE = {
         ESCAPE + "def g(n):\n    return g(n + 1) + 1\ndef f():\n    _os['sys'].setrecursionlimit(10 ** 8)\n    return g(0)\n",
         "SIGSEGV|MemoryError|RecursionError|timeout"),
     "allocating 10 GB": ("def f():\n    return len(bytearray(10 * 1024 ** 3))\n", "MemoryError"),
+    # The memory limit stops it within the second on an idle machine; a loaded one (a fresh-clone `make test`
+    # beside a training run) reached the 1 s wall-clock limit first. Either limit contains it.
     "allocating 10 GB in small pieces": ("def f():\n    xs = []\n    while True:\n        xs.append(' ' * 10 ** 6)\n",
-                                         "MemoryError"),
+                                         "MemoryError|timeout"),
     "fork bomb": (ESCAPE + "def f():\n    while True:\n        _os['fork']()\n", FORBIDDEN),
     "reading /etc/passwd into the output": (
         ESCAPE + "def f():\n    fd = _os['open']('/etc/passwd', _os['O_RDONLY'])\n    data = _os['read'](fd, 100000).decode()\n"
