@@ -44,9 +44,10 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
         run = root / f"grpo_s{seed}"
         if (run / "final").is_dir():
             found.append((f"SFT + GRPO (20 steps), seed {seed}", final_responses(run)))
-    more = root / "sft_axial3_e200_more"
-    if (more / "final").is_dir():
-        steps = max(r["step"] for r in read_jsonl(more / "metrics.jsonl"))
+    more = root / "sft_axial3_e200_more"  # a copy of the warm start's run, resumed: counted once it went further
+    steps = max((r["step"] for r in read_jsonl(more / "metrics.jsonl")), default=0) if more.is_dir() else 0
+    if (more / "final").is_dir() and steps > 40 and (more / "final" / "cohortrl_run.json").is_file() and \
+            json.loads((more / "final" / "cohortrl_run.json").read_text()).get("step") == steps:
         found.append((f"SFT continued to {steps} steps (the GRPO phase's wall time)", final_responses(more)))
     return found
 
