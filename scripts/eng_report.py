@@ -74,7 +74,7 @@ def table(root: Path) -> str:
             sub = [r for r in rows if shape(r["prompt"]) == s]
             by_shape.append(f"{sum(r['correct'] for r in sub)}/{len(sub)}" if sub else "-")
         lines.append(f"| {name} | {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}) | " + " | ".join(by_shape) + " |")
-    seeds = [accuracy(rows)[0] for name, rows in found if "GRPO" in name]
+    seeds = [accuracy(rows)[0] for name, rows in found if name.startswith("SFT + GRPO")]
     out = ["\n".join(lines)]
     if seeds:
         spread = f", sd {statistics.stdev(seeds):.3f}" if len(seeds) > 1 else ""
