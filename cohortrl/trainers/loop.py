@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import random
 from pathlib import Path
 
 import torch
@@ -339,6 +340,16 @@ class Trainer:
             for run_log in self._logs:
                 run_log.truncate_after(self.step_count)
         log.info("resumed from %s at step %d", path, self.step_count)
+
+    def _seed_process(self, resume: bool) -> None:
+        """Before any model is built: a resumed run's config checked against its own, the thread count set, and
+        torch's and Python's RNGs seeded from ``train.seed``."""
+        if resume:
+            self._check_resume_config()
+        if self.cfg.train.threads:
+            torch.set_num_threads(self.cfg.train.threads)
+        torch.manual_seed(self.cfg.train.seed)
+        random.seed(self.cfg.train.seed)
 
     def _check_resume_config(self) -> None:
         saved_path = self.run_dir / "config.yaml"

@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import math
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,12 +167,7 @@ class RLTrainer(Trainer):
         apply_cpu_allocator(resolve_cpu_allocator(cfg.train.cpu_allocator, self.device))  # process-wide, before the first step
         if self.dist.launched:
             _check_distributed(cfg, self.name, self.dist)
-        if resume:
-            self._check_resume_config()
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
-        torch.manual_seed(cfg.train.seed)
-        random.seed(cfg.train.seed)
+        self._seed_process(resume)
 
     def _build_rewards_and_data(self, inputs) -> int:
         """The weighted reward functions, the tools, the prompt stream and the held-out rows; returns the number

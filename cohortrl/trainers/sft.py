@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,12 +261,7 @@ class SFTTrainer(Trainer):
         self.dist = distributed.Dist()  # one process: the identity the shared helpers expect
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
         self.cpu_linear = resolve_cpu_linear(cfg.train.cpu_linear, self.device)
-        if resume:
-            self._check_resume_config()
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
-        torch.manual_seed(cfg.train.seed)
-        random.seed(cfg.train.seed)
+        self._seed_process(resume)
 
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer)
         self.model.to(self.device)
