@@ -1,9 +1,10 @@
 """The engineering study's table and plots (docs/engineering.md), computed from the runs of scripts/eng_study.sh:
 
     .venv/bin/python scripts/eng_report.py runs/eng docs/engineering/axial3
+    .venv/bin/python scripts/eng_report.py runs/eng_beam_bending3 docs/engineering/beam3
 
 writes OUT.md (held-out strict accuracy of every arm with its 95% Wilson interval, the GRPO seeds' mean and
-spread, accuracy by section shape, error categories) and OUT.png (per-seed training curves of the RL phase:
+spread, accuracy by kind of problem (section shape; beam and load case), error categories) and OUT.png (per-seed training curves of the RL phase:
 sampled accuracy, groups with signal, response length, tool calls). Every number is read from the files."""
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cohortrl.rewards.error_categories import CATEGORIES  # noqa: E402
 from cohortrl.stats import wilson_interval  # noqa: E402
 
-SHAPES = ("solid round", "hollow round", "rectangular")
+SHAPES = ("solid round", "hollow round", "rectangular")  # axial_stress's sections
+BEAMS = ("cantilever, two point loads", "cantilever, point load + UDL", "simply supported, two point loads",
+         "simply supported, point load + UDL")  # beam_bending level 3's cases
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -36,15 +39,16 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
     found = []
     if (root / "eval_base.jsonl").is_file():
         found.append(("base SmolLM2-135M-Instruct, with the calculator", read_jsonl(root / "eval_base.jsonl")))
-    if (root / "sft_axial3_e200" / "eval_completions.jsonl").is_file():
-        found.append(("SFT (40 steps)", final_responses(root / "sft_axial3_e200")))
+    sft = "sft_axial3_e200" if (root / "sft_axial3_e200").is_dir() else "sft"  # the first study's name
+    if (root / sft / "eval_completions.jsonl").is_file():
+        found.append(("SFT (40 steps)", final_responses(root / sft)))
     elif (root / "eval_sft.jsonl").is_file():  # a warm start trained before runs kept their responses
         found.append(("SFT (40 steps), `cohortrl eval` of its final/", read_jsonl(root / "eval_sft.jsonl")))
     for seed in range(10):
         run = root / f"grpo_s{seed}"
         if (run / "final").is_dir():
             found.append((f"SFT + GRPO (20 steps), seed {seed}", final_responses(run)))
-    more = root / "sft_axial3_e200_more"  # a copy of the warm start's run, resumed: counted once it went further
+    more = root / f"{sft}_more"  # a copy of the warm start's run, resumed: counted once it went further
     steps = max((r["step"] for r in read_jsonl(more / "metrics.jsonl")), default=0) if more.is_dir() else 0
     if (more / "final").is_dir() and steps > 40 and (more / "final" / "cohortrl_run.json").is_file() and \
             json.loads((more / "final" / "cohortrl_run.json").read_text()).get("step") == steps:
@@ -52,8 +56,13 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
     return found
 
 
-def shape(prompt) -> str:
+def kind(prompt) -> str:
+    """The problem's section shape (axial_stress) or beam and load case (beam_bending)."""
     text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    if "beam" in text.split(".")[0] or "cantilever" in text.split(".")[0]:
+        beam = "cantilever" if "cantilever" in text.split(".")[0] else "simply supported"
+        loads = "point load + UDL" if "uniformly distributed" in text else "two point loads"
+        return f"{beam}, {loads}"
     return next((s for s in SHAPES if s in text), "other")
 
 
@@ -65,13 +74,15 @@ def accuracy(rows: list[dict]) -> tuple[float, float, float, int]:
 
 def table(root: Path) -> str:
     found = arms(root)
-    lines = ["| arm | held-out strict accuracy (95% Wilson CI, n) | " + " | ".join(SHAPES) + " |",
-             "|---|---|" + "---|" * len(SHAPES)]
+    kinds_seen = {kind(r["prompt"]) for _, rows in found for r in rows}
+    columns = [k for k in SHAPES + BEAMS if k in kinds_seen]
+    lines = ["| arm | held-out strict accuracy (95% Wilson CI, n) | " + " | ".join(columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
     for name, rows in found:
         acc, lo, hi, n = accuracy(rows)
         by_shape = []
-        for s in SHAPES:
-            sub = [r for r in rows if shape(r["prompt"]) == s]
+        for s in columns:
+            sub = [r for r in rows if kind(r["prompt"]) == s]
             by_shape.append(f"{sum(r['correct'] for r in sub)}/{len(sub)}" if sub else "-")
         lines.append(f"| {name} | {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}) | " + " | ".join(by_shape) + " |")
     seeds = [accuracy(rows)[0] for name, rows in found if name.startswith("SFT + GRPO")]

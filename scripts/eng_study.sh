@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
 # The engineering-RL study of docs/engineering.md, one stage at a time (each is CPU-heavy: never two at once).
 # Every stage is resumable: a finished stage is skipped, an interrupted run resumes from its last checkpoint.
-#   scripts/eng_study.sh STAGE...     stages: sft grpo0 grpo1 grpo2 eval_sft eval_base control
-# `control` continues the warm start with supervised steps for the GRPO phase's mean wall time (CONTROL_STEPS
-# overrides the count). Results land in runs/eng/ (gitignored); docs/engineering/ keeps their metrics.
+#   [FAMILY=beam_bending LEVEL=3] scripts/eng_study.sh STAGE...
+#   stages: sft grpo0 grpo1 grpo2 eval_sft eval_base control
+# FAMILY and LEVEL (default axial_stress 3) override the configs' data; every other setting is the configs'.
+# `control` continues the warm start with supervised steps for the GRPO phase's median wall time
+# (CONTROL_STEPS overrides the count). Results land in runs/eng*/ (gitignored); docs/engineering/ keeps their
+# metrics.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLI=${CLI:-.venv/bin/cohortrl}
-OUT=runs/eng
+FAMILY=${FAMILY:-axial_stress}
+LEVEL=${LEVEL:-3}
+if [[ $FAMILY == axial_stress && $LEVEL == 3 ]]; then
+  OUT=runs/eng; SFT=sft_axial3_e200  # the first study's names
+else
+  OUT=runs/eng_$FAMILY$LEVEL; SFT=sft
+fi
+DATA=("data.source=task:$FAMILY" "data.level=$LEVEL")
 mkdir -p "$OUT"
 
 timed() {  # run a command under /usr/bin/time, its log and resource use in $OUT/NAME.log
@@ -32,37 +42,38 @@ evaluate() {  # NAME OVERRIDES...: greedy held-out accuracy with error categorie
   if [[ -f $OUT/$name.json ]]; then echo "$name: done"; return; fi
   rm -f "$OUT/$name.jsonl"
   echo "== $name: eval configs/eng_grpo.yaml $* ($(date -u +%FT%TZ))" >>"$OUT/$name.log"
-  /usr/bin/time -v $CLI eval configs/eng_grpo.yaml "$@" --json --responses "$OUT/$name.jsonl" \
+  /usr/bin/time -v $CLI eval configs/eng_grpo.yaml "${DATA[@]}" "$@" --json --responses "$OUT/$name.jsonl" \
     >"$OUT/$name.json.tmp" 2>>"$OUT/$name.log"
   mv "$OUT/$name.json.tmp" "$OUT/$name.json"
 }
 
 control_steps() {  # the GRPO phase's wall time in warm-start steps, from median step times: a step slowed by
   # other work on the shared machine says nothing about either method's cost
-  python3 - "$OUT" <<'EOF'
+  python3 - "$OUT" "$SFT" <<'EOF'
 import json, pathlib, statistics, sys
-out = pathlib.Path(sys.argv[1])
+out, sft_run = pathlib.Path(sys.argv[1]), sys.argv[2]
 def step_times(run):
     rows = [json.loads(l) for l in (out / run / "metrics.jsonl").read_text().splitlines() if l.strip()]
     return [r["time/step"] for r in rows if "time/step" in r]
 grpo = [t for s in range(3) if (out / f"grpo_s{s}" / "final").is_dir() for t in step_times(f"grpo_s{s}")]
-sft = step_times("sft_axial3_e200")[1:]  # the first step pays for warm-up
+sft = step_times(sft_run)[1:]  # the first step pays for warm-up
 print(round(40 + 20 * statistics.median(grpo) / statistics.median(sft)))
 EOF
 }
 
 for stage in "$@"; do
   case $stage in
-    sft) SUBCMD=sft train sft_axial3_e200 configs/eng_sft.yaml ;;
-    grpo0|grpo1|grpo2) train "grpo_s${stage#grpo}" configs/eng_grpo.yaml "train.seed=${stage#grpo}" ;;
-    eval_sft) evaluate eval_sft ;;                       # the warm start (merged), as GRPO starts from it
+    sft) SUBCMD=sft train "$SFT" configs/eng_sft.yaml "${DATA[@]}" ;;
+    grpo0|grpo1|grpo2) train "grpo_s${stage#grpo}" configs/eng_grpo.yaml "${DATA[@]}" "train.seed=${stage#grpo}" \
+      "model.init=$OUT/$SFT/final" ;;
+    eval_sft) evaluate eval_sft "model.init=$OUT/$SFT/final" ;;  # the warm start (merged), as GRPO starts from it
     eval_base) evaluate eval_base model.init=null ;;     # SmolLM2 itself, with the calculator
     control)
-      dir=$OUT/sft_axial3_e200_more
-      [[ -d $dir ]] || cp -a "$OUT/sft_axial3_e200" "$dir"
+      dir=$OUT/${SFT}_more
+      [[ -d $dir ]] || cp -a "$OUT/$SFT" "$dir"
       steps=${CONTROL_STEPS:-$(control_steps)}
       echo "control: supervised steps 40 -> $steps"
-      timed sft_axial3_e200_more $CLI sft --run-dir "$dir" --resume --steps "$steps" ;;
+      timed "${SFT}_more" $CLI sft --run-dir "$dir" --resume --steps "$steps" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

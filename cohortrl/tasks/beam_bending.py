@@ -66,14 +66,19 @@ def moment_at(beam: Beam, x: float, r_a: float) -> tuple[float, str]:
     return value, " - ".join(terms)
 
 
-def max_moment(beam: Beam) -> tuple[float, str]:
-    """The largest bending moment magnitude (kN*m), with its arithmetic."""
+def max_moment(beam: Beam) -> tuple[float, str, list[tuple[str, float, str, str]]]:
+    """The largest bending moment magnitude (kN*m), with its arithmetic and the working that picks it: where
+    a simply supported beam's maximum has several candidates (each point load, a zero-shear point), one line
+    per zero-shear position ``x_0`` and per candidate moment ``M_1, M_2, ...``, so that a reference shows how
+    its M_max was found instead of choosing the point in its head (docs/engineering.md: a warm start cannot
+    learn a step it never sees)."""
     if beam.support == "cantilever":
         f = format_sig
         terms = [f"{f(p)}*{f(a)}" for p, a in beam.points] + ([f"{f(beam.udl)}*{f(beam.span)}^2/2"] if beam.udl else [])
-        return sum(p * a for p, a in beam.points) + beam.udl * beam.span**2 / 2, " + ".join(terms)
+        return sum(p * a for p, a in beam.points) + beam.udl * beam.span**2 / 2, " + ".join(terms), []
     r_a = reactions(beam)["R_A"][0]
     candidates = [a for _, a in beam.points]
+    working = []
     if beam.udl > 0:
         # In each stretch between point loads the shear R_A - w x - (loads passed) falls linearly;
         # where it crosses zero the moment peaks.
@@ -83,7 +88,14 @@ def max_moment(beam: Beam) -> tuple[float, str]:
             x = (r_a - passed) / beam.udl
             if left <= x <= right:
                 candidates.append(x)
-    return max((moment_at(beam, x, r_a) for x in candidates), key=lambda m: m[0])
+                shear = f"({format_sig(r_a)} - {format_sig(passed)})" if passed else format_sig(r_a)
+                working.append(("x_0", x, "m", f"{shear}/{format_sig(beam.udl)}"))
+    moments = [moment_at(beam, x, r_a) for x in candidates]
+    best = max(moments, key=lambda m: m[0])
+    if len(moments) == 1:
+        return best[0], best[1], []
+    working += [(f"M_{i + 1}", value, "kN*m", expr) for i, (value, expr) in enumerate(moments)]
+    return best[0], best[1], working
 
 
 def max_deflection(beam: Beam, e_gpa: float, inertia: float) -> tuple[float, str]:
@@ -143,17 +155,18 @@ def describe(beam: Beam) -> str:
 
 
 def build(rng: random.Random, level: int, safe: bool):
-    """(statement, givens, steps, verdict, extra) for one problem of the level, or None when no depth on
-    the grid puts the verdict clear of its threshold (the caller draws again)."""
+    """(statement, givens, steps, working, verdict, extra) for one problem of the level, or None when no
+    depth on the grid puts the verdict clear of its threshold (the caller draws again). ``working``: the
+    reference's extra lines before M_max (`max_moment`), not required of a response."""
     beam = draw_beam(rng, level)
     steps = [(key, value, "kN", expr) for key, (value, expr) in reactions(beam).items()]
-    m, m_expr = max_moment(beam)
+    m, m_expr, working = max_moment(beam)
     steps.append(("M_max", m, "kN*m", m_expr))
     text = describe(beam) + " Reactions are upward; M_max is the largest bending moment magnitude."
     givens = [f"L = {format_sig(beam.span)} m"] + [f"P_{i + 1} = {format_sig(p)} kN" for i, (p, _) in enumerate(beam.points)]
     givens += [f"w = {format_sig(beam.udl)} kN/m"] if beam.udl else []
     if level == 1:
-        return text, givens, steps, None, {}
+        return text, givens, steps, working, None, {}
     allow = rng.choice([120, 150, 165, 200])
     width = 10 * rng.randint(5, 20)
     if level == 5:
@@ -163,7 +176,7 @@ def build(rng: random.Random, level: int, safe: bool):
                               ("h", h, "mm", f"sqrt(6*{format_sig(z)}/{width})")]
         text += f" The section is a rectangle {width} mm wide; allowable bending stress {allow} MPa. Find the smallest depth h."
         extra = {"moment_Nmm": m * 1e6, "width_mm": width, "sigma_allow_MPa": allow}
-        return text, givens + [f"b = {width} mm", f"sigma_allow = {allow} MPa"], steps, None, extra
+        return text, givens + [f"b = {width} mm", f"sigma_allow = {allow} MPa"], steps, working, None, extra
     e_gpa, limit = rng.choice([70, 200, 210]), rng.choice([250, 360])
     deflection_times_inertia = max_deflection(beam, e_gpa, 1.0)[0] if level == 4 else 0.0  # delta ~ 1 / I
 
@@ -190,7 +203,7 @@ def build(rng: random.Random, level: int, safe: bool):
         steps.append(("delta", delta, "mm", delta_expr))
         text += f" E = {e_gpa} GPa; deflection limit span/{limit}."
         givens += [f"E = {e_gpa} GPa"]
-    return text, givens, steps, "SAFE" if safe else "FAIL", {}
+    return text, givens, steps, working, "SAFE" if safe else "FAIL", {}
 
 
 @register
@@ -203,11 +216,12 @@ class BeamBending(TaskFamily):
         rng = rng_for(self.name, seed, level, index)
         while (built := build(rng, level, wants_safe(seed, index))) is None:
             pass
-        text, givens, steps, verdict, extra = built
+        text, givens, steps, working, verdict, extra = built
         answer_key, answer_value, answer_unit, _ = steps[-1]
         keys = [(key, unit) for key, _, unit, _ in steps]
         prompt = f"{text}\n{format_instructions(keys, answer_key, verdict=verdict is not None)}"
-        lines = [f"{key} = {expr} = {format_sig(value)} {unit}" for key, value, unit, expr in steps]
+        at = next(i for i, (key, *_) in enumerate(steps) if key == "M_max")
+        lines = [f"{key} = {expr} = {format_sig(value)} {unit}" for key, value, unit, expr in steps[:at] + working + steps[at:]]
         answer = f"{format_sig(answer_value)} {answer_unit}"
         reference = "\n".join(lines + [f"ANSWER: {answer}"] + ([f"VERDICT: {verdict}"] if verdict else []))
         required = [Step(key, repr(value), unit) for key, value, unit, _ in steps]
