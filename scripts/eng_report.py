@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -40,10 +41,14 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
     if (root / "eval_base.jsonl").is_file():
         found.append(("base SmolLM2-135M-Instruct, with the calculator", read_jsonl(root / "eval_base.jsonl")))
     sft = "sft_axial3_e200" if (root / "sft_axial3_e200").is_dir() else "sft"  # the first study's name
-    if (root / sft / "eval_completions.jsonl").is_file():
+    # `cohortrl eval` of a warm start's final/ on the RL level (scripts/eng_study.sh eval_sft): the warm start's
+    # own evaluation is on its references' level, which is another level when SFT_LEVEL was set
+    on_rl_level = (root / "eval_sft.jsonl").is_file()
+    sft_level = sft_level_note(root / sft)
+    if on_rl_level:
+        found.append((f"SFT (40 steps{sft_level})", read_jsonl(root / "eval_sft.jsonl")))
+    elif (root / sft / "eval_completions.jsonl").is_file():
         found.append(("SFT (40 steps)", final_responses(root / sft)))
-    elif (root / "eval_sft.jsonl").is_file():  # a warm start trained before runs kept their responses
-        found.append(("SFT (40 steps), `cohortrl eval` of its final/", read_jsonl(root / "eval_sft.jsonl")))
     for seed in range(10):
         run = root / f"grpo_s{seed}"
         if (run / "final").is_dir():
@@ -52,8 +57,29 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
     steps = max((r["step"] for r in read_jsonl(more / "metrics.jsonl")), default=0) if more.is_dir() else 0
     if (more / "final").is_dir() and steps > 40 and (more / "final" / "cohortrl_run.json").is_file() and \
             json.loads((more / "final" / "cohortrl_run.json").read_text()).get("step") == steps:
-        found.append((f"SFT continued to {steps} steps (the GRPO phase's wall time)", final_responses(more)))
+        name = f"SFT continued to {steps} steps{sft_level} (the GRPO phase's wall time)"
+        if (root / "eval_control.jsonl").is_file():
+            found.append((name, read_jsonl(root / "eval_control.jsonl")))
+        elif not on_rl_level:
+            found.append((name, final_responses(more)))
     return found
+
+
+def sft_level_note(run: Path) -> str:
+    """ ", level-K references" when the warm start's references are of another level than the RL phase's."""
+    import yaml
+
+    config, grpo = run / "config.yaml", run.parent / "grpo_s0" / "config.yaml"
+    if not (config.is_file() and grpo.is_file()):
+        return ""
+    level = yaml.safe_load(config.read_text())["data"]["level"]
+    return "" if level == yaml.safe_load(grpo.read_text())["data"]["level"] else f", level-{level} references"
+
+
+def new_units(prompt) -> bool:
+    """An axial_stress problem with a unit that level 2 never uses: a size in m or the strength in GPa."""
+    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    return bool(re.search(r"\d m\b", text)) or "GPa" in text
 
 
 def kind(prompt) -> str:
@@ -87,6 +113,16 @@ def table(root: Path) -> str:
         lines.append(f"| {name} | {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}) | " + " | ".join(by_shape) + " |")
     seeds = [accuracy(rows)[0] for name, rows in found if name.startswith("SFT + GRPO")]
     out = ["\n".join(lines)]
+    if "solid round" in kinds_seen:  # axial_stress: the level-3 units (sizes in m, strength in GPa) or not
+        units = ["| arm | a size in m or the strength in GPa | only level-2 units (mm, N or kN, MPa or N/mm^2) |",
+                 "|---|---|---|"]
+        for name, rows in found:
+            new = [r for r in rows if new_units(r["prompt"])]
+            old = [r for r in rows if not new_units(r["prompt"])]
+            units.append(f"| {name} | {sum(r['correct'] for r in new)}/{len(new)} | "
+                         f"{sum(r['correct'] for r in old)}/{len(old)} |")
+        out.append("By units (a level-2 warm start has never seen a size in m or a strength in GPa):\n\n"
+                   + "\n".join(units))
     if seeds:
         spread = f", sd {statistics.stdev(seeds):.3f}" if len(seeds) > 1 else ""
         out.append(f"GRPO over {len(seeds)} seed(s): mean {statistics.mean(seeds):.3f}, range "

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The engineering-RL study of docs/engineering.md, one stage at a time (each is CPU-heavy: never two at once).
 # Every stage is resumable: a finished stage is skipped, an interrupted run resumes from its last checkpoint.
-#   [FAMILY=beam_bending LEVEL=3] scripts/eng_study.sh STAGE...
-#   stages: sft grpo0 grpo1 grpo2 eval_sft eval_base control
+#   [FAMILY=beam_bending] [LEVEL=3] [SFT_LEVEL=2] scripts/eng_study.sh STAGE...
+#   stages: sft grpo0 grpo1 grpo2 eval_sft eval_base control eval_control
 # FAMILY and LEVEL (default axial_stress 3) override the configs' data; every other setting is the configs'.
+# SFT_LEVEL (default LEVEL) is the level of the warm start's references: below LEVEL, the warm start (and the
+# control) never see a reference of the level that GRPO trains on and every arm is evaluated on
+# (`eval_sft`, `eval_control`); only the grader knows that level.
 # `control` continues the warm start with supervised steps for the GRPO phase's median wall time
 # (CONTROL_STEPS overrides the count). Results land in runs/eng*/ (gitignored); docs/engineering/ keeps their
 # metrics.
@@ -12,10 +15,13 @@ cd "$(dirname "$0")/.."
 CLI=${CLI:-.venv/bin/cohortrl}
 FAMILY=${FAMILY:-axial_stress}
 LEVEL=${LEVEL:-3}
-if [[ $FAMILY == axial_stress && $LEVEL == 3 ]]; then
+SFT_LEVEL=${SFT_LEVEL:-$LEVEL}
+if [[ $FAMILY == axial_stress && $LEVEL == 3 && $SFT_LEVEL == 3 ]]; then
   OUT=runs/eng; SFT=sft_axial3_e200  # the first study's names
-else
+elif [[ $SFT_LEVEL == "$LEVEL" ]]; then
   OUT=runs/eng_$FAMILY$LEVEL; SFT=sft
+else
+  OUT=runs/eng_$FAMILY${LEVEL}_from$SFT_LEVEL; SFT=sft
 fi
 DATA=("data.source=task:$FAMILY" "data.level=$LEVEL")
 mkdir -p "$OUT"
@@ -63,7 +69,7 @@ EOF
 
 for stage in "$@"; do
   case $stage in
-    sft) SUBCMD=sft train "$SFT" configs/eng_sft.yaml "${DATA[@]}" ;;
+    sft) SUBCMD=sft train "$SFT" configs/eng_sft.yaml "data.source=task:$FAMILY" "data.level=$SFT_LEVEL" ;;
     grpo0|grpo1|grpo2) train "grpo_s${stage#grpo}" configs/eng_grpo.yaml "${DATA[@]}" "train.seed=${stage#grpo}" \
       "model.init=$OUT/$SFT/final" ;;
     eval_sft) evaluate eval_sft "model.init=$OUT/$SFT/final" ;;  # the warm start (merged), as GRPO starts from it
@@ -74,6 +80,7 @@ for stage in "$@"; do
       steps=${CONTROL_STEPS:-$(control_steps)}
       echo "control: supervised steps 40 -> $steps"
       timed "${SFT}_more" $CLI sft --run-dir "$dir" --resume --steps "$steps" ;;
+    eval_control) evaluate eval_control "model.init=$OUT/${SFT}_more/final" ;;  # on LEVEL, where SFT_LEVEL differs
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
