@@ -20,6 +20,9 @@ Formulas:
   I = b h^3 / 12,  sigma = M_max (h / 2) / I
   delta: P L^3 / (48 E I) + 5 w L^4 / (384 E I) at midspan; P L^3 / (3 E I) + w L^4 / (8 E I) at a tip
   inverse: Z = M_max / sigma_allow,  h = sqrt(6 Z / b)
+Reference solutions show how a simply supported beam's M_max is found when it has several candidates: a line
+x_0 = shear / w per zero-shear point and M_1, M_2, ... per candidate before M_max (lines a response need not
+write), so a solution learned from them chooses from values it wrote, not in its head (docs/engineering.md).
 """
 
 from __future__ import annotations
