@@ -1,10 +1,11 @@
 """The golden training runs: tiny configurations whose per-step metrics are pinned in ``golden_runs.json``.
 
 Each run is 3 steps of the tiny random Llama (2 prompts x 4 responses of at most 8 tokens for GRPO, 8 x 1
-for PPO) trained in-process, exactly as a user's run, on in-memory rows and the reward functions of
-``rewards.py``. After every step it records the logged metrics (loss, policy loss, KL, grad norm, reward,
-entropy, LR, lengths, and the algorithm's own numbers) and statistics of the advantages the step trained on
-(mean, std, min, max over response tokens, read from the step's ``Targets``).
+for PPO, 2 micro-batches of 2 prompt/completion rows for SFT) trained in-process, exactly as a user's run, on
+in-memory rows (and, for RL, the reward functions of ``rewards.py``). After every step it records the logged
+metrics (loss, policy loss, KL, grad norm, reward, entropy, LR, lengths, and the algorithm's own numbers; for
+SFT loss, grad norm, LR, loss tokens, examples and epoch) and, for RL, statistics of the advantages the step
+trained on (mean, std, min, max over response tokens, read from the step's ``Targets``).
 
 ``tests/trainers/test_golden.py`` reruns every run and compares with the numbers pinned for the installed
 torch version; ``python -m tests.golden.regenerate`` pins them again and prints what changed. This module
@@ -17,8 +18,10 @@ What each run covers (one run per registry entry, so a silently swapped entry ch
     kl_in_reward             β·KL (k1) moved into the reward (GRPO)
     grpo_epochs2             2 epochs x 2 minibatches: log π_old, ratios away from 1, clipping
     ppo                      PPO: critic (one warm-up step with the policy frozen), GAE, adaptive β
-    sft                      not yet: the SFT trainer does not exist (issue #28). Add its run to RUNS when
-                             it does; test_golden's coverage test then asks for its pinned numbers.
+    sft                      SFTTrainer (a run with an ``sft`` section, built by ``_sft_trainer``, not
+                             ``make_trainer``) on SFT_ROWS, the same 40 additions as prompt/completion rows;
+                             batch size 2 x 2 micro-batches of gradient accumulation in every step, with
+                             different loss-token counts in step 1's two micro-batches (14 and 10)
 """
 
 from __future__ import annotations
@@ -85,11 +88,22 @@ RUNS: dict[str, dict] = {
                     "horizon": 1000, "vf_coef": 0.1, "value_clip": 0.2, "missing_eos_penalty": 0.1},
         },
     },
-    # "sft": the SFT trainer does not exist yet (issue #28); its golden run goes here.
+    # SFT (a run with an "sft" section; built by SFTTrainer on SFT_ROWS): 3 steps of 2 micro-batches of 2.
+    "sft": {"sft": {"batch_size": 2, "grad_accum": 2}},
 }
 
 # 40 additions, fixed: the runs depend on the trainer, not on the gym's task generators.
 ROWS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(5) for b in range(8)]
+# The same additions as SFT rows: the completion is the bare answer for even b and the equation for odd b, so
+# completions are 3 to 7 tokens (with the end-of-turn tokens) and a step's micro-batches hold different
+# numbers of loss tokens (a loss averaged per micro-batch then differs from the step's mean).
+SFT_ROWS = [{"prompt": f"What is {a} + {b}?", "completion": str(a + b) if b % 2 == 0 else f"{a} + {b} = {a + b}"}
+            for a in range(5) for b in range(8)]
+
+
+def is_sft(name: str) -> bool:
+    """Whether run ``name`` is supervised (``SFTTrainer``); the RL trainers do not read the ``sft`` section."""
+    return "sft" in RUNS[name]
 
 
 def config(name: str) -> dict:
@@ -111,8 +125,8 @@ def pinned_metrics(row: dict) -> dict:
             if not k.startswith(UNPINNED_PREFIXES) and (v is None or isinstance(v, (int, float)))}
 
 
-def run(name: str, run_dir: str | Path) -> list[dict]:
-    """Train run ``name`` in ``run_dir``; one dict of pinned numbers per step."""
+def _rl_trainer(name: str, run_dir: str | Path):
+    """The RL trainer of run ``name`` and the list its steps' advantage statistics are appended to."""
     from cohortrl.trainers import make_trainer
 
     trainer = make_trainer(config(name), run_dir, reward_funcs=[starts_with_letter, starts_with_vowel],
@@ -126,6 +140,19 @@ def run(name: str, run_dir: str | Path) -> list[dict]:
         return out
 
     trainer._targets = recording_targets
+    return trainer, advantages
+
+
+def _sft_trainer(name: str, run_dir: str | Path):
+    """The SFT trainer of run ``name`` on ``SFT_ROWS`` (no advantages to record)."""
+    from cohortrl.trainers.sft import SFTTrainer
+
+    return SFTTrainer(config(name), run_dir, train_dataset=SFT_ROWS), None
+
+
+def run(name: str, run_dir: str | Path) -> list[dict]:
+    """Train run ``name`` in ``run_dir``; one dict of pinned numbers per step."""
+    trainer, advantages = (_sft_trainer if is_sft(name) else _rl_trainer)(name, run_dir)
     # The end-of-run plot takes longer than the training (matplotlib) and computes nothing that is pinned.
     patch = mock.patch("cohortrl.trainers.loop.plot_curves", lambda run_dir: None)
     try:
@@ -133,6 +160,8 @@ def run(name: str, run_dir: str | Path) -> list[dict]:
             rows = [r for r in trainer.train() if "loss" in r]
     finally:
         trainer.close()
+    if advantages is None:
+        return [pinned_metrics(r) for r in rows]
     return [{**pinned_metrics(r), **a} for r, a in zip(rows, advantages, strict=True)]
 
 
