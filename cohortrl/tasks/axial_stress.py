@@ -15,9 +15,11 @@ Formulas (consistent units N, mm, MPa = N/mm^2):
   P_cr = pi^2 E I / (K L)^2 with K = 1 pinned-pinned, 2 fixed-free, 0.5 fixed-fixed, 0.7 fixed-pinned
   SF_b = P_cr / N,  SF = min(SF_y, SF_b);  VERDICT SAFE iff SF >= the required safety factor.
 Generated loads put SF / SF_required at least 10% from 1, and SAFE/FAIL alternate.
-Reference expressions use only the given sizes: a hollow section's inner diameter is written (D - 2*t), not
-worked out beforehand, so a solution learned from them leaves no arithmetic to be done in the head (a warm
-start on references with the inner diameter precomputed never learned the hole: docs/engineering.md).
+Reference expressions use only the given quantities as the prompt states them: a hollow section's inner
+diameter is written (D - 2*t) and each unit conversion in the expression (180 kN as 180*1000, 0.065 m as
+(0.065*1000), 0.355 GPa as 0.355*1000), not worked out beforehand, so a solution learned from them leaves no
+arithmetic to be done in the head (warm starts on references with either done beforehand never learned the
+hole, and wrote 180 kN as 1800000 N: docs/engineering.md).
 """
 
 from __future__ import annotations
@@ -87,12 +89,15 @@ def second_moment(s: dict) -> float:
     return long * short**3 / 12
 
 
-def area_expression(s: dict) -> str:
+def area_expression(s: dict, written: dict[str, str] | None = None) -> str:
+    """The area's arithmetic from the sizes as the prompt states them (``written``: a size given in m is
+    ``(0.065*1000)``; by default each size is its number of mm)."""
+    w = {name: str(value) for name, value in s.items() if name != "shape"} | (written or {})
     if s["shape"] == "solid":
-        return f"pi*{s['d']}^2/4"
+        return f"pi*{w['d']}^2/4"
     if s["shape"] == "hollow":
-        return f"pi*({s['D']}^2 - ({s['D']} - 2*{s['t']})^2)/4"  # d = D - 2t written out (module doc)
-    return f"{s['b']}*{s['h']}"
+        return f"pi*({w['D']}^2 - ({w['D']} - 2*{w['t']})^2)/4"  # d = D - 2t written out (module doc)
+    return f"{w['b']}*{w['h']}"
 
 
 def section_givens(s: dict, suffix: str = "") -> list[str]:
@@ -107,26 +112,43 @@ def inertia_expression(s: dict) -> str:
     return f"{max(s['b'], s['h'])}*{min(s['b'], s['h'])}^3/12"
 
 
-def length_text(mm: float, rng: random.Random, convert: bool) -> str:
-    return f"{format_sig(mm / 1000, 6)} m" if convert and rng.random() < 0.5 else f"{format_sig(mm, 6)} mm"
+# Each quantity as the prompt states it and as a reference's arithmetic uses it: the conversion to N, mm and
+# MPa is written in the expression (180 kN is 180*1000, 0.065 m is (0.065*1000), 0.355 GPa is 0.355*1000),
+# never done beforehand (module doc).
 
 
-def describe(s: dict, rng: random.Random, convert: bool) -> str:
-    size = lambda mm: length_text(mm, rng, convert)  # noqa: E731
+def length_text(mm: float, rng: random.Random, convert: bool) -> tuple[str, str]:
+    if convert and rng.random() < 0.5:
+        return f"{format_sig(mm / 1000, 6)} m", f"({format_sig(mm / 1000, 6)}*1000)"
+    return f"{format_sig(mm, 6)} mm", format_sig(mm, 6)
+
+
+def describe(s: dict, rng: random.Random, convert: bool) -> tuple[str, dict[str, str]]:
+    """The section in words, and each size as the reference's arithmetic writes it."""
+    written = {}
+
+    def size(name: str) -> str:
+        text, written[name] = length_text(s[name], rng, convert)
+        return text
+
     if s["shape"] == "solid":
-        return f"a solid round section of diameter {size(s['d'])}"
+        return f"a solid round section of diameter {size('d')}", written
     if s["shape"] == "hollow":
-        return f"a hollow round section of outer diameter {size(s['D'])} and wall thickness {size(s['t'])}"
-    return f"a rectangular section {size(s['b'])} x {size(s['h'])}"
+        return f"a hollow round section of outer diameter {size('D')} and wall thickness {size('t')}", written
+    return f"a rectangular section {size('b')} x {size('h')}", written
 
 
-def force_text(kN: float, newtons: bool) -> str:
-    return f"{format_sig(kN * 1000, 6)} N" if newtons else f"{format_sig(kN, 6)} kN"
+def force_text(kN: float, newtons: bool) -> tuple[str, str]:
+    if newtons:
+        return f"{format_sig(kN * 1000, 6)} N", format_sig(kN * 1000, 6)
+    return f"{format_sig(kN, 6)} kN", f"{format_sig(kN, 6)}*1000"
 
 
-def strength_text(mpa: float, rng: random.Random, convert: bool) -> str:
+def strength_text(mpa: float, rng: random.Random, convert: bool) -> tuple[str, str]:
     pick = rng.choice(["MPa", "N/mm^2", "GPa"]) if convert else "MPa"
-    return f"{format_sig(mpa / 1000, 6)} GPa" if pick == "GPa" else f"{mpa} {pick}"
+    if pick == "GPa":
+        return f"{format_sig(mpa / 1000, 6)} GPa", f"{format_sig(mpa / 1000, 6)}*1000"
+    return f"{mpa} {pick}", str(mpa)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -134,14 +156,17 @@ def strength_text(mpa: float, rng: random.Random, convert: bool) -> str:
 # (above 1 fails). `build` draws a problem of a level; `make_sample` scales its load to hit the verdict.
 
 
-def single_bar(section: dict, load_kN: float, sy: float, sf_req: float):
+def single_bar(section: dict, load_kN: float, sy: float, sf_req: float, written: dict[str, str] | None = None):
+    """``written``: the sizes, ``F`` and ``sigma_y`` as the reference's arithmetic writes them (`describe`;
+    by default mm, kN and MPa)."""
+    written = {"F": f"{format_sig(load_kN, 6)}*1000", "sigma_y": str(sy)} | (written or {})
     a = area(section)
     sigma = load_kN * 1000 / a
     sf = sy / sigma
     steps = [
-        ("A", a, "mm^2", area_expression(section)),
-        ("sigma", sigma, "MPa", f"{format_sig(load_kN * 1000)}/{format_sig(a)}"),
-        ("SF", sf, "", f"{sy}/{format_sig(sigma)}"),
+        ("A", a, "mm^2", area_expression(section, written)),
+        ("sigma", sigma, "MPa", f"{written['F']}/{format_sig(a)}"),
+        ("SF", sf, "", f"{written['sigma_y']}/{format_sig(sigma)}"),
     ]
     return steps, sf_req / sf
 
@@ -156,7 +181,7 @@ def stepped_bar(sections: list[dict], loads_kN: list[float], sy: float, sf_req: 
         steps += [
             (f"N_{i + 1}", n, "kN", " + ".join(format_sig(p) for p in loads_kN[i:]) if i < len(sections) - 1 else f"P_{i + 1}"),
             (f"A_{i + 1}", a, "mm^2", area_expression(section)),
-            (f"sigma_{i + 1}", sigma, "MPa", f"{format_sig(n * 1000)}/{format_sig(a)}"),
+            (f"sigma_{i + 1}", sigma, "MPa", f"{format_sig(n)}*1000/{format_sig(a)}"),
         ]
     sf = sy / max(sigmas)
     steps.append(("SF", sf, "", f"{sy}/{format_sig(max(sigmas))}"))
@@ -170,10 +195,10 @@ def strut(section: dict, load_kN: float, sy: float, e_gpa: float, length_m: floa
     sf_y, sf_b = sy / sigma, p_cr / load_kN
     steps = [
         ("A", a, "mm^2", area_expression(section)),
-        ("sigma", sigma, "MPa", f"{format_sig(load_kN * 1000)}/{format_sig(a)}"),
+        ("sigma", sigma, "MPa", f"{format_sig(load_kN)}*1000/{format_sig(a)}"),
         ("SF_y", sf_y, "", f"{sy}/{format_sig(sigma)}"),
         ("I", i, "mm^4", inertia_expression(section)),
-        ("P_cr", p_cr, "kN", f"pi^2*{e_gpa * 1000}*{format_sig(i)}/({k}*{format_sig(length_m * 1000)})^2/1000"),
+        ("P_cr", p_cr, "kN", f"pi^2*{e_gpa}*1000*{format_sig(i)}/({k}*{format_sig(length_m)}*1000)^2/1000"),
         ("SF_b", sf_b, "", f"{format_sig(p_cr)}/{format_sig(load_kN)}"),
         ("SF", min(sf_y, sf_b), "", f"min({format_sig(sf_y)}, {format_sig(sf_b)})"),
     ]
@@ -190,19 +215,22 @@ def build(rng: random.Random, level: int, scale: float):
         section = draw_section(rng, ("solid",) if level == 1 else ("solid", "hollow", "rect"))
         load = round_nice(scale, 2)
         convert = level == 3
-        strength = strength_text(sy, rng, convert)
+        # The random draws in the order the problems were always drawn: strength, sizes, load unit.
+        strength, strength_written = strength_text(sy, rng, convert)
+        section_text, written = describe(section, rng, convert)
+        force, force_written = force_text(load, newtons=level == 1 or (convert and rng.random() < 0.5))
         text = (
-            f"A {material} bar with {describe(section, rng, convert)} carries an axial tensile load of "
-            f"{force_text(load, newtons=level == 1 or (convert and rng.random() < 0.5))}. "
+            f"A {material} bar with {section_text} carries an axial tensile load of {force}. "
             f"Yield strength {strength}; required safety factor {sf_req}."
         )
         givens = section_givens(section) + [f"F = {format_sig(load)} kN", f"sigma_y = {sy} MPa", f"SF_req = {sf_req}"]
-        return text, givens, *single_bar(section, load, sy, sf_req)
+        written |= {"F": force_written, "sigma_y": strength_written}
+        return text, givens, *single_bar(section, load, sy, sf_req, written)
     if level == 4:
         n = rng.randint(2, 3)
         sections = [draw_section(rng, ("solid", "hollow", "rect")) for _ in range(n)]
         loads = [round_nice(scale * rng.uniform(0.3, 1.0), 2) for _ in range(n)]
-        parts = "; ".join(f"{i + 1}: {describe(s, rng, False)[2:]}" for i, s in enumerate(sections))
+        parts = "; ".join(f"{i + 1}: {describe(s, rng, False)[0][2:]}" for i, s in enumerate(sections))
         text = (
             f"A stepped {material} bar is fixed at its left end and has {n} segments in a row ({parts}). "
             f"At the right end of each segment an axial load pulls to the right: "
@@ -216,7 +244,7 @@ def build(rng: random.Random, level: int, scale: float):
     ends, k = rng.choice(END_CONDITIONS)
     load = round_nice(scale, 2)
     text = (
-        f"A {material} strut of length {length} m with {describe(section, rng, False)} is {ends} and carries "
+        f"A {material} strut of length {length} m with {describe(section, rng, False)[0]} is {ends} and carries "
         f"an axial compressive load of {format_sig(load)} kN. E = {e_gpa} GPa. {need} "
         f"sigma is the stress magnitude."
     )

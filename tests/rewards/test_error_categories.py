@@ -1,5 +1,5 @@
-"""Each error category, on hand-edited copies of a real axial_stress level 3 reference solution:
-    A = pi*(30^2 - (30 - 2*2)^2)/4 = 175.9 mm^2 / sigma = 21000/175.9 = 119.4 MPa / SF = 240/119.4 = 2.011 / SAFE."""
+"""Each error category, on hand-edited copies of a real axial_stress level 3 reference solution (t = 0.002 m):
+    A = pi*(30^2 - (30 - 2*(0.002*1000))^2)/4 = 175.9 mm^2 / sigma = 21000/175.9 = 119.4 MPa / SF = 240/119.4 = 2.011 / SAFE."""
 import pytest
 
 from cohortrl import tasks
@@ -17,18 +17,18 @@ def failed(text: str) -> str:
 
 
 def test_the_sample_is_the_one_the_edits_were_written_for():
-    assert REF.splitlines()[:3] == ["A = pi*(30^2 - (30 - 2*2)^2)/4 = 175.9 mm^2", "sigma = 21000/175.9 = 119.4 MPa", "SF = 240/119.4 = 2.011"]
+    assert REF.splitlines()[:3] == ["A = pi*(30^2 - (30 - 2*(0.002*1000))^2)/4 = 175.9 mm^2", "sigma = 21000/175.9 = 119.4 MPa", "SF = 240/119.4 = 2.011"]
 
 
 @pytest.mark.parametrize("edit, category", [
     (lambda t: t, "correct"),
     (lambda t: t.replace("ANSWER: 2.011\n", ""), "format"),
     (lambda t: t.replace("ANSWER: 2.011", "ANSWER: 2.011\nANSWER: 3"), "format"),  # two answers commit to none
-    (lambda t: failed(t).replace("A = pi*(30^2 - (30 - 2*2)^2)/4 = 175.9 mm^2\n", ""), "missing_step"),
+    (lambda t: failed(t).replace("A = pi*(30^2 - (30 - 2*(0.002*1000))^2)/4 = 175.9 mm^2\n", ""), "missing_step"),
     (lambda t: failed(t).replace("sigma = 21000/175.9 = 119.4 MPa", "sigma = -21000/175.9 = -119.4 MPa"), "sign"),
     (lambda t: failed(t).replace("= 175.9 mm^2", "= 0.0001759 mm^2"), "unit"),  # the m^2 value written in mm^2
     (lambda t: failed(t).replace("sigma = 21000/175.9 = 119.4 MPa", "sigma = 21000/175.9 = 112.4 MPa"), "arithmetic"),
-    (lambda t: failed(t).replace("A = pi*(30^2 - (30 - 2*2)^2)/4 = 175.9", "A = pi*30^2/4 = 706.9"), "formula"),  # solid, not hollow
+    (lambda t: failed(t).replace("A = pi*(30^2 - (30 - 2*(0.002*1000))^2)/4 = 175.9", "A = pi*30^2/4 = 706.9"), "formula"),  # solid, not hollow
     (failed, "answer"),
     (lambda t: t.replace("VERDICT: SAFE", "VERDICT: FAIL"), "verdict"),
 ])
@@ -40,14 +40,14 @@ def test_categorize_names_the_first_error(edit, category):
 
 
 def test_a_wrong_value_without_an_expression_is_a_formula_error_not_arithmetic():
-    assert categorize(FAMILY, SAMPLE, failed(REF).replace("A = pi*(30^2 - (30 - 2*2)^2)/4 = 175.9", "A = 150")) == "formula"
+    assert categorize(FAMILY, SAMPLE, failed(REF).replace("A = pi*(30^2 - (30 - 2*(0.002*1000))^2)/4 = 175.9", "A = 150")) == "formula"
 
 
 def test_a_rendered_calculator_call_is_read_like_a_written_line():
     from cohortrl.tools import render, with_calculator
 
     assert categorize(FAMILY, SAMPLE, render(with_calculator(REF))) == "correct"
-    assert categorize(FAMILY, SAMPLE, render(with_calculator(failed(REF).replace("(30^2 - (30 - 2*2)^2)", "30^2")))) == "formula"
+    assert categorize(FAMILY, SAMPLE, render(with_calculator(failed(REF).replace("(30^2 - (30 - 2*(0.002*1000))^2)", "30^2")))) == "formula"
 
 
 def test_a_wrong_step_with_the_right_answer_is_unsupported_not_an_error():

@@ -22,6 +22,24 @@ def test_solid_bar_by_hand():
     assert utilisation == pytest.approx(1.2732, rel=1e-4)
 
 
+def test_level_3_references_convert_units_in_their_expressions():
+    # 0.065 m, 11 mm, 660 kN and 0.25 GPa are written as the prompt states them, converted in the expression:
+    # a warm start learns the conversion instead of numbers worked out beforehand (docs/engineering.md).
+    section = {"shape": "hollow", "D": 65, "t": 11}
+    written = {"D": "(0.065*1000)", "t": "11", "F": "660*1000", "sigma_y": "0.25*1000"}
+    steps, _ = single_bar(section, 660.0, 250, 1.5, written)
+    exprs = {key: expr for key, _, _, expr in steps}
+    assert exprs["A"] == "pi*((0.065*1000)^2 - ((0.065*1000) - 2*11)^2)/4"
+    assert exprs["sigma"].startswith("660*1000/") and exprs["SF"].startswith("0.25*1000/")
+    family = tasks.get("axial_stress")
+    for sample in family.sample(60, seed=0, level=3):
+        statement = sample.prompt.splitlines()[0]
+        for value in re.findall(r"(\d+(?:\.\d+)?) (?:m|GPa)\b", statement):
+            assert f"{value}*1000" in sample.reference_solution, (statement, sample.reference_solution)
+        for value in re.findall(r"(\d+(?:\.\d+)?) kN\b", statement):
+            assert f"{value}*1000/" in sample.reference_solution
+
+
 def test_sections_by_hand():
     # Hollow D = 50, t = 5 → d = 40: A = pi (2500 - 1600) / 4 = 706.86 mm^2, I = pi (50^4 - 40^4) / 64 = 181,132 mm^4.
     hollow = {"shape": "hollow", "D": 50, "t": 5}

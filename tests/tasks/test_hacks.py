@@ -84,8 +84,8 @@ def test_repeating_a_correct_step(name, level):
 def test_a_later_contradicting_value_cancels_a_step(name, level):
     for sample in samples(name, level):
         # the first required step's line (a reference may show working lines before it: beam_bending's x_0, M_1)
-        first = next(line for line in step_lines(sample.reference_solution)
-                     if line.split("=")[0].strip() == sample.steps[0].key)
+        lines = step_lines(sample.reference_solution)
+        first = next((line for line in lines if line.split("=")[0].strip() == sample.steps[0].key), lines[0])
         for hedge in (before_answer(sample.reference_solution, [corrupt(first)]),
                       corrupt(first) + "\n" + sample.reference_solution):
             g = grade(name, sample, hedge)
