@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from cohortrl.rewards.steps import Span, StepScores, StepSource, split_steps, step_end_tokens, token_char_ends
+from cohortrl.rewards.steps import Span, StepScores, StepSource, split_steps, step_end_tokens
 from cohortrl.rollout.hf import response_logprobs
 
 
@@ -127,9 +127,10 @@ class ImplicitPRM(StepSource):
         out = []
         for i, completion in enumerate(rollout.completions):
             spans: list[Span] = split_steps(completion, self.delimiter, self.regex)
-            ids = rollout.response_ids[i][rollout.response_mask[i].bool()].tolist()
-            ends = step_end_tokens(spans, token_char_ends(self.tokenizer, ids))
-            out.append(list(zip(step_sums(rewards_BT[i, : len(ids)].tolist(), ends), spans)))
+            # every token of the text, tool results included (their rewards are 0), so positions are the response's
+            char_ends = rollout.char_ends(i, self.tokenizer)
+            ends = step_end_tokens(spans, char_ends)
+            out.append(list(zip(step_sums(rewards_BT[i, : len(char_ends)].tolist(), ends), spans)))
         return out
 
     # ------------------------------------------------------------------------------------------ learning

@@ -4,8 +4,12 @@ A process reward is given per step, but the policy gradient is per token, so eac
 the token that completes the step. Character spans come from the text (a step is a line by default, or the
 pieces between a delimiter / regex matches); token positions come from decoding the response's own token ids
 one prefix at a time, which is correct for any tokenizer: byte-level BPE, SentencePiece, tokens that hold
-the end of one step and the start of the next, and multi-byte characters split across tokens. `StepSource` is what the
-trainer calls for step rewards; `StepScores` what it returns per response.
+the end of one step and the start of the next, and multi-byte characters split across tokens
+(`token_char_ends`). Where the completion is not the tokens' decoding (the chat protocol of tool calls writes
+each tool turn as ``<tool_response>RESULT</tool_response>``, not as the template's text the tokens hold),
+generation records each token's end in the completion instead: `Rollout.char_ends` gives either, for every
+token of the response, tool tokens included. `StepSource` is what the trainer calls for step rewards;
+`StepScores` what it returns per response.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections.abc import Sequence
+
+from cohortrl.rollout.types import token_char_ends  # noqa: F401  (where it lives: the rollout's own text layout)
 
 Span = tuple[int, int]  # [start, end) in characters of the decoded completion
 StepScores = list[tuple[float, Span | None]]  # per response: (step reward, span or None for a missing step)
@@ -38,22 +44,6 @@ def split_steps(text: str, delimiter: str = "\n", regex: str | None = None) -> l
             spans.append((start + left, start + right))
         start = end
     return spans
-
-
-def token_char_ends(tokenizer, token_ids: Sequence[int]) -> list[int]:
-    """For each response token k, the length of the decoded text of tokens 0..k: where token k ends in the
-    completion string (decoded with ``skip_special_tokens=True``, as the trainer decodes completions).
-
-    A prefix that ends inside a multi-byte character decodes to a trailing U+FFFD; that token does not complete
-    any character yet, so it ends where the previous token ended. Ends never decrease."""
-    ends, last = [], 0
-    for k in range(1, len(token_ids) + 1):
-        text = tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True)
-        while text.endswith("\ufffd"):
-            text = text[:-1]
-        last = max(last, len(text))
-        ends.append(last)
-    return ends
 
 
 def step_end_tokens(spans: Sequence[Span], char_ends: Sequence[int]) -> list[int]:

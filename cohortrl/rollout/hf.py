@@ -130,8 +130,9 @@ def generate(
     response_ids = out[:, prompt_ids.shape[1] :]
     tool_mask = session.tool_mask(response_ids.shape[1]) if session is not None else None
     response_mask, truncated, completions = _finish(response_ids, lengths, tokenizer, eos_ids, sampling, tool_mask)
+    completion_ends = None
     if schemas is not None:  # the chat protocol: tool turns as <tool_response>RESULT</tool_response>
-        completions = session.completions(response_ids, lengths)
+        completions, completion_ends = session.completions(response_ids, lengths)
     tool_calls, tool_errors = session.counts() if session is not None else (None, None)
     sequence_mask = response_mask if tool_mask is None else response_mask | tool_mask
     response_ids = response_ids.masked_fill(sequence_mask == 0, tokenizer.pad_token_id)
@@ -148,6 +149,7 @@ def generate(
         tool_mask=tool_mask,
         tool_calls=tool_calls,
         tool_errors=tool_errors,
+        completion_ends=completion_ends,
     )
     return rollout, n_truncated
 

@@ -22,6 +22,7 @@ import weakref
 
 import torch
 
+from cohortrl.rollout.types import token_char_ends
 from cohortrl.tools import Toolset, chat, resolve_tools, run_calls, text
 from cohortrl.tools.base import ToolError, ToolSetupError
 
@@ -161,37 +162,52 @@ class ToolSession:
         head, body, tail = own(before), self._text_ids(result), own(after)
         self.turns[i].append((len(self.history[i]), len(head), body, len(head) + len(body) + len(tail), result))
         # later calls' turns are rendered after this exchange, as the template renders a conversation
-        dialog = self.dialog[i]
-        if dialog[-1]["role"] == "assistant":  # the prompt ended inside an assistant message, which said continues
-            dialog[-1] = {**dialog[-1], "content": dialog[-1]["content"] + said}
-        else:
-            dialog.append({"role": "assistant", "content": said})
-        dialog.append({"role": "tool", "content": result} | ({"name": name} if name else {}))
+        self.dialog[i] = chat.continue_dialog(self.dialog[i], said, result, name)
         return head + body + tail
 
-    def completions(self, response_ids: torch.Tensor, lengths_B: torch.Tensor) -> list[str]:
+    def completions(self, response_ids: torch.Tensor, lengths_B: torch.Tensor) -> tuple[list[str], list[list[int]]]:
         """The chat protocol's completion texts: each row's own tokens decoded (special tokens skipped) with each
         tool turn written ``<tool_response>RESULT</tool_response>``, what graders and reward functions read
-        (``tools.render``); a turn cut by the budget shows the part of its result that was fed, unclosed."""
+        (``tools.render``); a turn cut by the budget shows the part of its result that was fed, unclosed.
+
+        Also, per row, where each of its ``length`` tokens ends in that text (``Rollout.completion_ends``), which
+        decoding the tokens cannot give, as they hold the template's turn: the model's tokens end where their
+        decoding does, a turn's head where ``<tool_response>`` does, its result's tokens where their decoding
+        does inside the result, its tail where the turn's text does."""
         def decode(part: list[int]) -> str:
             return self.tokenizer.decode(part, skip_special_tokens=True)
 
-        out = []
+        texts, all_ends = [], []
         for i, (ids, length) in enumerate(zip(response_ids.tolist(), lengths_B.tolist())):
-            ids, pieces, at = ids[:length], [], 0
+            ids, pieces, ends, at = ids[:length], [], [], 0
+            base = 0  # characters written so far
+
+            def add(piece: str, piece_ends: list[int]) -> None:
+                nonlocal base
+                pieces.append(piece)
+                ends.extend(base + min(e, len(piece)) for e in piece_ends)
+                base += len(piece)
+
             for start, n_head, body, n_turn, result in self.turns[i]:
                 if start >= length:
                     break
-                pieces.append(decode(ids[at:start]))
-                shown = min(n_turn, length - start) - n_head
+                add(decode(ids[at:start]), token_char_ends(self.tokenizer, ids[at:start]))
+                n = min(n_turn, length - start)  # the turn's tokens in the response
+                shown = n - n_head  # of which result and tail
+                result_ends = [len(chat.RESPONSE_OPEN) + e for e in token_char_ends(self.tokenizer, body[:max(0, shown)])]
                 if shown >= len(body) and start + n_turn <= length:
-                    pieces.append(f"{chat.RESPONSE_OPEN}{result}{chat.RESPONSE_CLOSE}")
+                    piece = f"{chat.RESPONSE_OPEN}{result}{chat.RESPONSE_CLOSE}"
                 elif shown > 0:
-                    pieces.append(chat.RESPONSE_OPEN + decode(body[:shown]))
+                    piece = chat.RESPONSE_OPEN + decode(body[:shown])
+                else:
+                    piece = ""
+                head_end = len(chat.RESPONSE_OPEN) if shown > 0 else 0
+                add(piece, [head_end] * min(n, n_head) + result_ends + [len(piece)] * max(0, shown - len(body)))
                 at = start + n_turn
-            pieces.append(decode(ids[at:]))
-            out.append("".join(pieces))
-        return out
+            add(decode(ids[at:]), token_char_ends(self.tokenizer, ids[at:]))
+            texts.append("".join(pieces))
+            all_ends.append(ends)
+        return texts, all_ends
 
     def tool_mask(self, T: int) -> torch.Tensor:
         """(B, T) long: 1 on tokens a tool supplied."""

@@ -8,6 +8,7 @@ Groups are contiguous: rows ``k*G … k*G+G-1`` answer prompt k.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,11 @@ class Rollout:
     tool_mask: torch.Tensor | None = None  # (B, T) 1 on tokens a tool supplied (inside the response, not the model's)
     tool_calls: torch.Tensor | None = None  # (B,) calls made by each response
     tool_errors: torch.Tensor | None = None  # (B,) of those, calls whose result was an error text
+    # Per response, where each of its tokens (every token of ``sequence_mask``, in order) ends in its completion
+    # text, recorded where that text is not the tokens' own decoding (the chat protocol writes each tool turn as
+    # <tool_response>RESULT</tool_response>); None (the whole field or a row's entry): the tokens' decoding is the
+    # completion. Read it through ``char_ends``.
+    completion_ends: list[list[int] | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -45,6 +51,13 @@ class Rollout:
     @property
     def sequence_mask(self) -> torch.Tensor:  # (B, T) 1 on every response token, the model's and the tools'
         return self.response_mask if self.tool_mask is None else self.response_mask | self.tool_mask
+
+    def char_ends(self, i: int, tokenizer) -> list[int]:
+        """Where each of response ``i``'s tokens (every token of ``sequence_mask``) ends in ``completions[i]``,
+        in characters: what maps a character span of the completion (a step) to the token that completes it."""
+        if self.completion_ends is not None and self.completion_ends[i] is not None:
+            return list(self.completion_ends[i])
+        return token_char_ends(tokenizer, self.response_ids[i][self.sequence_mask[i].bool()].tolist())
 
     def input_ids(self) -> torch.Tensor:  # (B, Tp + T)
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
@@ -67,6 +80,7 @@ class Rollout:
             rows=rows,
             sampling_logp=self.sampling_logp[index] if self.sampling_logp is not None else None,
             **{name: getattr(self, name)[index] for name in _TOOL_FIELDS if getattr(self, name) is not None},
+            completion_ends=[self.completion_ends[i] for i in index.tolist()] if self.completion_ends is not None else None,
         )
 
     @staticmethod
@@ -93,6 +107,8 @@ class Rollout:
             sampling_logp=torch.cat([right(r.sampling_logp, T, 0.0) for r in parts])
             if all(r.sampling_logp is not None for r in parts) else None,
             **_concat_tools(parts, T),
+            completion_ends=None if all(r.completion_ends is None for r in parts)
+            else [e for r in parts for e in (r.completion_ends or [None] * r.batch_size)],
         )
 
 
@@ -114,3 +130,19 @@ def _concat_tools(parts: list[Rollout], T: int) -> dict:
 
     return {"tool_mask": torch.cat([mask(r) for r in parts]),
             **{name: torch.cat([count(r, name) for r in parts]) for name in ("tool_calls", "tool_errors")}}
+
+
+def token_char_ends(tokenizer, token_ids: Sequence[int]) -> list[int]:
+    """For each response token k, the length of the decoded text of tokens 0..k: where token k ends in the
+    completion string (decoded with ``skip_special_tokens=True``, as the trainer decodes completions).
+
+    A prefix that ends inside a multi-byte character decodes to a trailing U+FFFD; that token does not complete
+    any character yet, so it ends where the previous token ended. Ends never decrease."""
+    ends, last = [], 0
+    for k in range(1, len(token_ids) + 1):
+        text = tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True)
+        while text.endswith("\ufffd"):
+            text = text[:-1]
+        last = max(last, len(text))
+        ends.append(last)
+    return ends

@@ -10,13 +10,16 @@ templates; docs/tools.md says when it is chosen):
                      the model's; decoding goes on after it.
 
 :func:`tool_turn` finds that text by rendering the conversation with markers where the model's text ends and
-where the result goes, so whatever a template puts around a tool result is reproduced as it renders it.
+where the result goes, so whatever a template puts around a tool result is reproduced as it renders it;
+:func:`continue_dialog` extends the conversation by one exchange, for the next turn's rendering.
 :func:`unsupported_reason` says why a template cannot drive the protocol (None when it can).
 
 Graders and reward functions read each tool turn as ``<tool_response>RESULT</tool_response>`` right after the
 call, whatever the template wraps around the result (the token ids hold the template's rendering);
 :func:`render_calls` turns a calculator call with its result into ``EXPR = VALUE``, as ``text.render`` does
-for the text protocol.
+for the text protocol. :func:`call_text` writes a call as the model is taught to (supervised warm starts,
+``text.with_calculator``), and :func:`split_exchanges` cuts a completion in that form back into the model's
+texts and the results, which ``SFTTrainer`` renders as the rollout would.
 """
 
 from __future__ import annotations
@@ -36,8 +39,19 @@ _PROBE = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"text": {"type": "string", "description": "the text"}},
                    "required": ["text"]},
 }}
+_EXCHANGE = re.compile(r"</tool_call>\s*(?P<open><tool_response>)(?P<result>.*?)</tool_response>", re.DOTALL)
 _CALL_RESPONSE = re.compile(r"<tool_call>(?P<call>.*?)</tool_call>(?P<space>\s*)<tool_response>(?P<value>.*?)</tool_response>",
                             re.DOTALL)
+
+
+def call_text(name: str, arguments: dict) -> str:
+    """A call as the model writes it: ``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``, the
+    form the Hermes-style templates of Qwen2.5, Qwen3 and Hermes ask for (the JSON on its own line).
+
+    >>> call_text("calculator", {"expression": "2*3"})
+    '<tool_call>\\n{"name": "calculator", "arguments": {"expression": "2*3"}}\\n</tool_call>'
+    """
+    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CALL_CLOSE}"
 
 
 def has_call(text: str) -> bool:
@@ -108,6 +122,34 @@ def tool_turn(tokenizer, messages: list[dict], schemas: list[dict], name: str | 
                              "with their contents as given")
     before, _, after = text.partition(_SAID)[2].partition(_RESULT)
     return before, after
+
+
+def continue_dialog(dialog: list[dict], said: str, result: str, name: str | None = None) -> list[dict]:
+    """The conversation ``dialog`` (as :func:`tool_turn` takes it) followed by the model's text ``said``, which
+    ends in a call, and the tool message with its ``result``: what the next tool turn is rendered after, as the
+    template renders a conversation. A final assistant message in ``dialog`` is one ``said`` continues."""
+    dialog = [dict(m) for m in dialog]
+    if dialog and dialog[-1]["role"] == "assistant":
+        dialog[-1]["content"] += said
+    else:
+        dialog.append({"role": "assistant", "content": said})
+    dialog.append({"role": "tool", "content": result} | ({"name": name} if name else {}))
+    return dialog
+
+
+def split_exchanges(text: str) -> tuple[list[tuple[str, str]], str]:
+    """A completion in the form graders read (each call followed by ``<tool_response>RESULT</tool_response>``)
+    as ``([(said, result), ...], rest)``: the model's text through each call (whitespace before the response
+    included), the call's result, and the text after the last response. Text without responses is ``([], text)``.
+
+    >>> split_exchanges("A = <tool_call>{}</tool_call><tool_response>6</tool_response> N")
+    ([('A = <tool_call>{}</tool_call>', '6')], ' N')
+    """
+    exchanges, at = [], 0
+    for m in _EXCHANGE.finditer(text):
+        exchanges.append((text[at : m.start("open")], m["result"]))
+        at = m.end()
+    return exchanges, text[at:]
 
 
 def unsupported_reason(tokenizer) -> str | None:

@@ -11,7 +11,8 @@ be parsed, names an unknown tool or comes after the response's last allowed call
 :func:`render` gives graders what the response states: each calculator call with its result becomes
 ``EXPR = VALUE``, so the gym line ``A = <call>calculator: pi*19^2/4</call><result>283.5</result> mm^2`` is
 graded as ``A = pi*19^2/4 = 283.5 mm^2``; any other tool's call and result are scratch work and are removed.
-:func:`with_calculator` rewrites a gym reference solution into that call form, for supervised warm starts.
+:func:`with_calculator` rewrites a gym reference solution into that call form (or the chat protocol's), for
+supervised warm starts.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import re
 
 from cohortrl.tools.base import Tool, ToolError, Toolset
 from cohortrl.tools.calculator import CalculatorError, evaluate, format_value
-from cohortrl.tools.chat import render_calls
+from cohortrl.tools.chat import RESPONSE_CLOSE, RESPONSE_OPEN, call_text, render_calls
 
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -106,15 +107,21 @@ def render(text: str) -> str:
     return _OTHER_CALL.sub("", text)
 
 
-def with_calculator(reference_text: str) -> str:
+def with_calculator(reference_text: str, protocol: str = "text") -> str:
     """A gym reference solution with each ``KEY = expression = value unit`` line's value computed by the
     calculator: ``KEY = <call>calculator: expression</call><result>VALUE</result> unit``, VALUE the calculator's
     own result (4 significant figures). Lines without an expression are kept. An ``ANSWER:`` value that is a
     rewritten line's value becomes that line's new value, so the answer copies what the calculator said.
 
+    ``protocol="chat"`` writes each call in the chat protocol's form, as graders read a chat rollout:
+    ``KEY = <tool_call>\\n{"name": "calculator", "arguments": {"expression": ...}}\\n</tool_call><tool_response>VALUE</tool_response> unit``
+    (``chat.call_text``; ``SFTTrainer`` renders each response as the chat template's tool turn).
+
     >>> with_calculator("SF = 240/62.36 = 3.848\\nANSWER: 3.848")
     'SF = <call>calculator: 240/62.36</call><result>3.849</result>\\nANSWER: 3.849'
     """
+    if protocol not in ("text", "chat"):
+        raise ValueError(f"with_calculator: protocol must be 'text' or 'chat', not {protocol!r}")
     new_values: dict[str, str] = {}
 
     def rewrite(m: re.Match) -> str:
@@ -123,7 +130,11 @@ def with_calculator(reference_text: str) -> str:
         except CalculatorError:
             return m[0]
         new_values[m["value"]] = value
-        return f"{m['key']} = {CALL_OPEN}calculator: {m['expr']}{CALL_CLOSE}{result_text(value)}{m['unit']}"
+        if protocol == "chat":
+            call = f"{call_text('calculator', {'expression': m['expr']})}{RESPONSE_OPEN}{value}{RESPONSE_CLOSE}"
+        else:
+            call = f"{CALL_OPEN}calculator: {m['expr']}{CALL_CLOSE}{result_text(value)}"
+        return f"{m['key']} = {call}{m['unit']}"
 
     text = _STEP_LINE.sub(rewrite, reference_text)
     return _ANSWER_LINE.sub(lambda m: m["head"] + new_values.get(m["value"], m["value"]), text)

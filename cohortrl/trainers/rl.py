@@ -46,7 +46,7 @@ from cohortrl.models import load_model
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
 from cohortrl.rewards.scoring import RewardFunctionError, TrainerState, WeightedReward, resolve
-from cohortrl.rewards.steps import step_end_tokens, token_char_ends
+from cohortrl.rewards.steps import step_end_tokens
 from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.rollout.types import Rollout
@@ -496,10 +496,9 @@ class RLTrainer(Trainer):
                         f"(prompt: {prompts[i][:200]!r}); step scores must be finite numbers"
                     )
             guarded = guard_steps(completion, steps, cap=p.cap, max_steps=p.max_steps, require_answer=p.require_answer)
-            ids = rollout.response_ids[i][rollout.sequence_mask[i].bool()].tolist()  # every token of the text
-            char_ends = token_char_ends(self.tokenizer, ids)
+            char_ends = rollout.char_ends(i, self.tokenizer)  # every token of the text, tool turns included
             stated = iter(step_end_tokens([span for _, span in guarded if span is not None], char_ends))
-            last = max(0, len(ids) - 1)  # a required step never stated counts on the last token
+            last = max(0, len(char_ends) - 1)  # a required step never stated counts on the last token
             step_rewards.append([score for score, _ in guarded])
             step_ends.append([next(stated) if span is not None else last for _, span in guarded])
         batch.step_rewards, batch.step_ends = step_rewards, step_ends

@@ -24,6 +24,15 @@ completion's row may carry ``no_loss_spans``, (start, end) character pairs into 
 ``<result>...</result>``, say), and every token overlapping one carries no loss (read from the tokenizer's
 offsets).
 
+With tools, a warm start writes tool calls in the protocol the RL rollout uses for the same config and tokenizer
+(``rollout.tools.tool_protocol``). Text: the tools described after the system prompt, calls as
+``<call>...</call>``, each ``<result>...</result>`` without loss (``no_loss_spans``). Chat: the prompt rendered with
+the tools' schemas, and a text completion's calls in the form graders read
+(``<tool_call>...</tool_call><tool_response>RESULT</tool_response>``, ``tools.chat.split_exchanges``) laid out as
+the rollout feeds them: the model's text up to each call (trained), then the chat template's tool turn
+(``chat.tool_turn``: its text around the result, the result tokenized as text), without loss, then the model's
+next text; the same tokens a rollout of that text holds, with loss where its ``response_mask`` is 1.
+
 Shared with the RL trainers rather than copied: the run around the steps (``loop.Trainer``: train loop,
 evaluation schedule, checkpoints and resume, metrics rows, callbacks, final save), the inputs (``inputs.py``),
 the model, LoRA, optimiser and schedule (``setup.py``), the optimiser step with its non-finite guard
@@ -44,12 +53,14 @@ import torch
 from cohortrl import distributed
 from cohortrl.algorithms import masked_sum
 from cohortrl.config import ConfigError
-from cohortrl.data import DataError, PromptStream, check_prompt, load_examples, load_rows, prompt_key, render_prompt
+from cohortrl.data import (
+    DataError, PromptStream, check_prompt, load_examples, load_rows, prompt_key, prompt_messages, render_prompt,
+)
 from cohortrl.kernels import linear_kernels, resolve_cpu_linear
 from cohortrl.rewards.scoring import WeightedReward, resolve
 from cohortrl.rollout.hf import response_logprobs
-from cohortrl.rollout.tools import toolset
-from cohortrl.tools import result_spans, tool_prompt, with_calculator
+from cohortrl.rollout.tools import tool_protocol, toolset
+from cohortrl.tools import chat, result_spans, tool_prompt, with_calculator
 from cohortrl.trainers import guards
 from cohortrl.trainers.evaluate import evaluate_config
 from cohortrl.trainers.inputs import as_config, resolve_inputs
@@ -70,6 +81,7 @@ class Segment:
     text: str
     trained: bool
     no_loss: list[tuple[int, int]] = field(default_factory=list)  # (start, end) character spans of ``text``
+    as_text: bool = False  # special-token strings in it are text (a tool's result, tokenized as the rollout feeds it)
 
 
 @dataclass
@@ -81,9 +93,11 @@ class Example:
     loss_mask: list[int]  # (T,) 1 where the token carries loss
 
 
-def row_segments(tokenizer, row: dict, system_prompt: str | None, where: str) -> list[Segment]:
+def row_segments(tokenizer, row: dict, system_prompt: str | None, where: str,
+                 tools: list[dict] | None = None) -> list[Segment]:
     """A row in one of TRL's SFT formats as rendered segments; a malformed row raises :class:`DataError`
-    naming ``where``."""
+    naming ``where``. ``tools``: the chat protocol's JSON schemas, given to the chat template (None: the text
+    protocol, or no tools); a text completion's tool calls are then laid out as the rollout feeds them."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: an SFT row must be a dict, got {type(row).__name__}")
     if "messages" in row:
@@ -92,7 +106,7 @@ def row_segments(tokenizer, row: dict, system_prompt: str | None, where: str) ->
         first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
         if first is None:
             raise DataError(f"{where}: the conversation in 'messages' has no assistant turn to train on; add one or remove the row")
-        return _conversation_segments(tokenizer, messages[:first], messages[first:], system_prompt, where)
+        return _conversation_segments(tokenizer, messages[:first], messages[first:], system_prompt, where, tools=tools)
     missing = [c for c in ("prompt", "completion") if c not in row]
     if missing:
         raise DataError(
@@ -107,19 +121,27 @@ def row_segments(tokenizer, row: dict, system_prompt: str | None, where: str) ->
         if not completion.strip():
             raise DataError(f"{where}: the completion is {completion!r}; it must be non-empty text (fix or remove the row)")
         spans = _spans(row.get("no_loss_spans", []), completion, where)
+        if tools is not None and chat.split_exchanges(completion)[0]:
+            if spans:
+                raise DataError(f"{where}: no_loss_spans cannot be combined with chat-protocol tool calls in the "
+                                "completion (their <tool_response> parts carry no loss already); remove no_loss_spans")
+            return _tool_call_segments(tokenizer, prompt, completion, system_prompt, tools, where)
         assistant = {"role": "assistant", "content": completion}
-        return _conversation_segments(tokenizer, [{"role": "user", "content": prompt}], [assistant], system_prompt, where, spans)
+        return _conversation_segments(tokenizer, [{"role": "user", "content": prompt}], [assistant], system_prompt, where,
+                                      spans, tools)
     if "no_loss_spans" in row:
         raise DataError(f"{where}: no_loss_spans applies to a text completion; this row's completion is a list of messages")
     check_prompt(prompt + completion, f"{where} (prompt + completion)")
     if not any(m["role"] == "assistant" for m in completion):
         raise DataError(f"{where}: the completion has no assistant turn to train on; add one or remove the row")
-    return _conversation_segments(tokenizer, prompt, completion, system_prompt, where)
+    return _conversation_segments(tokenizer, prompt, completion, system_prompt, where, tools=tools)
 
 
-def _conversation_segments(tokenizer, context: list[dict], completion: list[dict], system_prompt, where, spans=()):
+def _conversation_segments(tokenizer, context: list[dict], completion: list[dict], system_prompt, where, spans=(),
+                           tools=None):
     """``context + completion`` through the chat template, cut into untrained text and the completion's
-    assistant turns (trained; ``spans`` are character spans of the last turn's content)."""
+    assistant turns (trained; ``spans`` are character spans of the last turn's content; ``tools``: schemas the
+    template describes)."""
     if not context:
         raise DataError(f"{where}: the conversation starts with an assistant turn; it needs a user turn before it")
     messages = [*context, *completion]
@@ -132,8 +154,8 @@ def _conversation_segments(tokenizer, context: list[dict], completion: list[dict
             continue
         if not messages[i]["content"].strip():
             raise DataError(f"{where}: assistant message {i - added} of the conversation is empty; give it text or remove the row")
-        before = render_prompt(tokenizer, messages[:i], system_prompt)
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = render_prompt(tokenizer, messages[:i], system_prompt, tools)
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **({"tools": tools} if tools is not None else {}))
         if not before.startswith(done) or not through.startswith(before):
             raise DataError(
                 f"{where}: the model's chat template does not render this conversation as a sequence of growing "
@@ -149,6 +171,34 @@ def _conversation_segments(tokenizer, context: list[dict], completion: list[dict
         segments += [Segment(before[len(done):], False), Segment(turn, True, no_loss)]
         done = through
     return segments
+
+
+def _tool_call_segments(tokenizer, prompt, completion: str, system_prompt, tools: list[dict], where) -> list[Segment]:
+    """A text completion holding chat-protocol calls, each followed by ``<tool_response>RESULT</tool_response>``,
+    as a rollout of it holds it (``rollout.tools.ToolSession``): the prompt rendered with the tools, then per call
+    the model's text through the call (trained) and the template's tool turn around the result (``chat.tool_turn``,
+    the result tokenized as text; untrained), then the model's last text and the template's end of turn (trained)."""
+    exchanges, rest = chat.split_exchanges(completion)
+    dialog = prompt_messages(prompt, system_prompt)
+    segments = [Segment(render_prompt(tokenizer, prompt, system_prompt, tools), False)]
+    for said, result in exchanges:
+        name = chat.called_name(said)
+        try:
+            before, after = chat.tool_turn(tokenizer, dialog, tools, name, said)
+        except Exception as e:  # noqa: BLE001  (a template may raise anything)
+            raise DataError(f"{where}: the chat template cannot render the tool turn after this completion's call "
+                            f"({type(e).__name__}: {e}); use rollout.tool_format=text") from None
+        segments += [Segment(said, True), Segment(before, False), Segment(result, False, as_text=True), Segment(after, False)]
+        dialog = chat.continue_dialog(dialog, said, result, name)
+    # what the template adds for the model's last text: the text and the end of its turn
+    opened = tokenizer.apply_chat_template(dialog, tools=tools, tokenize=False, add_generation_prompt=True)
+    through = tokenizer.apply_chat_template([*dialog, {"role": "assistant", "content": rest}], tools=tools, tokenize=False)
+    if not through.startswith(opened):
+        raise DataError(
+            f"{where}: the model's chat template does not render this conversation as a sequence of growing prefixes, "
+            "so the end of the assistant's last turn cannot be told apart; use rollout.tool_format=text"
+        )
+    return [*segments, Segment(through[len(opened):], True)]
 
 
 def _spans(value, completion: str, where: str) -> list[tuple[int, int]]:
@@ -173,7 +223,8 @@ def tokenize_example(tokenizer, segments: list[Segment], where: str, max_length:
     for seg in segments:
         if seg.no_loss and not getattr(tokenizer, "is_fast", False):
             raise DataError(f"{where}: no_loss_spans need a fast tokenizer (character offsets); this model's is not")
-        enc = tokenizer(seg.text, add_special_tokens=False, return_offsets_mapping=bool(seg.no_loss))
+        as_text = {"split_special_tokens": True} if seg.as_text else {}  # as ToolSession tokenizes a result
+        enc = tokenizer(seg.text, add_special_tokens=False, return_offsets_mapping=bool(seg.no_loss), **as_text)
         ids += enc["input_ids"]
         if not seg.trained:
             mask += [0] * len(enc["input_ids"])
@@ -243,9 +294,11 @@ class SFTTrainer(Trainer):
         problems; for your own rows, ``data.eval_size`` of them, else none). ``resume``: continue the run in
         ``run_dir`` from its last checkpoint; ``overwrite``: ``run_dir`` may hold another run, whose files are
         deleted first (without either, such a directory is refused, as by the RL trainers). ``tools``: as for
-        the RL trainers (replace ``rollout.tools``): the warm start then sees the same tool-described system
-        prompt as RL, gym references are written in the calculator's call form (``tools.with_calculator``),
-        and every ``<result>...</result>`` of a text completion carries no loss (the model never writes it)."""
+        the RL trainers (replace ``rollout.tools``): the warm start then writes tool calls in the protocol RL's
+        rollouts use with this config and tokenizer (``rollout.tools.tool_protocol``), with the same prompt, gym
+        references in the calculator's call form (``tools.with_calculator``), and no loss on what a tool
+        returns (the model never writes it): each ``<result>...</result>`` in the text protocol, each tool
+        turn of the chat template in the chat protocol."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("cohortrl sft runs in one process; start it without torchrun")
         cfg = as_config(config)
@@ -253,8 +306,6 @@ class SFTTrainer(Trainer):
                                 train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools)
         cfg = self.cfg = inputs.config
         self.tools = toolset(cfg.rollout, inputs.tools)  # None without tools; resolved before the model loads
-        # The prompt RL and evaluation will show: with tools, their description follows the system prompt.
-        self.system_prompt = tool_prompt(cfg.model.system_prompt, self.tools) if self.tools else cfg.model.system_prompt
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"sft-{time.strftime('%Y%m%d-%H%M%S')}"
         self._run_claim = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)  # locked while in use
         self.config_hash = config_hash(cfg.to_dict())  # in every manifest, as the RL trainers write it (cohortrl verify)
@@ -265,6 +316,13 @@ class SFTTrainer(Trainer):
 
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer)
         self.model.to(self.device)
+        # The prompt and call form RL and evaluation will use with this tokenizer (rollout/hf.py's generate): in
+        # the text protocol the tools' description follows the system prompt, in the chat protocol the template
+        # describes their schemas.
+        self.protocol = tool_protocol(self.tools, self.tokenizer) if self.tools else None
+        self.tool_schemas = self.tools.schemas() if self.protocol == "chat" else None
+        self.system_prompt = (tool_prompt(cfg.model.system_prompt, self.tools) if self.protocol == "text"
+                              else cfg.model.system_prompt)
         n_ctx = getattr(self.model.config, "max_position_embeddings", None)
         if n_ctx is not None and cfg.sft.max_length > n_ctx:
             raise ConfigError(f"config key 'sft.max_length' = {cfg.sft.max_length}: more than {cfg.model.name}'s context "
@@ -294,11 +352,11 @@ class SFTTrainer(Trainer):
         else:
             named, held = load_examples(cfg.data, cfg.train.seed, inputs.train_rows)
             for where, row in held:  # held-out SFT rows are checked as strictly as trained ones
-                row_segments(self.tokenizer, self._tool_row(row), self.system_prompt, where)
+                row_segments(self.tokenizer, self._tool_row(row), self.system_prompt, where, self.tool_schemas)
             held_out = [held_out_row(r) for _, r in held] if inputs.eval_rows is None else [dict(r) for r in inputs.eval_rows]
             for i, r in enumerate(held_out):
                 check_prompt(r.get("prompt"), f"held-out row {i}")
-        segments = [(where, row_segments(self.tokenizer, self._tool_row(row), self.system_prompt, where))
+        segments = [(where, row_segments(self.tokenizer, self._tool_row(row), self.system_prompt, where, self.tool_schemas))
                     for where, row in named]
         # Held-out prompts are never trained on (for task rows load_rows has already made sure).
         held_keys = {prompt_key(r["prompt"]) for r in held_out}
@@ -310,10 +368,10 @@ class SFTTrainer(Trainer):
         return [tokenize_example(self.tokenizer, s, w, cfg.sft.max_length) for w, s in kept], held_out
 
     def _reference(self, reference: str) -> str:
-        """A gym reference solution as the completion to learn: in the calculator's call form when the run
-        has the calculator, so the warm start writes what RL's rollouts will run."""
+        """A gym reference solution as the completion to learn: in the calculator's call form of the run's
+        protocol when the run has the calculator, so the warm start writes what RL's rollouts will run."""
         if self.tools is not None and any(t.name == "calculator" for t in self.tools.tools):
-            return with_calculator(reference)
+            return with_calculator(reference, self.protocol)
         return reference
 
     def _tool_row(self, row: dict) -> dict:

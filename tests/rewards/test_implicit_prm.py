@@ -103,6 +103,36 @@ def test_token_rewards_and_step_rewards_by_hand(models):
         assert sum(s for s, _ in row) == pytest.approx(rewards_BT[b].sum().item(), abs=1e-5)
 
 
+def test_steps_are_found_in_the_whole_response_when_a_tool_result_sits_in_it(models):
+    """A text-protocol tool result inside the response: the completion holds it, so steps are mapped over every
+    token of the response (the result's own earn 0), at their positions in the response."""
+    policy, phi, tok = models
+    prm = ImplicitPRM(policy, tok, beta=0.5, update=False, prm=phi)
+    pieces = ["s1 = <call>calculator: 2+8</call>", "<result>10</result>", "\ns2 = 4\nANSWER: 4"]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in pieces]
+    rollout = make_rollout(tok, ["".join(pieces)])
+    flat = [t for x in ids for t in x]
+    rollout.response_ids = torch.tensor([flat])
+    rollout.tool_mask = torch.tensor([[0] * len(ids[0]) + [1] * len(ids[1]) + [0] * len(ids[2])])
+    rollout.response_mask = 1 - rollout.tool_mask
+    rollout.completions = [tok.decode(flat, skip_special_tokens=True)]
+    assert rollout.completions[0] == "".join(pieces)
+    rewards = prm.token_rewards(rollout)[0].tolist()
+    assert all(rewards[k] == 0 for k in range(len(ids[0]), len(ids[0]) + len(ids[1])))  # the tool's tokens
+    # hand-found: step 1 ends on the result's last token, step 2 on the "4" of "s2 = 4", step 3 takes the rest
+    end1 = len(ids[0]) + len(ids[1]) - 1
+    end2 = end1 + next(k for k in range(1, len(ids[2]) + 1) if tok.decode(ids[2][:k]) == "\ns2 = 4")
+    expected = [sum(rewards[: end1 + 1]), sum(rewards[end1 + 1 : end2 + 1]), sum(rewards[end2 + 1 :])]
+    steps = prm.score(rollout, {})[0]
+    assert [s for s, _ in steps] == pytest.approx(expected, abs=1e-6)
+    # Mapping over the model's tokens only (what it did before) misplaces the steps after the result.
+    from cohortrl.rewards.steps import split_steps, step_end_tokens, token_char_ends
+
+    own = [t for t, m in zip(flat, rollout.response_mask[0].tolist()) if m]
+    before = step_sums(rewards[: len(own)], step_end_tokens(split_steps(rollout.completions[0]), token_char_ends(tok, own)))
+    assert before != pytest.approx(expected, abs=1e-6)
+
+
 def implicit_reward(prm: ImplicitPRM, rollout, row: int) -> float:
     return prm.token_rewards(rollout)[row].sum().item()
 

@@ -13,7 +13,7 @@ from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.rollout.tools import tool_metrics
 from cohortrl.tools import Toolset, render, resolve_tools
 from tests.rollout.test_tools import HEADER, ScriptedLlama, boom
-from tests.tools.test_chat import HERMES_TEMPLATE, TURN_AFTER, TURN_BEFORE, shout
+from tests.tools.test_chat import COMPACT_HERMES_TEMPLATE, HERMES_TEMPLATE, TURN_AFTER, TURN_BEFORE, shout
 
 # The template's tool turn as it sits in the decoded response (special tokens kept).
 _TURN = re.compile(re.escape(TURN_BEFORE) + r".*?" + re.escape(TURN_AFTER), re.DOTALL)
@@ -142,3 +142,79 @@ def test_a_turn_cut_by_the_budget_ends_the_response():
     assert bool(cut.truncated[0]) and int(cut.sequence_mask.sum()) == budget and int(cut.lengths[0]) == own
     first = tok.decode(tok("283.5", add_special_tokens=False, split_special_tokens=True)["input_ids"][:1])
     assert cut.completions[0] == AREA.partition("</tool_call>")[0] + "</tool_call><tool_response>" + first
+
+
+# ---------------------------------------------------------------------------------------------- step rewards
+TWO_CALLS = (f"A = {call('calculator', expression='pi*19^2/4')} mm^2\nB = {call('calculator', expression='2*3')} N\n"
+             "ANSWER: 6\n")
+
+
+def line_steps(prompts, completions, **columns):
+    """A process reward for the test: every line of the completion is a step worth 1."""
+    from cohortrl.rewards.steps import split_steps
+
+    return [[(1.0, span) for span in split_steps(c)] for c in completions]
+
+
+def test_step_rewards_land_on_the_token_that_ends_the_step_after_tool_turns(tmp_path):
+    """The completion writes each tool turn as <tool_response>RESULT</tool_response> while the tokens hold the
+    template's turn: a step's character span is mapped through the ends generation recorded, not by decoding
+    the tokens, so each step reward lands on the model's token that completes the step's line."""
+    from cohortrl.config import Config
+    from cohortrl.rewards.steps import step_end_tokens, token_char_ends
+    from cohortrl.trainers.grpo import GRPOTrainer
+    from cohortrl.trainers.metrics import PhaseTimer
+
+    model, tok = scripted_chat({"two": TWO_CALLS})
+    tok.chat_template = COMPACT_HERMES_TEMPLATE  # the tools by name: the prompt fits the tiny model with the response
+    cfg = Config(
+        model={"name": "tiny-llama", "system_prompt": None},
+        data={"eval_size": 0, "max_prompt_tokens": 512},
+        sampling={"max_new_tokens": 300},
+        rollout={"tools": ["calculator"]},
+        reward={"process": {"name": "tests.rollout.test_chat_tools:line_steps"}},
+        algorithm={"estimator": "grpo_process", "group_size": 2, "prompts_per_step": 1},
+        train={"steps": 1, "progress": False},
+        eval={"before": False, "n_prompts": 0},
+    )
+    trainer = GRPOTrainer(cfg, tmp_path, model=model, tokenizer=tok, reward_funcs=[lambda prompts, completions, **kw: [1.0] * len(completions)],
+                          train_dataset=[{"prompt": "two calls please"}])
+    batch = trainer._sample_and_score(PhaseTimer())
+    trainer._score_steps(batch)
+    rollout = batch.rollout
+    completion = rollout.completions[0]
+    assert completion == TWO_CALLS.replace(
+        "</tool_call> mm", "</tool_call><tool_response>283.5</tool_response> mm").replace(
+        "</tool_call> N", "</tool_call><tool_response>6</tool_response> N")
+    assert [completion[a:b] for _, (a, b) in line_steps([""], [completion])[0]] == completion.rstrip("\n").split("\n")
+
+    # Hand-built: the model's own runs of tokens (between tool turns), and in each the token completing a line.
+    ids = rollout.response_ids[0].tolist()
+    own = rollout.response_mask[0].tolist()
+    runs, k = [], 0
+    while k < len(ids):
+        if own[k]:
+            start = k
+            while k < len(ids) and own[k]:
+                k += 1
+            runs.append(list(range(start, k)))
+        k += 1
+
+    def completing(run: list[int], text: str) -> int:
+        return next(p for j, p in enumerate(run) if text in tok.decode([ids[q] for q in run[: j + 1]]))
+
+    assert len(runs) == 3
+    want = [completing(runs[1], " mm^2"), completing(runs[2], " N"), completing(runs[2], "ANSWER: 6")]
+    assert batch.step_ends[0] == want and batch.step_ends[1] == want  # both responses of the group
+    assert len(rollout.char_ends(0, tok)) == int(rollout.sequence_mask[0].sum())  # one end per token
+    assert all(own[k] for k in want)
+    # Decoding every token instead (what the trainer did before) reads the template's turns, longer than
+    # <tool_response>RESULT</tool_response>, and puts every step's reward on an earlier token.
+    spans = [span for _, span in line_steps([""], [completion])[0]]
+    decoded = step_end_tokens(spans, token_char_ends(tok, ids[: int(rollout.sequence_mask[0].sum())]))
+    assert all(d < w for d, w in zip(decoded, want))
+    # select and concat keep each row's ends
+    picked = rollout.select([1])
+    assert picked.char_ends(0, tok) == rollout.char_ends(1, tok)
+    joined = type(rollout).concat([picked, rollout], tok.pad_token_id)
+    assert joined.char_ends(0, tok) == joined.char_ends(2, tok) == rollout.char_ends(0, tok)

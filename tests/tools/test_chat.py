@@ -30,6 +30,9 @@ HERMES_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# The same with each tool described by its name only: prompts short enough for the tiny model's 1024 positions.
+COMPACT_HERMES_TEMPLATE = HERMES_TEMPLATE.replace("(tool | tojson)", "tool.function.name")
+assert COMPACT_HERMES_TEMPLATE != HERMES_TEMPLATE
 # What that template puts around a tool result, between the model's call and its next turn.
 TURN_BEFORE = "<|im_end|>\n<|im_start|>tool\n<tool_response>\n"
 TURN_AFTER = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -149,3 +152,27 @@ def test_graders_read_chat_calls_as_text_calls():
     assert render('a <tool_call>{"name": "shout", "arguments": {"text": "x"}}</tool_call><tool_response>X</tool_response>b') == "a b"
     assert render("a <tool_call>{bad</tool_call><tool_response>error: ...</tool_response>b") == "a b"
     assert render("no calls = 3") == "no calls = 3"
+
+
+def test_warm_starts_write_calls_in_the_chat_form_and_read_them_back():
+    import doctest
+
+    assert doctest.testmod(chat).failed == 0
+    from cohortrl.tools import with_calculator
+
+    written = with_calculator("SF = 240/62.36 = 3.848\nANSWER: 3.848", "chat")
+    assert written == ('SF = <tool_call>\n{"name": "calculator", "arguments": {"expression": "240/62.36"}}\n</tool_call>'
+                       "<tool_response>3.849</tool_response>\nANSWER: 3.849")
+    assert parse_call_of(written) == ("calculator", {"expression": "240/62.36"})
+    # graders read it as the text protocol's form
+    assert render(written) == render(with_calculator("SF = 240/62.36 = 3.848\nANSWER: 3.848")) == "SF = 240/62.36 = 3.849\nANSWER: 3.849"
+    exchanges, rest = chat.split_exchanges(written)
+    assert exchanges == [(written.partition("<tool_response>")[0], "3.849")] and rest == "\nANSWER: 3.849"
+    assert chat.split_exchanges("no calls") == ([], "no calls")
+    with pytest.raises(ValueError, match="protocol must be 'text' or 'chat'"):
+        with_calculator("x = 1+1 = 2", "hermes")
+
+
+def parse_call_of(text: str):
+    tool, arguments = chat.parse_call(text, TOOLS)
+    return tool.name, arguments

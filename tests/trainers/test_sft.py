@@ -16,6 +16,7 @@ from cohortrl.config import Config, ConfigError
 from cohortrl.data import DataError, render_prompt
 from cohortrl.models import ModelLoadError, load_model
 from cohortrl.rollout.hf import response_logprobs
+from cohortrl.tools import ToolSetupError
 from cohortrl.trainers.grpo import GRPOTrainer
 from cohortrl.trainers.loop import RunCompleteError
 from cohortrl.trainers.run_dir import RunDirectoryError
@@ -203,6 +204,95 @@ def test_with_the_calculator_a_warm_start_learns_the_call_form_and_never_the_res
         assert "<call>calculator:" in learned and "</call>" in learned
         assert "result>" not in learned and sum(e.loss_mask) < len(e.loss_mask)
     trainer.train()  # and it trains
+
+def chat_tokenizer():
+    """The tiny tokenizer with a Hermes-style template that can drive the chat protocol (tools by name only, so
+    a gym prompt fits the tiny model)."""
+    from cohortrl.models import build_tiny_tokenizer
+    from tests.tools.test_chat import COMPACT_HERMES_TEMPLATE
+
+    tok = build_tiny_tokenizer()
+    tok.chat_template = COMPACT_HERMES_TEMPLATE
+    return tok
+
+
+def test_with_chat_tools_a_calculator_call_is_written_as_the_rollout_feeds_it():
+    from cohortrl.tools import Toolset, resolve_tools
+    from cohortrl.tools.chat import call_text
+    from tests.tools.test_chat import TURN_AFTER, TURN_BEFORE
+
+    tok = chat_tokenizer()
+    schemas = Toolset(resolve_tools(["calculator"])).schemas()
+    said = "x = " + call_text("calculator", {"expression": "2+3"})
+    completion = f"{said}<tool_response>5</tool_response> m\nANSWER: 5"
+    e = tokenize_example(tok, row_segments(tok, {"prompt": "Hi", "completion": completion}, None, "row 0", schemas),
+                         "row 0", 1024)
+    # the prompt as the chat protocol's rollout renders it: the template describes the tools
+    assert tok.decode(e.prompt_ids) == render_prompt(tok, "Hi", None, schemas)
+    assert "calculator" in tok.decode(e.prompt_ids)
+    # hand-checked: the model's text through the call (trained), the template's tool turn around the result
+    # (untrained), the model's next text and the end of its turn (trained)
+    own = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turn = own(TURN_BEFORE) + own("5") + own(TURN_AFTER)
+    assert e.completion_ids == own(said) + turn + own(" m\nANSWER: 5<|im_end|>\n")
+    assert e.loss_mask == [1] * len(own(said)) + [0] * len(turn) + [1] * len(own(" m\nANSWER: 5<|im_end|>\n"))
+    untrained = [t for t, m in zip(e.completion_ids, e.loss_mask) if not m]
+    assert tok.decode(untrained) == TURN_BEFORE + "5" + TURN_AFTER
+    assert "<|im_end|>\n<|im_start|>tool\n<tool_response>\n5\n</tool_response>" in tok.decode(untrained)
+    # no_loss_spans are for the text protocol's results
+    with pytest.raises(DataError, match="no_loss_spans cannot be combined with chat-protocol tool calls"):
+        row_segments(tok, {"prompt": "Hi", "completion": completion, "no_loss_spans": [[0, 1]]}, None, "row 0", schemas)
+
+
+def test_a_chat_warm_start_example_is_token_for_token_the_rollout_of_its_text():
+    """The SFT example of a completion and a chat-protocol rollout in which the model writes that completion's
+    own text hold the same tokens, with loss exactly where the rollout's response_mask is 1."""
+    from cohortrl.rollout.hf import Sampling, generate
+    from cohortrl.tools import Toolset, resolve_tools
+    from tests.rollout.test_chat_tools import TWO_CALLS, scripted_chat
+
+    model, tok = scripted_chat({"two": TWO_CALLS})
+    tools = Toolset(resolve_tools(["calculator"]))
+    rollout, _ = generate(model, tok, [{"prompt": "two calls please"}], 1, Sampling(temperature=0.0, max_new_tokens=300),
+                          tools=tools, max_prompt_tokens=1024)
+    assert int(rollout.tool_calls[0]) == 2
+    e = tokenize_example(tok, row_segments(tok, {"prompt": "two calls please", "completion": rollout.completions[0]},
+                                           None, "row 0", tools.schemas()), "row 0", 2048)
+    n = int(rollout.sequence_mask[0].sum())
+    prompt = rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()
+    assert e.prompt_ids == prompt
+    assert e.completion_ids[:n] == rollout.response_ids[0, :n].tolist()
+    assert e.loss_mask[:n] == rollout.response_mask[0, :n].tolist()
+    assert tokens(tok, e.completion_ids[n:]) == ["\n"] and e.loss_mask[n:] == [1]  # ChatML's newline after the end of turn
+
+
+def test_a_warm_start_writes_the_protocol_rl_resolves(tmp_path):
+    cfg = dict(data={"source": "task:axial_stress", "train_size": 4, "eval_size": 2}, eval={"n_prompts": 2},
+               sft={"batch_size": 2}, train={"steps": 1})
+    chat = SFTTrainer(sft_config(rollout={"tools": ["calculator"]}, **cfg), tmp_path / "chat",
+                      model=load_model("tiny-llama")[0], tokenizer=chat_tokenizer())
+    assert chat.protocol == "chat" and chat.system_prompt is None  # auto: the template can drive the chat protocol
+    tok = chat.tokenizer
+    for e in chat.stream.rows:
+        prompt, text = tok.decode(e.prompt_ids), tok.decode(e.completion_ids)
+        assert "You can call tools." not in prompt and "calculator" in prompt and "<tool_call>" in prompt
+        assert text.startswith('A = <tool_call>\n{"name": "calculator", "arguments": {"expression": "pi*')
+        assert "<call>" not in text and text.count("<|im_start|>tool\n<tool_response>\n") == 3
+        learned = tok.decode([t for t, m in zip(e.completion_ids, e.loss_mask) if m])
+        assert learned.count("</tool_call>") == 3 and "tool_response" not in learned and "<|im_start|>" not in learned
+    chat.train()  # and it trains
+
+    # text forced on the same model: the text protocol, as on a template without tool calling
+    text = SFTTrainer(sft_config(rollout={"tools": ["calculator"], "tool_format": "text"}, **cfg), tmp_path / "text",
+                      model=load_model("tiny-llama")[0], tokenizer=chat_tokenizer())
+    plain = SFTTrainer(sft_config(rollout={"tools": ["calculator"]}, **cfg), tmp_path / "plain")
+    assert text.protocol == plain.protocol == "text" and text.system_prompt.startswith("You can call tools.")
+    assert [(e.prompt_ids, e.completion_ids, e.loss_mask) for e in text.stream.rows] == [
+        (e.prompt_ids, e.completion_ids, e.loss_mask) for e in plain.stream.rows]
+    # chat forced on a template that cannot: refused as RL refuses it
+    with pytest.raises(ToolSetupError, match="rollout.tool_format is chat, but the model cannot use it"):
+        SFTTrainer(sft_config(rollout={"tools": ["calculator"], "tool_format": "chat"}, **cfg), tmp_path / "no")
+
 
 # ---------------------------------------------------------------------------------------------- bad data
 @pytest.mark.parametrize("row, message", [
