@@ -19,10 +19,9 @@ The context before each assistant turn is rendered by ``data.render_prompt``, th
 evaluation use, so the model learns to answer exactly the text it is later asked with; an assistant turn is
 what the chat template adds after that context (the content and the end-of-turn token).
 
-Tokenisation works on character spans, so a later change can exclude text the model did not write: a text
-completion's row may carry ``no_loss_spans``, (start, end) character pairs into the completion (a tool's
-``<result>...</result>``, say), and every token overlapping one carries no loss (read from the tokenizer's
-offsets).
+A text completion's row may carry ``no_loss_spans``, (start, end) character pairs into the completion (a tool's
+``<result>...</result>``, say): the completion is tokenized in pieces split at them, and a span's tokens carry no
+loss (``split_at_spans``: no token straddles the boundary between the model's text and a span).
 
 With tools, a warm start writes tool calls in the protocol the RL rollout uses for the same config and tokenizer
 (``rollout.tools.tool_protocol``). Text: the tools described after the system prompt, calls as
@@ -215,23 +214,37 @@ def _spans(value, completion: str, where: str) -> list[tuple[int, int]]:
     return [(s, e) for s, e in value]
 
 
+def split_at_spans(seg: Segment) -> list[Segment]:
+    """A trained segment with ``no_loss`` spans as its pieces: the text between spans (trained) and each span
+    (untrained, tokenized as text, as the rollout feeds a tool's result). Tokenized together, a token could
+    straddle a boundary: SmolLM2 reads ``</call><result>`` as ``</``, ``call``, ``><``, ``result``, ``>``, so
+    the ``>`` that closes a call would share a token with the result, get no loss, and never be learned
+    (docs/engineering.md, round 3). Apart, the pieces are the tokens a rollout holds: the model's
+    ``...</call>``, then the result's own tokens."""
+    pieces, at = [], 0
+    for start, end in sorted(seg.no_loss):
+        start = max(start, at)
+        if start > at:
+            pieces.append(Segment(seg.text[at:start], seg.trained))
+        if end > start:
+            pieces.append(Segment(seg.text[start:end], False, as_text=True))
+        at = max(at, end)
+    if at < len(seg.text):
+        pieces.append(Segment(seg.text[at:], seg.trained))
+    return pieces
+
+
 def tokenize_example(tokenizer, segments: list[Segment], where: str, max_length: int) -> Example:
     """Each segment tokenised on its own (a turn's tokens are then the ones the model writes after its context,
     as in generation), with the loss mask; checked against ``max_length``."""
     ids: list[int] = []
     mask: list[int] = []
     for seg in segments:
-        if seg.no_loss and not getattr(tokenizer, "is_fast", False):
-            raise DataError(f"{where}: no_loss_spans need a fast tokenizer (character offsets); this model's is not")
-        as_text = {"split_special_tokens": True} if seg.as_text else {}  # as ToolSession tokenizes a result
-        enc = tokenizer(seg.text, add_special_tokens=False, return_offsets_mapping=bool(seg.no_loss), **as_text)
-        ids += enc["input_ids"]
-        if not seg.trained:
-            mask += [0] * len(enc["input_ids"])
-        elif not seg.no_loss:
-            mask += [1] * len(enc["input_ids"])
-        else:  # a token touching an excluded character is excluded: the model did not write it
-            mask += [int(not any(a < e and s < b for s, e in seg.no_loss)) for a, b in enc["offset_mapping"]]
+        for piece in split_at_spans(seg) if seg.no_loss else [seg]:
+            as_text = {"split_special_tokens": True} if piece.as_text else {}  # as ToolSession tokenizes a result
+            piece_ids = tokenizer(piece.text, add_special_tokens=False, **as_text)["input_ids"]
+            ids += piece_ids
+            mask += [int(piece.trained)] * len(piece_ids)
     if 1 not in mask:
         raise DataError(f"{where}: no completion token is left to train on (no_loss_spans cover the whole completion)")
     if len(ids) > max_length:

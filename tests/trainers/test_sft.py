@@ -107,9 +107,20 @@ def test_no_loss_spans_exclude_every_token_they_touch(tiny):
     assert tokens(tok, e.completion_ids) == ["5", " ", "<", "re", "sul", "t", ">", "7", "<", "/", "re", "sul", "t", ">",
                                              " ", "o", "k", "<|im_end|>", "\n"]
     assert e.loss_mask == [1, 1] + [0] * 12 + [1, 1, 1, 1, 1]
-    # A span ending inside a token excludes that whole token ("re" of the opening tag is characters 3-4).
-    e = example(tok, {"prompt": "Hi", "completion": completion, "no_loss_spans": [[start + 1, start + 2]]})
-    assert e.loss_mask[:5] == [1, 1, 1, 0, 1]
+
+
+def test_no_token_straddles_a_no_loss_span(tiny):
+    # The completion is tokenized in pieces split at the spans, so the trained tokens are exactly the text
+    # outside them and the untrained ones exactly the spans. Tokenized whole, SmolLM2 reads "</call><result>"
+    # with one "><" token: the ">" closing the call got no loss, and a warm start left its calls unclosed.
+    _, tok = tiny
+    completion = "5 <result>7</result> ok"
+    start = completion.index("<result>")
+    e = example(tok, {"prompt": "Hi", "completion": completion, "no_loss_spans": [[start + 1, start + 2]]})  # "r"
+    trained = "".join(t for t, m in zip(tokens(tok, e.completion_ids), e.loss_mask) if m)
+    untrained = "".join(t for t, m in zip(tokens(tok, e.completion_ids), e.loss_mask) if not m)
+    assert untrained == "r"
+    assert trained == "5 <esult>7</result> ok<|im_end|>\n"
 
 
 # ---------------------------------------------------------------------------------------------- formats
