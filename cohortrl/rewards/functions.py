@@ -95,13 +95,17 @@ def make_overlong(cache_length: int = 16, max_length: int | None = None) -> Rewa
 
 
 def make_task(field: str = "score") -> RewardFn:
-    """A gym family's grade: ``score`` (outcome and step credit combined, the default) or ``outcome``.
+    """A gym family's grade: ``score`` (outcome and step credit combined, the default), ``outcome``, or
+    ``supported``: the outcome only when every required step is right too. The strict outcome pays a right
+    ANSWER however it was reached; ``supported`` does not pay one its own steps contradict (a policy that
+    learned to drop the exponent of an SF computed in the wrong units, 1.023e-06 -> ANSWER: 1.023, is paid by
+    ``outcome`` and not by ``supported``: docs/engineering.md, round 3).
 
     The graded text is the response rendered (``cohortrl.tools.render``): a calculator call with its result
     reads ``EXPR = VALUE``, other tool calls are left out. A response without tool calls is graded as written;
     one that imitates the tags without tools earns nothing by it, since only the values it states are graded."""
-    if field not in ("score", "outcome"):
-        raise ValueError(f"task reward field must be 'score' or 'outcome', got {field!r}")
+    if field not in ("score", "outcome", "supported"):
+        raise ValueError(f"task reward field must be 'score', 'outcome' or 'supported', got {field!r}")
     from cohortrl import tasks
     from cohortrl.tools import render
 
@@ -112,7 +116,10 @@ def make_task(field: str = "score") -> RewardFn:
             problem = family.sample_from_dict(s)  # outside `contained`: a bad sample row is the data's fault
 
             def grade() -> float:
-                return float(getattr(family.grade(problem, render(completion_text(completion))), field))
+                g = family.grade(problem, render(completion_text(completion)))
+                if field == "supported":
+                    return float(g.outcome == 1.0 and all(step.correct for step in g.steps))
+                return float(getattr(g, field))
 
             out.append(contained("task", _prompt(prompts, i), completion, grade))
         return out
