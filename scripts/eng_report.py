@@ -102,15 +102,18 @@ def table(root: Path) -> str:
     found = arms(root)
     kinds_seen = {kind(r["prompt"]) for _, rows in found for r in rows}
     columns = [k for k in SHAPES + BEAMS if k in kinds_seen]
-    lines = ["| arm | held-out strict accuracy (95% Wilson CI, n) | " + " | ".join(columns) + " |",
-             "|---|---|" + "---|" * len(columns)]
+    lines = ["| arm | held-out strict accuracy (95% Wilson CI, n) | supported: every required step right too | "
+             + " | ".join(columns) + " |", "|---|---|---|" + "---|" * len(columns)]
     for name, rows in found:
         acc, lo, hi, n = accuracy(rows)
+        supported = [{**r, "correct": r["correct"] and r["category"] != "unsupported"} for r in rows]
+        s_acc, s_lo, s_hi, _ = accuracy(supported)
         by_shape = []
         for s in columns:
             sub = [r for r in rows if kind(r["prompt"]) == s]
             by_shape.append(f"{sum(r['correct'] for r in sub)}/{len(sub)}" if sub else "-")
-        lines.append(f"| {name} | {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}) | " + " | ".join(by_shape) + " |")
+        lines.append(f"| {name} | {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}) | {s_acc:.3f} ({s_lo:.3f}-{s_hi:.3f}) | "
+                     + " | ".join(by_shape) + " |")
     seeds = [accuracy(rows)[0] for name, rows in found if name.startswith("SFT + GRPO")]
     out = ["\n".join(lines)]
     if "solid round" in kinds_seen:  # axial_stress: the level-3 units (sizes in m, strength in GPa) or not
