@@ -50,7 +50,7 @@ def categorize(family: TaskFamily, sample: Sample, text: str) -> str:
     by ``cohortrl.tools.render``), to ``sample`` of ``family``."""
     grade = family.grade(sample, text)
     if grade.outcome >= 1.0:
-        return "correct" if all(step.correct for step in grade.steps) else "unsupported"
+        return "correct" if grade.supported else "unsupported"
     parsed = parse_response(text)
     commit = commitment(parsed, needs_verdict=sample.verdict is not None)
     if not commit.committed:

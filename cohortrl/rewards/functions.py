@@ -116,10 +116,7 @@ def make_task(field: str = "score") -> RewardFn:
             problem = family.sample_from_dict(s)  # outside `contained`: a bad sample row is the data's fault
 
             def grade() -> float:
-                g = family.grade(problem, render(completion_text(completion)))
-                if field == "supported":
-                    return float(g.outcome == 1.0 and all(step.correct for step in g.steps))
-                return float(getattr(g, field))
+                return float(getattr(family.grade(problem, render(completion_text(completion))), field))
 
             out.append(contained("task", _prompt(prompts, i), completion, grade))
         return out

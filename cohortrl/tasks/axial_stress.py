@@ -159,7 +159,7 @@ def strength_text(mpa: float, rng: random.Random, convert: bool) -> tuple[str, s
 def single_bar(section: dict, load_kN: float, sy: float, sf_req: float, written: dict[str, str] | None = None):
     """``written``: the sizes, ``F`` and ``sigma_y`` as the reference's arithmetic writes them (`describe`;
     by default mm, kN and MPa)."""
-    written = {"F": f"{format_sig(load_kN, 6)}*1000", "sigma_y": str(sy)} | (written or {})
+    written = {"F": force_text(load_kN, newtons=False)[1], "sigma_y": str(sy)} | (written or {})
     a = area(section)
     sigma = load_kN * 1000 / a
     sf = sy / sigma

@@ -111,6 +111,12 @@ class Grade:
     def step_credit(self) -> float:
         return sum(s.correct for s in self.steps) / len(self.steps) if self.steps else 0.0
 
+    @property
+    def supported(self) -> bool:
+        """A right outcome whose every required step is right too (the outcome alone pays a right ANSWER
+        however it was reached)."""
+        return self.outcome >= 1.0 and all(s.correct for s in self.steps)
+
 
 # A step's ``written`` text is shown to people and written to logs; model text can make it anything.
 MAX_WRITTEN_CHARS = 500
