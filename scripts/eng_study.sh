@@ -4,6 +4,8 @@
 #   [FAMILY=beam_bending] [LEVEL=3] [SFT_LEVEL=2] scripts/eng_study.sh STAGE...
 #   stages: sft grpo0 grpo1 grpo2 eval_sft eval_base control eval_control
 # FAMILY and LEVEL (default axial_stress 3) override the configs' data; every other setting is the configs'.
+# REWARD=supported trains the GRPO stages on the task reward's `supported` field (the outcome counts only when
+# every required step is right too) instead of the strict outcome; its runs are named grpo_supported_s*.
 # SFT_LEVEL (default LEVEL) is the level of the warm start's references: below LEVEL, the warm start (and the
 # control) never see a reference of the level that GRPO trains on and every arm is evaluated on
 # (`eval_sft`, `eval_control`); only the grader knows that level.
@@ -16,6 +18,8 @@ CLI=${CLI:-.venv/bin/cohortrl}
 FAMILY=${FAMILY:-axial_stress}
 LEVEL=${LEVEL:-3}
 SFT_LEVEL=${SFT_LEVEL:-$LEVEL}
+REWARD=${REWARD:-outcome}
+if [[ $REWARD == outcome ]]; then GRPO=grpo; else GRPO=grpo_$REWARD; fi
 if [[ $FAMILY == axial_stress && $LEVEL == 3 && $SFT_LEVEL == 3 ]]; then
   OUT=runs/eng; SFT=sft_axial3_e200  # the first study's names
 elif [[ $SFT_LEVEL == "$LEVEL" ]]; then
@@ -70,8 +74,8 @@ EOF
 for stage in "$@"; do
   case $stage in
     sft) SUBCMD=sft train "$SFT" configs/eng_sft.yaml "data.source=task:$FAMILY" "data.level=$SFT_LEVEL" ;;
-    grpo0|grpo1|grpo2) train "grpo_s${stage#grpo}" configs/eng_grpo.yaml "${DATA[@]}" "train.seed=${stage#grpo}" \
-      "model.init=$OUT/$SFT/final" ;;
+    grpo0|grpo1|grpo2) train "${GRPO}_s${stage#grpo}" configs/eng_grpo.yaml "${DATA[@]}" "train.seed=${stage#grpo}" \
+      "model.init=$OUT/$SFT/final" "reward.functions=[{name: task, kwargs: {field: $REWARD}}]" ;;
     eval_sft) evaluate eval_sft "model.init=$OUT/$SFT/final" ;;  # the warm start (merged), as GRPO starts from it
     eval_base) evaluate eval_base model.init=null ;;     # SmolLM2 itself, with the calculator
     control)
