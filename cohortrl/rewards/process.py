@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 
 from cohortrl.grading.answers import extract_answer
 from cohortrl.rewards.grader_errors import contained
-from cohortrl.rewards.steps import StepScores, StepSource, split_steps
+from cohortrl.rewards.steps import Span, StepScores, StepSource, split_steps
+from cohortrl.tools.text import render_with_origins
 
 
 def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callable[..., list[StepScores]]:
@@ -48,14 +49,17 @@ def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callabl
         raise ValueError(f"task_steps: read must be 'keyed' or 'statements', not {read!r}")
 
     def step_scores(family, problem, completion) -> StepScores:
+        # Graded as the outcome is, with tool calls rendered (`A = pi*19^2/4 = 283.5 mm^2`), so a step written
+        # as a calculator call counts; its span is then carried back onto the completion as generated.
+        text, origins = render_with_origins(completion)
         if read == "keyed":
-            grade = family.grade(problem, completion)
+            grade = family.grade(problem, text)
             steps = grade.steps if require_commit else grade.stated
         else:  # the full grade only for its commitment flag, and only when the gate is on
-            steps = family.grade_statements(problem, completion)
-            if require_commit and not family.grade(problem, completion).committed:
+            steps = family.grade_statements(problem, text)
+            if require_commit and not family.grade(problem, text).committed:
                 steps = [dataclasses.replace(step, correct=False) for step in steps]
-        return [(1.0 if step.correct else 0.0, step.span) for step in steps]
+        return [(1.0 if step.correct else 0.0, _generated_span(step.span, origins)) for step in steps]
 
     def task_steps(prompts, completions, sample, **columns) -> list[StepScores]:
         out = []
@@ -70,6 +74,13 @@ def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callabl
         return out
 
     return task_steps
+
+
+def _generated_span(span: Span | None, origins: list[int]) -> Span | None:
+    """A span of the rendered text as a span of the completion it was rendered from (`render_with_origins`)."""
+    if span is None or span[1] <= span[0]:
+        return span
+    return origins[span[0]], origins[span[1] - 1] + 1
 
 
 def make_learned_prm(model: str, delimiter: str = "\n", regex: str | None = None, batch_size: int = 16,

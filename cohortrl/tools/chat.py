@@ -40,7 +40,7 @@ _PROBE = {"type": "function", "function": {
                    "required": ["text"]},
 }}
 _EXCHANGE = re.compile(r"</tool_call>\s*(?P<open><tool_response>)(?P<result>.*?)</tool_response>", re.DOTALL)
-_CALL_RESPONSE = re.compile(r"<tool_call>(?P<call>.*?)</tool_call>(?P<space>\s*)<tool_response>(?P<value>.*?)</tool_response>",
+CALL_RESPONSE = re.compile(r"<tool_call>(?P<call>.*?)</tool_call>(?P<space>\s*)<tool_response>(?P<value>.*?)</tool_response>",
                             re.DOTALL)
 
 
@@ -178,14 +178,16 @@ def render_calls(text: str) -> str:
     >>> render_calls('A = <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call><tool_response>6</tool_response> N')
     'A = 2*3 = 6 N'
     """
-    def one(m: re.Match) -> str:
-        try:
-            name, arguments = _name_and_arguments(m["call"].strip())
-        except ToolError:
-            return ""
-        expression = next(iter(arguments.values())) if len(arguments) == 1 else None
-        if name != "calculator" or not isinstance(expression, str):
-            return ""
-        return f"{expression.strip()} = {m['value'].strip()}{m['space']}"
+    return CALL_RESPONSE.sub(render_call, text)
 
-    return _CALL_RESPONSE.sub(one, text)
+
+def render_call(m: re.Match) -> str:
+    """One :data:`CALL_RESPONSE` match as graders read it: ``EXPR = VALUE`` for a calculator call, else ``""``."""
+    try:
+        name, arguments = _name_and_arguments(m["call"].strip())
+    except ToolError:
+        return ""
+    expression = next(iter(arguments.values())) if len(arguments) == 1 else None
+    if name != "calculator" or not isinstance(expression, str):
+        return ""
+    return f"{expression.strip()} = {m['value'].strip()}{m['space']}"

@@ -22,7 +22,7 @@ import re
 
 from cohortrl.tools.base import Tool, ToolError, Toolset
 from cohortrl.tools.calculator import CalculatorError, evaluate, format_value
-from cohortrl.tools.chat import RESPONSE_CLOSE, RESPONSE_OPEN, call_text, render_calls
+from cohortrl.tools.chat import CALL_RESPONSE, RESPONSE_CLOSE, RESPONSE_OPEN, call_text, render_call
 
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -101,10 +101,39 @@ def render(text: str) -> str:
     >>> render("A = <call>calculator: pi*19^2/4</call><result>283.5</result> mm^2")
     'A = pi*19^2/4 = 283.5 mm^2'
     """
-    text = render_calls(text)
+    return render_with_origins(text)[0]
+
+
+def render_with_origins(text: str) -> tuple[str, list[int]]:
+    """:func:`render`'s text and, for each of its characters, the index in ``text`` it stands for, so that a
+    span a grader finds in the rendered text can be placed on the response as generated (step rewards). A
+    character kept from ``text`` points at itself; one that rendering writes (the expression, `` = ``, the
+    value) points at the last character of the call and result it replaces, where the step is complete.
+
+    >>> text = "x = <call>calculator: 2*3</call><result>6</result>!"
+    >>> rendered, origins = render_with_origins(text)
+    >>> rendered, text[origins[rendered.index("6")]], text[origins[-1]]
+    ('x = 2*3 = 6!', '>', '!')
+    """
+    origins = list(range(len(text)))
+    text, origins = _substitute(CALL_RESPONSE, render_call, text, origins)
     # whitespace the model wrote after </call> (a token may hold "</call>" and a newline) goes after the value
-    text = _CALCULATED.sub(lambda m: f"{m['expr'].strip()} = {m['value'].strip()}{m['space']}", text)
-    return _OTHER_CALL.sub("", text)
+    text, origins = _substitute(_CALCULATED, lambda m: f"{m['expr'].strip()} = {m['value'].strip()}{m['space']}",
+                                text, origins)
+    return _substitute(_OTHER_CALL, lambda m: "", text, origins)
+
+
+def _substitute(pattern: re.Pattern, replace, text: str, origins: list[int]) -> tuple[str, list[int]]:
+    """``pattern.sub(replace, text)`` that carries ``origins`` (one entry per character of ``text``) along."""
+    pieces, new_origins, at = [], [], 0
+    for m in pattern.finditer(text):
+        written = replace(m)
+        pieces += [text[at : m.start()], written]
+        new_origins += origins[at : m.start()] + [origins[m.end() - 1]] * len(written)
+        at = m.end()
+    pieces.append(text[at:])
+    new_origins += origins[at:]
+    return "".join(pieces), new_origins
 
 
 def with_calculator(reference_text: str, protocol: str = "text") -> str:

@@ -188,3 +188,28 @@ def test_a_grader_that_raises_scores_every_step_0_and_is_reported(monkeypatch):
     assert out == [[(0.0, None)] * len(sample.steps)]
     (record,) = grader_errors.drain()
     assert record["reward"] == "task_steps" and record["prompt"] == "p" and "planted grader bug" in record["error"]
+
+
+@pytest.mark.parametrize("protocol", ["text", "chat"])
+def test_steps_written_as_calculator_calls_earn_their_reward_on_the_generated_text(protocol):
+    """A step stated through the calculator (`A = <call>calculator: ...</call><result>...</result> mm^2`) is
+    graded as the outcome is, rendered; its span points into the completion as generated, covering the call
+    and its result, so the reward lands where the step is complete and not on the rendered text's offsets."""
+    from cohortrl.tools import render, with_calculator
+
+    family = tasks.get("axial_stress")
+    sample = family.sample(1, seed=0, level=2)[0]
+    fn = make_task_steps()
+    completion = with_calculator(sample.reference_solution, protocol=protocol)
+    assert completion.count("calculator") >= len(sample.steps)  # every required step is a call
+    (steps,) = fn(prompts=["p"], completions=[completion], sample=[sample.to_dict()])
+    assert [score for score, _ in steps] == [1.0] * len(sample.steps)
+    rendered = render(completion)
+    rendered_spans = [step.span for step in family.grade(family.sample_from_dict(sample.to_dict()), rendered).steps]
+    closing = "</result>" if protocol == "text" else "</tool_response>"
+    for (_, (a, b)), (ra, rb) in zip(steps, rendered_spans):
+        assert render(completion[a:b]) == rendered[ra:rb]  # the same step, call and result included
+        assert closing in completion[a:b]
+    # without tool calls the spans are the grader's own
+    (plain,) = fn(prompts=["p"], completions=[sample.reference_solution], sample=[sample.to_dict()])
+    assert [span for _, span in plain] == [s.span for s in family.grade(sample, sample.reference_solution).steps]
