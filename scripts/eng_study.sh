@@ -6,6 +6,8 @@
 # FAMILY and LEVEL (default axial_stress 3) override the configs' data; every other setting is the configs'.
 # REWARD=supported trains the GRPO stages on the task reward's `supported` field (the outcome counts only when
 # every required step is right too) instead of the strict outcome; its runs are named grpo_supported_s*.
+# OVERRIDES (space-separated key=value, e.g. "sampling.max_new_tokens=512") go to every stage's config; a
+# stage already finished is not re-run with them.
 # SFT_LEVEL (default LEVEL) is the level of the warm start's references: below LEVEL, the warm start (and the
 # control) never see a reference of the level that GRPO trains on and every arm is evaluated on
 # (`eval_sft`, `eval_control`); only the grader knows that level.
@@ -27,7 +29,8 @@ elif [[ $SFT_LEVEL == "$LEVEL" ]]; then
 else
   OUT=runs/eng_$FAMILY${LEVEL}_from$SFT_LEVEL; SFT=sft
 fi
-DATA=("data.source=task:$FAMILY" "data.level=$LEVEL")
+read -r -a EXTRA <<<"${OVERRIDES:-}"
+DATA=("data.source=task:$FAMILY" "data.level=$LEVEL" ${EXTRA[@]+"${EXTRA[@]}"})
 mkdir -p "$OUT"
 
 timed() {  # run a command under /usr/bin/time, its log and resource use in $OUT/NAME.log
@@ -73,7 +76,8 @@ EOF
 
 for stage in "$@"; do
   case $stage in
-    sft) SUBCMD=sft train "$SFT" configs/eng_sft.yaml "data.source=task:$FAMILY" "data.level=$SFT_LEVEL" ;;
+    sft) SUBCMD=sft train "$SFT" configs/eng_sft.yaml "data.source=task:$FAMILY" "data.level=$SFT_LEVEL" \
+      ${EXTRA[@]+"${EXTRA[@]}"} ;;
     grpo0|grpo1|grpo2) train "${GRPO}_s${stage#grpo}" configs/eng_grpo.yaml "${DATA[@]}" "train.seed=${stage#grpo}" \
       "model.init=$OUT/$SFT/final" "reward.functions=[{name: task, kwargs: {field: $REWARD}}]" ;;
     eval_sft) evaluate eval_sft "model.init=$OUT/$SFT/final" ;;  # the warm start (merged), as GRPO starts from it
