@@ -25,6 +25,10 @@ BEAMS = ("cantilever, two point loads", "cantilever, point load + UDL", "simply 
          "simply supported, point load + UDL")  # beam_bending level 3's cases
 
 
+# scripts/eng_study.sh's GRPO runs by reward (REWARD=...): the run-name prefix and the table's label
+GRPO_RUNS = (("grpo", "SFT + GRPO (20 steps)"), ("grpo_supported", "SFT + GRPO on the supported reward (20 steps)"))
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -49,10 +53,11 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
         found.append((f"SFT (40 steps{sft_level})", read_jsonl(root / "eval_sft.jsonl")))
     elif (root / sft / "eval_completions.jsonl").is_file():
         found.append(("SFT (40 steps)", final_responses(root / sft)))
-    for seed in range(10):
-        run = root / f"grpo_s{seed}"
-        if (run / "final").is_dir():
-            found.append((f"SFT + GRPO (20 steps), seed {seed}", final_responses(run)))
+    for prefix, label in GRPO_RUNS:
+        for seed in range(10):
+            run = root / f"{prefix}_s{seed}"
+            if (run / "final").is_dir():
+                found.append((f"{label}, seed {seed}", final_responses(run)))
     more = root / f"{sft}_more"  # a copy of the warm start's run, resumed: counted once it went further
     steps = max((r["step"] for r in read_jsonl(more / "metrics.jsonl")), default=0) if more.is_dir() else 0
     if (more / "final").is_dir() and steps > 40 and (more / "final" / "cohortrl_run.json").is_file() and \
@@ -98,6 +103,16 @@ def accuracy(rows: list[dict]) -> tuple[float, float, float, int]:
     return hits / len(rows), lo, hi, len(rows)
 
 
+def supported_only(rows: list[dict]) -> list[dict]:
+    """The rows with a right answer that a required step does not support counted wrong."""
+    return [{**r, "correct": r["correct"] and r["category"] != "unsupported"} for r in rows]
+
+
+def seed_summary(values: list[float]) -> str:
+    spread = f", sd {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+    return f"mean {statistics.mean(values):.3f}, range {min(values):.3f}-{max(values):.3f}{spread}"
+
+
 def table(root: Path) -> str:
     found = arms(root)
     kinds_seen = {kind(r["prompt"]) for _, rows in found for r in rows}
@@ -106,30 +121,32 @@ def table(root: Path) -> str:
              + " | ".join(columns) + " |", "|---|---|---|" + "---|" * len(columns)]
     for name, rows in found:
         acc, lo, hi, n = accuracy(rows)
-        supported = [{**r, "correct": r["correct"] and r["category"] != "unsupported"} for r in rows]
-        s_acc, s_lo, s_hi, _ = accuracy(supported)
+        s_acc, s_lo, s_hi, _ = accuracy(supported_only(rows))
         by_shape = []
         for s in columns:
             sub = [r for r in rows if kind(r["prompt"]) == s]
             by_shape.append(f"{sum(r['correct'] for r in sub)}/{len(sub)}" if sub else "-")
         lines.append(f"| {name} | {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}) | {s_acc:.3f} ({s_lo:.3f}-{s_hi:.3f}) | "
                      + " | ".join(by_shape) + " |")
-    seeds = [accuracy(rows)[0] for name, rows in found if name.startswith("SFT + GRPO")]
     out = ["\n".join(lines)]
     if "solid round" in kinds_seen:  # axial_stress: the level-3 units (sizes in m, strength in GPa) or not
+        def right(rows):
+            return f"{sum(r['correct'] for r in rows)} ({sum(r['correct'] for r in supported_only(rows))})/{len(rows)}"
+
         units = ["| arm | a size in m or the strength in GPa | only level-2 units (mm, N or kN, MPa or N/mm^2) |",
                  "|---|---|---|"]
         for name, rows in found:
             new = [r for r in rows if new_units(r["prompt"])]
             old = [r for r in rows if not new_units(r["prompt"])]
-            units.append(f"| {name} | {sum(r['correct'] for r in new)}/{len(new)} | "
-                         f"{sum(r['correct'] for r in old)}/{len(old)} |")
-        out.append("By units (a level-2 warm start has never seen a size in m or a strength in GPa):\n\n"
+            units.append(f"| {name} | {right(new)} | {right(old)} |")
+        out.append("By units, right answers strict (supported) / problems (a level-2 warm start has never seen a size "
+                   "in m or a strength in GPa):\n\n"
                    + "\n".join(units))
-    if seeds:
-        spread = f", sd {statistics.stdev(seeds):.3f}" if len(seeds) > 1 else ""
-        out.append(f"GRPO over {len(seeds)} seed(s): mean {statistics.mean(seeds):.3f}, range "
-                   f"{min(seeds):.3f}-{max(seeds):.3f}{spread}.")
+    for _, label in GRPO_RUNS:
+        seeds = [rows for name, rows in found if name.startswith(label + ", seed")]
+        if seeds:
+            out.append(f"{label} over {len(seeds)} seed(s): strict {seed_summary([accuracy(r)[0] for r in seeds])}; "
+                       f"supported {seed_summary([accuracy(supported_only(r))[0] for r in seeds])}.")
     kinds = [k for k in CATEGORIES if k != "correct"]
     cat = ["| arm | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
     for name, rows in found:
@@ -146,20 +163,23 @@ def plot(root: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # "accuracy" is the reward's own field: the strict outcome, or the supported one in grpo_supported runs
     panels = [("accuracy", "sampled accuracy (32 responses, T 0.8)"),
               ("zero_variance_frac", "groups without signal (fraction)"),
               ("response_length_mean", "response length (tokens)"),
               ("tools/calls_per_response", "calculator calls per response")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))
-    for seed in range(10):
-        path = root / f"grpo_s{seed}" / "metrics.jsonl"
-        if not path.is_file():
-            continue
-        rows = [r for r in read_jsonl(path) if "reward_mean" in r]
-        for ax, (key, title) in zip(axes, panels):
-            ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], label=f"seed {seed}", lw=1.2)
-            ax.set_title(title, fontsize=9)
-            ax.set_xlabel("GRPO step")
+    for (prefix, _), style in zip(GRPO_RUNS, ("-", "--")):
+        for seed in range(10):
+            path = root / f"{prefix}_s{seed}" / "metrics.jsonl"
+            if not path.is_file():
+                continue
+            rows = [r for r in read_jsonl(path) if "reward_mean" in r]
+            for ax, (key, title) in zip(axes, panels):
+                ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], style, label=f"{prefix} seed {seed}",
+                        lw=1.2)
+                ax.set_title(title, fontsize=9)
+                ax.set_xlabel("GRPO step")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
