@@ -240,6 +240,7 @@ def step_metrics(d, batch, rewards_B, keep_B, targets, process_metrics: dict, up
         **_lengths_by_outcome(lengths, per_fn[correctness]),
         "response_length_max": lengths.max().item(),
         "truncation_rate": counts["truncated"] / len(lengths),
+        **error_categories(d, rollout),
         **tool_metrics(rollout, d.sum),
         **update,
         "lr": lr,
@@ -249,6 +250,24 @@ def step_metrics(d, batch, rewards_B, keep_B, targets, process_metrics: dict, up
         "peak_rss_mb": peak_rss_mb(),
         "grader_errors": grader_errors,  # built-in graders that raised: scored 0
     }
+
+
+def error_categories(d, rollout) -> dict:
+    """On gym problems graded by keyed steps, the sampled responses' error categories as fractions
+    (``error/<category>``, as evaluation logs ``eval/error/<category>`` for greedy ones), and
+    ``unsupported_correct``: right by the outcome with a required step missing or wrong. Logged every step
+    because gaming an outcome reward shows here while it happens (a rising ``unsupported_correct``), long
+    before the held-out evaluation at the end of a run. Empty for other data."""
+    from cohortrl.rewards.error_categories import CATEGORIES, row_category
+    from cohortrl.rewards.grader_errors import contained
+
+    kinds = d.gather_list([contained("error_categories", row["prompt"], text, lambda: row_category(row, text), None)
+                           for row, text in zip(rollout.rows, rollout.completions)])
+    graded = [k for k in kinds if k is not None]
+    if not graded:
+        return {}
+    return {"unsupported_correct": graded.count("unsupported") / len(graded),
+            **{f"error/{kind}": graded.count(kind) / len(graded) for kind in CATEGORIES[2:]}}
 
 
 def mean(values: list) -> float | None:

@@ -62,3 +62,30 @@ def test_row_category_reads_gym_rows_of_keyed_families_only():
     assert row_category({"prompt": "p", "answer": "3"}, "ANSWER: 3") is None
     code = tasks.get("python_function").sample(1, 0, 1)[0]
     assert row_category({"prompt": "p", "sample": code.to_dict()}, "ANSWER: 3") is None
+
+
+def test_training_steps_log_the_sampled_responses_categories():
+    """`trainers.metrics.error_categories`: the fractions a step's row carries, over gym rows only, with a grader
+    that raises counted nowhere (reported as a grader error, never fatal)."""
+    from types import SimpleNamespace
+
+    from cohortrl.distributed import Dist
+    from cohortrl.rewards import grader_errors
+    from cohortrl.trainers.metrics import error_categories
+
+    gym = {"prompt": SAMPLE.prompt, "sample": SAMPLE.to_dict()}
+    hack = REF.replace("SF = 240/119.4 = 2.011", "SF = 240/119.4 = 2.5")  # right ANSWER, a wrong required step
+    rollout = SimpleNamespace(rows=[gym, gym, gym, gym, {"prompt": "2+2?", "answer": "4"}],
+                              completions=[REF, hack, "no idea", failed(REF).replace("-119.4", "119.4"), "4"])
+    got = error_categories(Dist(), rollout)
+    assert got["unsupported_correct"] == 0.25 and got["error/format"] == 0.25  # of the 4 gym rows; "correct" is 1
+    assert sum(got[f"error/{k}"] for k in CATEGORIES[2:]) == 0.5
+    assert error_categories(Dist(), SimpleNamespace(rows=[{"prompt": "2+2?"}], completions=["4"])) == {}
+
+    grader_errors.drain()
+    broken = SimpleNamespace(rows=[gym, {"prompt": "p", "sample": {**SAMPLE.to_dict(), "target": "not a number"}}],
+                             completions=[REF, REF])
+    got = error_categories(Dist(), broken)  # one row graded (correct), the broken one counted nowhere
+    assert got == {"unsupported_correct": 0.0, **{f"error/{k}": 0.0 for k in CATEGORIES[2:]}}
+    (record,) = grader_errors.drain()
+    assert record["reward"] == "error_categories" and record["prompt"] == "p"

@@ -112,6 +112,7 @@ def test_process_grpo_trains_on_gym_step_rewards(tmp_path, estimator, credit):
     for r in rows:
         assert r["steps_per_response"] > 0 and 0 <= r["unique_step_ratio"] <= 1
         assert r["step_reward_mean"] == 0.0  # a random tiny model never commits to an answer: gated to 0
+        assert r["error/format"] == 1.0 and r["unsupported_correct"] == 0.0  # the step's own error categories
 
 
 def test_ppo_places_step_rewards_on_step_end_tokens(tmp_path):
