@@ -43,7 +43,8 @@ class LoraConfig:
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    """Module names that get an adapter."""
+    """Module names that get an adapter. The default names a Llama-family model's projections; another
+    architecture needs its own (GPT-2: ``c_attn``, ``c_proj``, ``c_fc``)."""
 
 
 @dataclass

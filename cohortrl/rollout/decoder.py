@@ -17,7 +17,7 @@ model's own weights and does only the arithmetic:
 
 PEFT LoRA adapters are folded into the laid-out copy (W + s·B·A): the same function, computed in one
 product. Only plain LoRA; DoRA, LoRA bias or other variants fall back to transformers' forward, as do other
-architectures, GPUs and non-fp32 weights (:func:`decoder_for` returns None and says why at debug level).
+architectures, GPUs and non-fp32 weights (:func:`decoder_for` returns None and says why at INFO, once per model).
 Prefill stays with transformers' forward: it runs once per prompt, on many tokens, where its overhead is
 small. The arithmetic is the same to float rounding; ``tests/rollout/test_decoder.py`` checks the logits
 against transformers' step by step.
@@ -26,6 +26,7 @@ against transformers' step by step.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,23 @@ RECORD_LOGITS_BYTES = 128 * 2**20
 
 class Unsupported(Exception):
     """This model cannot use the lean decoder; transformers' forward is used instead."""
+
+
+# The reasons already logged, per model: generation asks before every call, and a run's policy is one model
+# object, so a run says each reason once instead of every step. Weak keys: a finished run's model is not kept.
+_fallbacks_logged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def log_fallback(model, reason: Exception, instead: str) -> None:
+    """Say at INFO, once per model and reason, that the CPU fast path is not used for ``model``, why, and what
+    runs ``instead``."""
+    logged = _fallbacks_logged.setdefault(model, set())
+    if str(reason) in logged:
+        return
+    logged.add(str(reason))
+    inner = getattr(model, "module", model)  # DDP
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+    log.info("the CPU fast path is not used for %s: %s; %s", type(inner).__name__, reason, instead)
 
 
 def _linear_parts(module) -> tuple[torch.nn.Linear, list[str]]:
@@ -111,12 +129,18 @@ def check_supported(model) -> None:
     base = _base_model(model)
     cfg = base.config
     if cfg.model_type not in SUPPORTED_TYPES:
-        raise Unsupported(f"model_type {cfg.model_type!r} (supported: {', '.join(SUPPORTED_TYPES)})")
+        raise Unsupported(f"not a Llama-family architecture (model_type {cfg.model_type!r}; the lean decoder "
+                          f"computes {', '.join(SUPPORTED_TYPES)})")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise Unsupported(f"hidden_act {cfg.hidden_act!r}")
     window = getattr(cfg, "sliding_window", None)
     if window and (cfg.model_type != "qwen2" or getattr(cfg, "use_sliding_window", False)):
         raise Unsupported("sliding-window attention")
+    # the weights before the kernel: on a GPU the kernel setting (ignored there) is not the reason to name
+    weight = base.get_input_embeddings().weight
+    if not kernels._plain_cpu_fp32(weight):
+        raise Unsupported(f"weights of type {type(weight).__name__} on {weight.device} in {weight.dtype} "
+                          "(the lean decoder is for plain fp32 tensors on a CPU)")
     if not kernels.onednn_available() or kernels._swaps == 0:
         raise Unsupported("not under the oneDNN linear kernel (train.cpu_linear)")
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or "binary" not in torch.ops.mkldnn._linear_pointwise.overloads():
@@ -125,10 +149,6 @@ def check_supported(model) -> None:
     missing = [name for name in ("layers", "norm", "rotary_emb") if not hasattr(inner, name)]
     if missing or base.get_output_embeddings() is None:
         raise Unsupported(f"a decoder without {', '.join(missing) or 'an output head'}")
-    weight = base.get_input_embeddings().weight
-    if not kernels._plain_cpu_fp32(weight):
-        raise Unsupported(f"weights of type {type(weight).__name__} on {weight.device} in {weight.dtype} "
-                          "(the lean decoder is for plain fp32 tensors on a CPU)")
     _linear_parts(base.get_output_embeddings())
     for layer in base.model.layers:
         for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
@@ -137,11 +157,12 @@ def check_supported(model) -> None:
 
 
 def decoder_for(model):
-    """A :class:`LlamaDecoder` factory for ``model`` if it qualifies, else None (transformers' forward)."""
+    """A :class:`LlamaDecoder` factory for ``model`` if it qualifies, else None (transformers' forward; the
+    reason logged once per model)."""
     try:
         check_supported(model)
     except (Unsupported, AttributeError) as e:
-        log.debug("lean decoder not used: %s", e)
+        log_fallback(model, e, "generation and backward use plain transformers")
         return None
     return LlamaDecoder
 

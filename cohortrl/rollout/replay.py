@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cohortrl.rollout.decoder import (Unsupported, _base_model, _linear_parts, _stacked, check_supported, paired_qkv,
-                                      rms_norm, rotate)
+from cohortrl.rollout.decoder import (Unsupported, _base_model, _linear_parts, _stacked, check_supported, log_fallback,
+                                      paired_qkv, rms_norm, rotate)
 
 # Head gradients of at most this many bytes of logits at once (as ``hf.LOGPROB_CHUNK_BYTES``).
 CHUNK_BYTES = 32 * 2**20
@@ -193,10 +193,12 @@ class Recording:
 
     @staticmethod
     def can_score(model) -> bool:
-        """Whether :meth:`logprobs_under` computes ``model`` (the lean decoder's models, under its kernel)."""
+        """Whether :meth:`logprobs_under` computes ``model`` (the lean decoder's models, under its kernel); if not,
+        the reason is logged once per model."""
         try:
             check_supported(model)
-        except (Unsupported, AttributeError):
+        except (Unsupported, AttributeError) as e:
+            log_fallback(model, e, "the reference's log-probs use plain transformers")
             return False
         return True
 

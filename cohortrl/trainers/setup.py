@@ -20,14 +20,18 @@ def build_policy(model_cfg, seed: int, model=None, tokenizer=None):
         model, tokenizer = load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed, init=model_cfg.init)
     if model_cfg.lora.enabled:
         from peft import LoraConfig, get_peft_model
+        from transformers.pytorch_utils import Conv1D
 
         names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         missing = [m for m in model_cfg.lora.target_modules if m not in names]
         if missing:
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            # The default names are a Llama-family model's projections; GPT-2's are Conv1D layers (c_attn, ...),
+            # which PEFT adapts as well, so they are listed too.
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, (torch.nn.Linear, Conv1D))})
             raise ConfigError(
-                f"config key 'model.lora.target_modules': {missing} not found in {model_cfg.name}; "
-                f"its linear modules are {linear}"
+                f"config key 'model.lora.target_modules': {missing} not found in {model_cfg.name} "
+                f"({type(model).__name__}); its linear modules are {linear}; set model.lora.target_modules to the ones to adapt"
             )
         lora = LoraConfig(
             r=model_cfg.lora.r,

@@ -1,6 +1,8 @@
 """The lean decoding step (cohortrl/rollout/decoder.py) computes transformers' forward: the same next-token
 logits, step by step, for left-padded rows, grouped-query attention, q/k/v biases and LoRA adapters; models it
-cannot compute go to transformers' forward."""
+cannot compute go to transformers' forward, and the reason is logged once per model."""
+
+import logging
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from cohortrl.models import build_tiny_tokenizer, load_model
 from cohortrl.rollout import decoder as decoder_module
 from cohortrl.rollout.decoder import LlamaDecoder, decoder_for
 from cohortrl.rollout.hf import Sampling, _positions, _prefill, encode_prompts, generate
+from cohortrl.rollout.replay import Recording
 
 needs_onednn = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear op")
 
@@ -122,6 +125,26 @@ def test_what_the_lean_step_cannot_compute_goes_to_transformers():
         dora = get_peft_model(load_model("tiny-llama", seed=5)[0],
                               LoraConfig(r=2, target_modules=["q_proj"], use_dora=True, task_type="CAUSAL_LM"))
         assert decoder_for(dora) is None
+
+
+def test_a_model_left_to_transformers_is_logged_once_at_info_with_the_reason(caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    bf16 = load_model("tiny-llama", seed=5)[0].to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="cohortrl"):
+        for _ in range(3):  # generation asks before every call
+            assert decoder_for(gpt2) is None
+        assert not Recording.can_score(gpt2)  # the same model for the same reason: said already
+        assert not Recording.can_score(bf16)  # outside the oneDNN kernel too, the weights are the reason named
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "cohortrl"] == [
+        (logging.INFO, "the CPU fast path is not used for GPT2LMHeadModel: not a Llama-family architecture (model_type "
+                       "'gpt2'; the lean decoder computes llama, qwen2, mistral); generation and backward use plain "
+                       "transformers"),
+        (logging.INFO, "the CPU fast path is not used for LlamaForCausalLM: weights of type Parameter on cpu in "
+                       "torch.bfloat16 (the lean decoder is for plain fp32 tensors on a CPU); the reference's log-probs "
+                       "use plain transformers"),
+    ]
 
 
 @needs_onednn

@@ -285,8 +285,9 @@ def test_lora_on_modules_the_model_lacks_names_both(tmp_path, addition_jsonl):
     with pytest.raises(ConfigError) as err:
         GRPOTrainer(cfg, tmp_path)
     assert str(err.value) == (
-        "config key 'model.lora.target_modules': ['c_attn'] not found in tiny-llama; its linear modules are "
-        "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']"
+        "config key 'model.lora.target_modules': ['c_attn'] not found in tiny-llama (LlamaForCausalLM); its linear "
+        "modules are ['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']; set "
+        "model.lora.target_modules to the ones to adapt"
     )
 
 
