@@ -19,7 +19,8 @@ case $scope in
     tests='"tests/algorithms"' ;;
   grading)
     mutate='"cohortrl/grading/units.py", "cohortrl/grading/answer_format.py"'
-    tests='"tests/tasks/test_units.py", "tests/tasks/test_unit_boundaries.py", "tests/tasks/test_answer_format.py"' ;;
+    tests='"tests/tasks/test_units.py", "tests/tasks/test_unit_boundaries.py", "tests/tasks/test_answer_format.py",
+      "tests/tasks/test_grading_mutation_kills.py"' ;;
   *) echo "unknown scope $scope: algorithms or grading" >&2; exit 2 ;;
 esac
 rm -rf "$dir" && mkdir -p "$dir"
@@ -27,6 +28,9 @@ git -C "$root" archive HEAD | tar -x -C "$dir"
 # mutmut reads its settings from the copy's pyproject.toml. source_paths is the whole package so that the
 # mutated copy imports; only_mutate picks the scope. docs/ is copied because a registry test reads it.
 # forkserver: workers are not forked from a process that has already imported torch and run the tests.
+# timeout_multiplier: mutmut gives a mutant 15 x (its tests' time + 1 s) x 2 CPU seconds and half that in wall
+# time, i.e. 15 s for these fast tests; a niced worker on a busy machine runs past that without hanging (the
+# first grading pass had 131 such "timeouts"), so the default here is 60 (a minute of wall time).
 cat >> "$dir/pyproject.toml" <<TOML
 
 [tool.mutmut]
@@ -36,6 +40,7 @@ also_copy = ["docs/"]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
 pytest_add_cli_args_test_selection = [$tests]
 process_isolation = "forkserver"
+timeout_multiplier = ${MUTATION_TIMEOUT_MULTIPLIER:-60}
 TOML
 cd "$dir"
 # PYTHONPATH: the copy, not the editable install of the checkout, must be what the tests import.
