@@ -198,7 +198,9 @@ def build(rng: random.Random, level: int, safe: bool):
     inertia = width * depth**3 / 12
     sigma = m * 1e6 * (depth / 2) / inertia
     steps += [("I", inertia, "mm^4", f"{width}*{depth}^3/12"),
-              ("sigma", sigma, "MPa", f"{format_sig(m * 1e6)}*{format_sig(depth / 2)}/{format_sig(inertia)}")]
+              # the kN*m -> N*mm factor and c = h/2 written out, not worked in the head: a warm start
+              # copied a wrong c when the reference gave only its value (docs/engineering.md)
+              ("sigma", sigma, "MPa", f"{format_sig(m)}*10^6*({depth}/2)/{format_sig(inertia)}")]
     text += f" The section is a rectangle b = {width} mm wide and h = {depth} mm deep; allowable bending stress {allow} MPa."
     givens += [f"b = {width} mm", f"h = {depth} mm", f"sigma_allow = {allow} MPa"]
     if level == 4:
