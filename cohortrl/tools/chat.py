@@ -16,7 +16,7 @@ where the result goes, so whatever a template puts around a tool result is repro
 
 Graders and reward functions read each tool turn as ``<tool_response>RESULT</tool_response>`` right after the
 call, whatever the template wraps around the result (the token ids hold the template's rendering);
-:func:`render_calls` turns a calculator call with its result into ``EXPR = VALUE``, as ``text.render`` does
+:func:`render_call` turns a calculator call with its result into ``EXPR = VALUE``, as ``text.render`` does
 for the text protocol. :func:`call_text` writes a call as the model is taught to (supervised warm starts,
 ``text.with_calculator``), and :func:`split_exchanges` cuts a completion in that form back into the model's
 texts and the results, which ``SFTTrainer`` renders as the rollout would.
@@ -171,18 +171,13 @@ def unsupported_reason(tokenizer) -> str | None:
     return None
 
 
-def render_calls(text: str) -> str:
-    """``text`` with each chat-protocol call and its ``<tool_response>``: a calculator call becomes
-    ``EXPR = VALUE``, any other is removed (``text.render`` applies this too).
-
-    >>> render_calls('A = <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call><tool_response>6</tool_response> N')
-    'A = 2*3 = 6 N'
-    """
-    return CALL_RESPONSE.sub(render_call, text)
-
-
 def render_call(m: re.Match) -> str:
-    """One :data:`CALL_RESPONSE` match as graders read it: ``EXPR = VALUE`` for a calculator call, else ``""``."""
+    """One :data:`CALL_RESPONSE` match (a chat-protocol call and its ``<tool_response>``) as graders read it:
+    ``EXPR = VALUE`` for a calculator call, else ``""`` (``text.render`` applies it to a whole response).
+
+    >>> render_call(CALL_RESPONSE.search('A = <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call><tool_response>6</tool_response> N'))
+    '2*3 = 6'
+    """
     try:
         name, arguments = _name_and_arguments(m["call"].strip())
     except ToolError:

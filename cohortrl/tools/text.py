@@ -96,7 +96,7 @@ def result_spans(text: str) -> list[tuple[int, int]]:
 def render(text: str) -> str:
     """``text`` as graders read it: calculator calls as ``EXPR = VALUE``, other calls and results removed, in
     either protocol (this one's ``<call>``/``<result>`` and the chat protocol's ``<tool_call>`` with its
-    ``<tool_response>``, ``chat.render_calls``). Text without tool calls is unchanged.
+    ``<tool_response>``, ``chat.render_call``). Text without tool calls is unchanged.
 
     >>> render("A = <call>calculator: pi*19^2/4</call><result>283.5</result> mm^2")
     'A = pi*19^2/4 = 283.5 mm^2'
