@@ -33,6 +33,15 @@ CATEGORIES = ("correct", "unsupported", "format", "missing_step", "sign", "unit"
 _UNIT_SLIPS = [Fraction(10) ** (3 * k) for k in (-4, -3, -2, -1, 1, 2, 3, 4)]
 
 
+def category_fractions(categories: list[str]) -> dict[str, float]:
+    """The share of each failure category (``error/<category>``) among ``categories`` (one per response, none
+    None), and ``unsupported_correct``, the share right by the outcome with a required step missing or wrong:
+    what evaluation (``eval/`` before each) and training steps log."""
+    n = len(categories)
+    return {**{f"error/{kind}": categories.count(kind) / n for kind in CATEGORIES[2:]},
+            "unsupported_correct": categories.count("unsupported") / n}
+
+
 def row_category(row: dict, completion: str) -> str | None:
     """The category of ``completion`` (as generated: tool calls are rendered here) to a dataset row, or None when
     the row is not a gym problem of a family graded by keyed steps."""

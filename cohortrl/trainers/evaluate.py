@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from cohortrl.rewards.error_categories import CATEGORIES, row_category
+from cohortrl.rewards.error_categories import category_fractions, row_category
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, score
 from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.rollout.tools import toolset
@@ -98,8 +98,7 @@ def evaluate(
     if tools is not None:
         out["eval/tool_calls_per_response"] = sum(calls) / max(len(calls), 1)
     if categories and None not in categories:
-        out.update({f"eval/error/{kind}": categories.count(kind) / n for kind in CATEGORIES[2:]})
-        out["eval/unsupported_correct"] = categories.count("unsupported") / n  # right answer, a step missing or wrong
+        out.update({f"eval/{name}": value for name, value in category_fractions(categories).items()})
     if pass_k:
         # k samples per prompt give both pass@k (any of the k correct) and the sampled accuracy (mean over
         # the k), whose interval is taken over prompts: samples of one prompt are not independent.

@@ -258,16 +258,13 @@ def error_categories(d, rollout) -> dict:
     ``unsupported_correct``: right by the outcome with a required step missing or wrong. Logged every step
     because gaming an outcome reward shows here while it happens (a rising ``unsupported_correct``), long
     before the held-out evaluation at the end of a run. Empty for other data."""
-    from cohortrl.rewards.error_categories import CATEGORIES, row_category
+    from cohortrl.rewards.error_categories import category_fractions, row_category
     from cohortrl.rewards.grader_errors import contained
 
     kinds = d.gather_list([contained("error_categories", row["prompt"], text, lambda: row_category(row, text), None)
                            for row, text in zip(rollout.rows, rollout.completions)])
     graded = [k for k in kinds if k is not None]
-    if not graded:
-        return {}
-    return {"unsupported_correct": graded.count("unsupported") / len(graded),
-            **{f"error/{kind}": graded.count(kind) / len(graded) for kind in CATEGORIES[2:]}}
+    return category_fractions(graded) if graded else {}
 
 
 def mean(values: list) -> float | None:
