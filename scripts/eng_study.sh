@@ -11,6 +11,10 @@
 # SFT_LEVEL (default LEVEL) is the level of the warm start's references: below LEVEL, the warm start (and the
 # control) never see a reference of the level that GRPO trains on and every arm is evaluated on
 # (`eval_sft`, `eval_control`); only the grader knows that level.
+# SFT_SIZE (default: the config's 2,000) limits the warm start's references to a fixed set of that many
+# problems, drawn from the same pool as GRPO's prompts: the warm start and the control then repeat them epoch
+# after epoch, as SFT on a finite demonstration set does, while GRPO draws any prompt of the pool (runs land in
+# runs/eng_FAMILYLEVEL_refsN/).
 # `control` continues the warm start with supervised steps for the GRPO phase's median wall time
 # (CONTROL_STEPS overrides the count). Results land in runs/eng*/ (gitignored); docs/engineering/ keeps their
 # metrics.
@@ -22,13 +26,14 @@ LEVEL=${LEVEL:-3}
 SFT_LEVEL=${SFT_LEVEL:-$LEVEL}
 REWARD=${REWARD:-outcome}
 if [[ $REWARD == outcome ]]; then GRPO=grpo; else GRPO=grpo_$REWARD; fi
-if [[ $FAMILY == axial_stress && $LEVEL == 3 && $SFT_LEVEL == 3 ]]; then
+if [[ $FAMILY == axial_stress && $LEVEL == 3 && $SFT_LEVEL == 3 && -z ${SFT_SIZE:-} ]]; then
   OUT=runs/eng; SFT=sft_axial3_e200  # the first study's names
 elif [[ $SFT_LEVEL == "$LEVEL" ]]; then
   OUT=runs/eng_$FAMILY$LEVEL; SFT=sft
 else
   OUT=runs/eng_$FAMILY${LEVEL}_from$SFT_LEVEL; SFT=sft
 fi
+if [[ -n ${SFT_SIZE:-} ]]; then OUT=${OUT}_refs$SFT_SIZE; SFT_DATA=("data.train_size=$SFT_SIZE"); else SFT_DATA=(); fi
 read -r -a EXTRA <<<"${OVERRIDES:-}"
 DATA=("data.source=task:$FAMILY" "data.level=$LEVEL" ${EXTRA[@]+"${EXTRA[@]}"})
 mkdir -p "$OUT"
@@ -62,13 +67,13 @@ evaluate() {  # NAME OVERRIDES...: greedy held-out accuracy with error categorie
 
 control_steps() {  # the GRPO phase's wall time in warm-start steps, from median step times: a step slowed by
   # other work on the shared machine says nothing about either method's cost
-  python3 - "$OUT" "$SFT" <<'EOF'
+  python3 - "$OUT" "$SFT" "$GRPO" <<'EOF'
 import json, pathlib, statistics, sys
-out, sft_run = pathlib.Path(sys.argv[1]), sys.argv[2]
+out, sft_run, grpo_run = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 def step_times(run):
     rows = [json.loads(l) for l in (out / run / "metrics.jsonl").read_text().splitlines() if l.strip()]
     return [r["time/step"] for r in rows if "time/step" in r]
-grpo = [t for s in range(3) if (out / f"grpo_s{s}" / "final").is_dir() for t in step_times(f"grpo_s{s}")]
+grpo = [t for s in range(3) if (out / f"{grpo_run}_s{s}" / "final").is_dir() for t in step_times(f"{grpo_run}_s{s}")]
 sft = step_times(sft_run)[1:]  # the first step pays for warm-up
 print(round(40 + 20 * statistics.median(grpo) / statistics.median(sft)))
 EOF
@@ -77,7 +82,7 @@ EOF
 for stage in "$@"; do
   case $stage in
     sft) SUBCMD=sft train "$SFT" configs/eng_sft.yaml "data.source=task:$FAMILY" "data.level=$SFT_LEVEL" \
-      ${EXTRA[@]+"${EXTRA[@]}"} ;;
+      ${SFT_DATA[@]+"${SFT_DATA[@]}"} ${EXTRA[@]+"${EXTRA[@]}"} ;;
     grpo0|grpo1|grpo2) train "${GRPO}_s${stage#grpo}" configs/eng_grpo.yaml "${DATA[@]}" "train.seed=${stage#grpo}" \
       "model.init=$OUT/$SFT/final" "reward.functions=[{name: task, kwargs: {field: $REWARD}}]" ;;
     eval_sft) evaluate eval_sft "model.init=$OUT/$SFT/final" ;;  # the warm start (merged), as GRPO starts from it
