@@ -52,7 +52,7 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
     if on_rl_level:
         found.append((f"SFT (40 steps{sft_level})", read_jsonl(root / "eval_sft.jsonl")))
     elif (root / sft / "eval_completions.jsonl").is_file():
-        found.append(("SFT (40 steps)", final_responses(root / sft)))
+        found.append((f"SFT (40 steps{sft_level})", final_responses(root / sft)))
     for prefix, label in GRPO_RUNS:
         for seed in range(10):
             run = root / f"{prefix}_s{seed}"
@@ -71,14 +71,19 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
 
 
 def sft_level_note(run: Path) -> str:
-    """ ", level-K references" when the warm start's references are of another level than the RL phase's."""
+    """ ", level-K references" when the warm start's references are of another level than the RL phase's, and
+    ", N references" when they are a fixed set smaller than the RL phase's prompt pool (SFT_SIZE)."""
     import yaml
 
-    config, grpo = run / "config.yaml", run.parent / "grpo_s0" / "config.yaml"
-    if not (config.is_file() and grpo.is_file()):
+    config = run / "config.yaml"
+    grpo = next((c for c in sorted(run.parent.glob("grpo*_s0/config.yaml"))), None)
+    if not (config.is_file() and grpo is not None):
         return ""
-    level = yaml.safe_load(config.read_text())["data"]["level"]
-    return "" if level == yaml.safe_load(grpo.read_text())["data"]["level"] else f", level-{level} references"
+    sft_data, rl_data = yaml.safe_load(config.read_text())["data"], yaml.safe_load(grpo.read_text())["data"]
+    note = "" if sft_data["level"] == rl_data["level"] else f", level-{sft_data['level']} references"
+    if sft_data.get("train_size") and sft_data["train_size"] < (rl_data.get("train_size") or 0):
+        note += f", a fixed set of {sft_data['train_size']} references"
+    return note
 
 
 def new_units(prompt) -> bool:
