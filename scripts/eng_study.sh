@@ -15,6 +15,9 @@
 # problems, drawn from the same pool as GRPO's prompts: the warm start and the control then repeat them epoch
 # after epoch, as SFT on a finite demonstration set does, while GRPO draws any prompt of the pool (runs land in
 # runs/eng_FAMILYLEVEL_refsN/).
+# START (default: the warm start, sft) is the finished supervised run GRPO starts from and the control
+# continues: START=sft_more starts GRPO from the first control (the warm start trained on), naming the runs
+# grpo*_from_sft_more_s* and the new control sft_more_more.
 # `control` continues the warm start with supervised steps for the GRPO phase's median wall time
 # (CONTROL_STEPS overrides the count). Results land in runs/eng*/ (gitignored); docs/engineering/ keeps their
 # metrics.
@@ -34,6 +37,8 @@ else
   OUT=runs/eng_$FAMILY${LEVEL}_from$SFT_LEVEL; SFT=sft
 fi
 if [[ -n ${SFT_SIZE:-} ]]; then OUT=${OUT}_refs$SFT_SIZE; SFT_DATA=("data.train_size=$SFT_SIZE"); else SFT_DATA=(); fi
+START=${START:-$SFT}
+if [[ $START != "$SFT" ]]; then GRPO=${GRPO}_from_$START; fi
 read -r -a EXTRA <<<"${OVERRIDES:-}"
 DATA=("data.source=task:$FAMILY" "data.level=$LEVEL" ${EXTRA[@]+"${EXTRA[@]}"})
 mkdir -p "$OUT"
@@ -67,7 +72,7 @@ evaluate() {  # NAME OVERRIDES...: greedy held-out accuracy with error categorie
 
 control_steps() {  # the GRPO phase's wall time in warm-start steps, from median step times: a step slowed by
   # other work on the shared machine says nothing about either method's cost
-  python3 - "$OUT" "$SFT" "$GRPO" <<'EOF'
+  python3 - "$OUT" "$START" "$GRPO" <<'EOF'
 import json, pathlib, statistics, sys
 out, sft_run, grpo_run = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 def step_times(run):
@@ -75,7 +80,8 @@ def step_times(run):
     return [r["time/step"] for r in rows if "time/step" in r]
 grpo = [t for s in range(3) if (out / f"{grpo_run}_s{s}" / "final").is_dir() for t in step_times(f"{grpo_run}_s{s}")]
 sft = step_times(sft_run)[1:]  # the first step pays for warm-up
-print(round(40 + 20 * statistics.median(grpo) / statistics.median(sft)))
+done = json.loads((out / sft_run / "final" / "cohortrl_run.json").read_text())["step"]
+print(round(done + 20 * statistics.median(grpo) / statistics.median(sft)))
 EOF
 }
 
@@ -84,16 +90,16 @@ for stage in "$@"; do
     sft) SUBCMD=sft train "$SFT" configs/eng_sft.yaml "data.source=task:$FAMILY" "data.level=$SFT_LEVEL" \
       ${SFT_DATA[@]+"${SFT_DATA[@]}"} ${EXTRA[@]+"${EXTRA[@]}"} ;;
     grpo0|grpo1|grpo2) train "${GRPO}_s${stage#grpo}" configs/eng_grpo.yaml "${DATA[@]}" "train.seed=${stage#grpo}" \
-      "model.init=$OUT/$SFT/final" "reward.functions=[{name: task, kwargs: {field: $REWARD}}]" ;;
+      "model.init=$OUT/$START/final" "reward.functions=[{name: task, kwargs: {field: $REWARD}}]" ;;
     eval_sft) evaluate eval_sft "model.init=$OUT/$SFT/final" ;;  # the warm start (merged), as GRPO starts from it
     eval_base) evaluate eval_base model.init=null ;;     # SmolLM2 itself, with the calculator
     control)
-      dir=$OUT/${SFT}_more
-      [[ -d $dir ]] || cp -a "$OUT/$SFT" "$dir"
+      dir=$OUT/${START}_more
+      [[ -d $dir ]] || cp -a "$OUT/$START" "$dir"
       steps=${CONTROL_STEPS:-$(control_steps)}
-      echo "control: supervised steps 40 -> $steps"
-      timed "${SFT}_more" $CLI sft --run-dir "$dir" --resume --steps "$steps" ;;
-    eval_control) evaluate eval_control "model.init=$OUT/${SFT}_more/final" ;;  # on LEVEL, where SFT_LEVEL differs
+      echo "control: $START continued to $steps supervised steps"
+      timed "${START}_more" $CLI sft --run-dir "$dir" --resume --steps "$steps" ;;
+    eval_control) evaluate eval_control "model.init=$OUT/${START}_more/final" ;;  # on LEVEL, where SFT_LEVEL differs
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
