@@ -26,7 +26,9 @@ BEAMS = ("cantilever, two point loads", "cantilever, point load + UDL", "simply 
 
 
 # scripts/eng_study.sh's GRPO runs by reward (REWARD=...): the run-name prefix and the table's label
-GRPO_RUNS = (("grpo", "SFT + GRPO (20 steps)"), ("grpo_supported", "SFT + GRPO on the supported reward (20 steps)"))
+# (START=sft_more: GRPO from the first control, the warm start trained further)
+GRPO_RUNS = (("grpo", "SFT + GRPO (20 steps)"), ("grpo_supported", "SFT + GRPO on the supported reward (20 steps)"),
+             ("grpo_supported_from_sft_more", "SFT continued + GRPO on the supported reward (20 steps)"))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -58,15 +60,22 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
             run = root / f"{prefix}_s{seed}"
             if (run / "final").is_dir():
                 found.append((f"{label}, seed {seed}", final_responses(run)))
-    more = root / f"{sft}_more"  # a copy of the warm start's run, resumed: counted once it went further
-    steps = max((r["step"] for r in read_jsonl(more / "metrics.jsonl")), default=0) if more.is_dir() else 0
-    if (more / "final").is_dir() and steps > 40 and (more / "final" / "cohortrl_run.json").is_file() and \
-            json.loads((more / "final" / "cohortrl_run.json").read_text()).get("step") == steps:
-        name = f"SFT continued to {steps} steps{sft_level} (the GRPO phase's wall time)"
-        if (root / "eval_control.jsonl").is_file():
+    # the controls: copies of a supervised run, resumed (sft_more continues the warm start; sft_more_more
+    # continues sft_more, the start of the START=sft_more GRPO runs), each counted once it went further
+    previous, run = 40, f"{sft}_more"
+    while (root / run).is_dir():
+        more = root / run
+        steps = max((r["step"] for r in read_jsonl(more / "metrics.jsonl")), default=0)
+        if not ((more / "final" / "cohortrl_run.json").is_file() and steps > previous and
+                json.loads((more / "final" / "cohortrl_run.json").read_text()).get("step") == steps):
+            break
+        start = f" from {previous}" if previous != 40 else ""
+        name = f"SFT continued{start} to {steps} steps{sft_level} (the GRPO phase's wall time)"
+        if run == f"{sft}_more" and (root / "eval_control.jsonl").is_file():
             found.append((name, read_jsonl(root / "eval_control.jsonl")))
         elif not on_rl_level:
             found.append((name, final_responses(more)))
+        previous, run = steps, run + "_more"
     return found
 
 
@@ -174,7 +183,7 @@ def plot(root: Path, out: Path) -> None:
               ("response_length_mean", "response length (tokens)"),
               ("tools/calls_per_response", "calculator calls per response")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))
-    for (prefix, _), style in zip(GRPO_RUNS, ("-", "--")):
+    for (prefix, _), style in zip(GRPO_RUNS, ("-", "--", ":")):
         for seed in range(10):
             path = root / f"{prefix}_s{seed}" / "metrics.jsonl"
             if not path.is_file():
