@@ -40,16 +40,20 @@ def params_of(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("estimator", OUTCOME_ESTIMATORS)
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
-@pytest.mark.parametrize("zero_variance", ["keep", "filter", "resample"])
+@pytest.mark.parametrize("estimator, aggregation, zero_variance, cpu_path", [
+    (estimator, aggregation, zero_variance, path)
+    for zero_variance in ("keep", "filter", "resample") for aggregation in AGGREGATIONS
+    for estimator in OUTCOME_ESTIMATORS for path in ("fast", "plain") if path == "fast" or zero_variance == "keep"
+], indirect=["cpu_path"])
 def test_every_estimator_aggregation_and_zero_variance_setting_trains(
-    tmp_path, addition_jsonl, estimator, aggregation, zero_variance
+    tmp_path, addition_jsonl, estimator, aggregation, zero_variance, cpu_path
 ):
+    """On the fast path every setting; on the plain path (train.cpu_linear=aten) every estimator x aggregation
+    with zero_variance=keep (filter and resample change which rows reach the update, not the path's forward)."""
     cfg = tiny_config(
         addition_jsonl,
         algorithm={"estimator": estimator, "aggregation": aggregation, "zero_variance": zero_variance, "group_size": 4},
-        eval={"n_prompts": 0},
+        train={"cpu_linear": cpu_path.cpu_linear}, eval={"n_prompts": 0},
     )
     trainer = GRPOTrainer(cfg, tmp_path)
     before = params_of(trainer)
@@ -61,6 +65,7 @@ def test_every_estimator_aggregation_and_zero_variance_setting_trains(
         assert 0 <= r["zero_variance_frac"] <= 1
     changed = any(not torch.equal(before[n], p) for n, p in params_of(trainer).items())
     assert changed, "no parameter moved in two steps"
+    cpu_path.check(trainer, steps, replays=zero_variance != "resample")  # resample joins draws: no recording
 
 
 @pytest.mark.parametrize("reuse", [False, True])
@@ -128,11 +133,14 @@ def test_token_weights_reproduce_aggregate_on_any_split(mode):
     torch.testing.assert_close(split, whole)
 
 
-def test_resume_after_step_k_reproduces_the_uninterrupted_run(tmp_path, addition_jsonl):
-    cfg = tiny_config(addition_jsonl, train={"steps": 4, "checkpoint_every": 2}, algorithm={"epochs": 2, "minibatches": 2})
+def test_resume_after_step_k_reproduces_the_uninterrupted_run(tmp_path, addition_jsonl, cpu_path):
+    cfg = tiny_config(addition_jsonl, train={"steps": 4, "checkpoint_every": 2, "cpu_linear": cpu_path.cpu_linear},
+                      algorithm={"epochs": 2, "minibatches": 2})
     full = GRPOTrainer(cfg, tmp_path / "full").train()
     GRPOTrainer(cfg, tmp_path / "split").train(steps=2)
-    resumed = GRPOTrainer(cfg, tmp_path / "split", resume=True).train()
+    trainer = GRPOTrainer(cfg, tmp_path / "split", resume=True)
+    resumed = trainer.train()
+    cpu_path.check(trainer, full + resumed)  # two epochs of minibatches: no update reuses decoding's forward
     def by_step(rows):
         return {r["step"]: r for r in rows if "loss" in r}
     a, b = by_step(full), by_step(resumed)

@@ -69,8 +69,9 @@ def test_make_trainer_picks_the_algorithm(tmp_path, addition_jsonl):
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_a_few_steps_with_rule_rewards_move_policy_and_critic(tmp_path, addition_jsonl, lora):
-    cfg = ppo_config(addition_jsonl, model={"lora": {"enabled": lora, "r": 4}}, algorithm={"epochs": 2, "minibatches": 2})
+def test_a_few_steps_with_rule_rewards_move_policy_and_critic(tmp_path, addition_jsonl, lora, cpu_path):
+    cfg = ppo_config(addition_jsonl, model={"lora": {"enabled": lora, "r": 4}}, algorithm={"epochs": 2, "minibatches": 2},
+                     train={"cpu_linear": cpu_path.cpu_linear})
     trainer = PPOTrainer(cfg, tmp_path)
     policy_before, critic_before = params_of(trainer), {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
     rows = trainer.train()
@@ -85,6 +86,7 @@ def test_a_few_steps_with_rule_rewards_move_policy_and_critic(tmp_path, addition
     assert not any("lora_" in n for n, _ in trainer.critic.named_parameters())
     assert all(p.requires_grad for p in trainer.critic.parameters())
     assert (trainer.reference.model is None) == lora
+    cpu_path.check(trainer, rows)  # PPO's update runs its own forward on either path
 
 
 def test_reward_model_scores_at_the_last_token_whatever_the_padding(tiny_reward_model):

@@ -85,15 +85,18 @@ def test_only_completion_tokens_carry_loss_on_a_hand_built_batch(tiny):
     assert torch.allclose(got, want, atol=1e-5), (got, want)
 
 
-def test_gradient_accumulation_gives_the_whole_batch_mean(tmp_path):
+def test_gradient_accumulation_gives_the_whole_batch_mean(tmp_path, cpu_path):
     # The same 4 examples as one micro-batch of 4 or two of 2: each token weighs 1/N with N counted over the
     # step, so loss and gradient agree; a mean taken per micro-batch would weigh the shorter one's tokens more.
     words = "the total force on the beam is the load times the length".split()
     rows = [{"prompt": f"Question {i}?", "completion": " ".join(words[:n])} for i, n in enumerate((1, 3, 6, 10))]
     out = []
     for batch_size, grad_accum in ((4, 1), (2, 2)):
-        cfg = sft_config(data={"eval_size": None}, sft={"batch_size": batch_size, "grad_accum": grad_accum})
-        out.append(SFTTrainer(cfg, tmp_path / str(batch_size), train_dataset=rows).step())
+        cfg = sft_config(data={"eval_size": None}, sft={"batch_size": batch_size, "grad_accum": grad_accum},
+                         train={"cpu_linear": cpu_path.cpu_linear})
+        trainer = SFTTrainer(cfg, tmp_path / str(batch_size), train_dataset=rows)
+        out.append(trainer.step())
+    cpu_path.check(trainer, decodes=False)  # steps only, no evaluation
     assert out[0]["tokens"] == out[1]["tokens"]
     assert out[0]["loss"] == pytest.approx(out[1]["loss"], rel=1e-6)
     assert out[0]["grad_norm"] == pytest.approx(out[1]["grad_norm"], rel=1e-5)
@@ -348,15 +351,17 @@ def test_sft_config_is_validated_like_the_rest():
 
 
 # ---------------------------------------------------------------------------------------------- resume
-def test_resume_reproduces_an_uninterrupted_run(tmp_path):
+def test_resume_reproduces_an_uninterrupted_run(tmp_path, cpu_path):
     # LoRA dropout draws random numbers every step and grad_accum splits each step: both must resume exactly.
     cfg = sft_config(model={"lora": {"enabled": True, "r": 4, "dropout": 0.1}}, sft={"batch_size": 2, "grad_accum": 2},
-                     train={"steps": 3, "checkpoint_every": 1}, eval={"every": 1, "n_prompts": 2})
+                     train={"steps": 3, "checkpoint_every": 1, "cpu_linear": cpu_path.cpu_linear},
+                     eval={"every": 1, "n_prompts": 2})
     SFTTrainer(cfg, tmp_path / "whole").train()
     SFTTrainer(cfg, tmp_path / "split").train(steps=1)
     resumed = SFTTrainer.resume(tmp_path / "split")
     assert resumed.step_count == 1
     resumed.train()
+    cpu_path.check(resumed)  # the resumed run keeps the saved config's path; the evaluations decode
 
     def rows(run):
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()

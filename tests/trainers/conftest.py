@@ -1,0 +1,47 @@
+"""The two CPU paths a trainer test can run on (``cpu_path``): "fast", ``train.cpu_linear=auto`` (on a CPU build
+with oneDNN: oneDNN linear products, the lean decoder, the update reusing decoding's forward where the config
+allows it), and "plain", ``train.cpu_linear=aten`` (plain transformers and autograd throughout)."""
+
+import pytest
+
+from cohortrl import kernels
+from cohortrl.rollout import decoder
+
+
+class CPUPath:
+    """Sets nothing itself: a test passes ``train.cpu_linear = cpu_path.cpu_linear`` to its trainers, then calls
+    :meth:`check`, which asserts that they really ran this path (counted by spies on oneDNN's linear op and on
+    the lean decoder, over the whole test)."""
+
+    def __init__(self, name: str, monkeypatch):
+        self.name = name
+        self.cpu_linear = {"fast": "auto", "plain": "aten"}[name]
+        self.onednn_products, self.decoders = [], []
+        onednn, init = kernels._onednn, decoder.LlamaDecoder.__init__
+        monkeypatch.setattr(kernels, "_onednn", lambda *a: self.onednn_products.append(1) or onednn(*a))
+
+        def counted_init(dec, *a, **kw):
+            self.decoders.append(1)
+            init(dec, *a, **kw)
+
+        monkeypatch.setattr(decoder.LlamaDecoder, "__init__", counted_init)
+
+    def check(self, trainer, rows=(), *, decodes: bool = True, replays: bool = False) -> None:
+        """``trainer`` (the test's last) ran this path, and so did the test's ``rows`` (logged training steps).
+        ``decodes``: the test generated (a rollout or an evaluation), so the fast path built the lean decoder;
+        ``replays``: the test's config lets an update reuse decoding's forward, so the fast path did. The plain
+        path (and the fast one on a build without oneDNN, where it is the plain path) did none of it."""
+        fast = self.name == "fast" and kernels.onednn_available()
+        with kernels.linear_kernels(trainer.cpu_linear):
+            lean = decoder.decoder_for(trainer.model) is not None
+        replayed = sum(r.get("rollout_forward_reused") or 0 for r in rows)
+        assert trainer.cpu_linear == ("onednn" if fast else "aten")
+        assert lean == fast
+        assert bool(self.onednn_products) == fast
+        assert bool(self.decoders) == (fast and decodes)
+        assert bool(replayed) == (fast and replays), replayed
+
+
+@pytest.fixture(params=["fast", "plain"])
+def cpu_path(request, monkeypatch) -> CPUPath:
+    return CPUPath(request.param, monkeypatch)
