@@ -28,7 +28,7 @@ BEAMS = ("cantilever, two point loads", "cantilever, point load + UDL", "simply 
 # scripts/eng_study.sh's GRPO runs by reward (REWARD=...): the run-name prefix and the table's label
 # (START=sft_more: GRPO from the first control, the warm start trained further)
 GRPO_RUNS = (("grpo", "SFT + GRPO (20 steps)"), ("grpo_supported", "SFT + GRPO on the supported reward (20 steps)"),
-             ("grpo_supported_from_sft_more", "SFT continued + GRPO on the supported reward (20 steps)"))
+             ("grpo_supported_from_sft_more", "the first control (SFT continued) + GRPO on the supported reward (20 steps)"))
 
 
 def read_jsonl(path: Path) -> list[dict]:
