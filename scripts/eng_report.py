@@ -85,7 +85,7 @@ def sft_level_note(run: Path) -> str:
     import yaml
 
     config = run / "config.yaml"
-    grpo = next((c for c in sorted(run.parent.glob("grpo*_s0/config.yaml"))), None)
+    grpo = next(iter(sorted(run.parent.glob("grpo*_s0/config.yaml"))), None)
     if not (config.is_file() and grpo is not None):
         return ""
     sft_data, rl_data = yaml.safe_load(config.read_text())["data"], yaml.safe_load(grpo.read_text())["data"]

@@ -18,7 +18,7 @@
 # START (default: the warm start, sft) is the finished supervised run GRPO starts from and the control
 # continues: START=sft_more starts GRPO from the first control (the warm start trained on), naming the runs
 # grpo*_from_sft_more_s* and the new control sft_more_more.
-# `control` continues the warm start with supervised steps for the GRPO phase's median wall time
+# `control` continues START (the warm start by default) with supervised steps for the GRPO phase's median wall time
 # (CONTROL_STEPS overrides the count). Results land in runs/eng*/ (gitignored); docs/engineering/ keeps their
 # metrics.
 set -euo pipefail
