@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 25's measurement (docs/tools.md): SmolLM2's held-out strict accuracy on a numeric family with and
 # without the calculator. Each arm is the supervised warm start of docs/engineering.md (configs/eng_sft.yaml,
-# 40 LoRA steps on the family's reference solutions), at train.seed 0, 1, 2, then greedy evaluation on the
-# same 200 held-out problems (data.seed 0 fixes the draw and the split whatever the train seed):
+# 40 LoRA steps on the family's reference solutions), at train.seed 0, 1, 2, each measured by the run's own
+# final evaluation (greedy, strict outcome, on the same 200 held-out problems: data.seed 0 fixes the draw and
+# the split whatever the train seed; metrics.jsonl's last row, the responses in eval_completions.jsonl):
 #   calc_sN:  references in the calculator's call form, evaluated with the calculator (the config as it is);
 #   plain_sN: the same references with the arithmetic written out (rollout.tools=[]), evaluated without tools.
-# Each stage is CPU-heavy (never two at once) and resumable: a finished stage is skipped.
+# Each stage is CPU-heavy (never two at once) and resumable: a finished stage is skipped. `cohortrl eval` of a
+# run's final/ (configs/eng_grpo.yaml, model.init=...) gives the same numbers again.
 #   [FAMILY=axial_stress] [LEVEL=3] scripts/tools_study.sh STAGE...   stages: calc0 calc1 calc2 plain0 plain1 plain2
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +33,5 @@ for stage in "$@"; do
       /usr/bin/time -v $CLI sft configs/eng_sft.yaml "${DATA[@]}" "train.seed=$seed" ${TOOLS[@]+"${TOOLS[@]}"} \
         --run-dir "$dir" --overwrite >>"$OUT/$name.log" 2>&1
     fi
-  fi
-  if [[ ! -f $OUT/eval_$name.json ]]; then
-    echo "== $name: eval ($(date -u +%FT%TZ))" | tee -a "$OUT/$name.log"
-    /usr/bin/time -v $CLI eval configs/eng_grpo.yaml "${DATA[@]}" "model.init=$dir/final" ${TOOLS[@]+"${TOOLS[@]}"} \
-      --json --responses "$OUT/eval_$name.jsonl" >"$OUT/eval_$name.json.tmp" 2>>"$OUT/$name.log"
-    mv "$OUT/eval_$name.json.tmp" "$OUT/eval_$name.json"
   fi
 done
