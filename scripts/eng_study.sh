@@ -6,6 +6,7 @@
 # FAMILY and LEVEL (default axial_stress 3) override the configs' data; every other setting is the configs'.
 # REWARD=supported trains the GRPO stages on the task reward's `supported` field (the outcome counts only when
 # every required step is right too) instead of the strict outcome; its runs are named grpo_supported_s*.
+# TAG names a variant of the GRPO stages (runs grpo*_TAG_s*), e.g. TAG=steps with OVERRIDES that add step rewards.
 # OVERRIDES (space-separated key=value, e.g. "sampling.max_new_tokens=512") go to every stage's config; a
 # stage already finished is not re-run with them.
 # SFT_LEVEL (default LEVEL) is the level of the warm start's references: below LEVEL, the warm start (and the
@@ -39,6 +40,7 @@ fi
 if [[ -n ${SFT_SIZE:-} ]]; then OUT=${OUT}_refs$SFT_SIZE; SFT_DATA=("data.train_size=$SFT_SIZE"); else SFT_DATA=(); fi
 START=${START:-$SFT}
 if [[ $START != "$SFT" ]]; then GRPO=${GRPO}_from_$START; fi
+if [[ -n ${TAG:-} ]]; then GRPO=${GRPO}_$TAG; fi
 read -r -a EXTRA <<<"${OVERRIDES:-}"
 DATA=("data.source=task:$FAMILY" "data.level=$LEVEL" ${EXTRA[@]+"${EXTRA[@]}"})
 mkdir -p "$OUT"
