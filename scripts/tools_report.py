@@ -27,8 +27,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def cpu_time(log: Path) -> tuple[float, str]:
-    """User CPU seconds summed over the log's /usr/bin/time reports (a resumed run has several), last wall time."""
-    text = log.read_text()
+    """User CPU seconds and wall times of the SFT run (evaluation included), summed over the log's /usr/bin/time
+    reports under its `== NAME: sft` headers (a resumed run has several; another command's report is left out)."""
+    text = "".join(part for part in re.split(r"(?m)^(?===)", log.read_text()) if re.match(r"== \S+: sft", part))
     user = sum(float(x) for x in re.findall(r"User time \(seconds\): ([\d.]+)", text))
     walls = re.findall(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text)
     return user, " + ".join(walls)
