@@ -29,7 +29,7 @@ def label_costs(args) -> dict:
     """CPU seconds per labelled step: gym grader labels vs Math-Shepherd rollouts from the backbone."""
     from cohortrl import tasks
     from cohortrl.models import load_model
-    from cohortrl.rewards.labels import gym_step_examples, math_shepherd_labels, policy_completer
+    from cohortrl.reward_models.labels import gym_step_examples, math_shepherd_labels, policy_completer
 
     t0 = time.process_time()
     examples = gym_step_examples(args.family, 200, seed=7, level=args.level)
@@ -56,7 +56,7 @@ def label_costs(args) -> dict:
 def position_baseline(examples) -> dict:
     """AUROC of a scorer that sees only where a step is (earlier = more likely right) and whether it is the
     last line: what a PRM can get without reading any number."""
-    from cohortrl.rewards.rm_eval import auroc
+    from cohortrl.reward_models.evaluate import auroc
 
     scores, labels = [], []
     for e in examples:
@@ -92,9 +92,9 @@ def main() -> int:
         print("label_cost", json.dumps(label_costs(args)), flush=True)
         return 0
 
-    from cohortrl.rewards.labels import as_pointwise, gym_step_examples
-    from cohortrl.rewards.rm_eval import best_of_n, evaluate_orm, evaluate_prm
-    from cohortrl.trainers.reward_model import build_reward_model, train_on
+    from cohortrl.reward_models.evaluate import best_of_n, evaluate_orm, evaluate_prm
+    from cohortrl.reward_models.labels import as_pointwise, gym_step_examples
+    from cohortrl.reward_models.train import build_reward_model, train_on
 
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
     train = gym_step_examples(args.family, args.n_train, seed=args.seed, level=args.level)

@@ -204,8 +204,8 @@ def cmd_models(args) -> int:
 
 
 def cmd_train_rm(args) -> int:
-    """Train an outcome (ORM) or process (PRM) reward model; see cohortrl.trainers.reward_model."""
-    from cohortrl.trainers.reward_model import load_rm_config, train_reward_model
+    """Train an outcome (ORM) or process (PRM) reward model; see cohortrl.reward_models.train."""
+    from cohortrl.reward_models.train import load_rm_config, train_reward_model
 
     items = list(args.items)
     source = items.pop(0) if items and "=" not in items[0] else None
@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[Exception], ...]:
     from cohortrl.data import DataError
     from cohortrl.models import ModelLoadError
-    from cohortrl.rewards.labels import LabelDataError
+    from cohortrl.reward_models.labels import LabelDataError
     from cohortrl.rewards.scoring import RewardFunctionError
     from cohortrl.rollout.hf import PromptTooLongError
     from cohortrl.trainers.checkpoint import CheckpointError

@@ -1,15 +1,20 @@
-"""Splitting a response into steps, and finding the response token where each step ends.
+"""The steps of a response as character spans, the response token where each step ends, and the protocol
+(`StepSource`) a step-reward source follows.
 
 A process reward is given per step, but the policy gradient is per token, so each step's reward must land on
 the token that completes the step. Character spans come from the text (a step is a line by default, or the
 pieces between a delimiter / regex matches); token positions come from decoding the response's own token ids
 one prefix at a time, which is correct for any tokenizer: byte-level BPE, SentencePiece, tokens that hold
 the end of one step and the start of the next, and multi-byte characters split across tokens
-(`token_char_ends`). Where the completion is not the tokens' decoding (the chat protocol of tool calls writes
-each tool turn as ``<tool_response>RESULT</tool_response>``, not as the template's text the tokens hold),
-generation records each token's end in the completion instead: `Rollout.char_ends` gives either, for every
-token of the response, tool tokens included. `StepSource` is what the trainer calls for step rewards;
-`StepScores` what it returns per response.
+(`cohortrl.rollout.types.token_char_ends`). Where the completion is not the tokens' decoding (the chat
+protocol of tool calls writes each tool turn as ``<tool_response>RESULT</tool_response>``, not as the
+template's text the tokens hold), generation records each token's end in the completion instead:
+`Rollout.char_ends` gives either, for every token of the response, tool tokens included. `StepSource` is what
+the trainer calls for step rewards; `StepScores` what it returns per response.
+
+Layer 1: it imports nothing from cohortrl. The process rewards (`cohortrl.rewards.process`) and the implicit
+PRM (`cohortrl.reward_models.implicit_prm`, a `StepSource`) both build on it, so `rewards` can import
+`reward_models` (the PRM loader, the implicit PRM) and never the other way round.
 """
 
 from __future__ import annotations
@@ -17,8 +22,6 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections.abc import Sequence
-
-from cohortrl.rollout.types import token_char_ends  # noqa: F401  (where it lives: the rollout's own text layout)
 
 Span = tuple[int, int]  # [start, end) in characters of the decoded completion
 StepScores = list[tuple[float, Span | None]]  # per response: (step reward, span or None for a missing step)

@@ -1,7 +1,8 @@
 """The layer rule of docs/architecture.md, read from the source: every ``import`` of every module (lazy imports
 inside functions count), mapped to the top-level package or module it lands in.
 
-    cli -> trainers -> (rewards, rollout) -> (tasks, tools, grading, algorithms, models, data, config, ...)
+    cli -> trainers -> (rewards, reward_models, rollout) -> (tasks, tools, data, models, ...)
+        -> (grading, algorithms, config, step_spans, ...)
 
 A module may import its own layer or any lower one, never a higher one, and the imports between top-level
 units must not form a cycle (checked even within a layer, where the rule alone would allow one).
@@ -23,7 +24,7 @@ LAYERS = [
     {"trainers"},
     {"rewards", "rollout", "reward_models"},
     {"tasks", "tools", "data", "models", "planner", "distributed", "kernels", "cpu_memory"},
-    {"grading", "algorithms", "config", "trl_names", "user_code", "stats"},
+    {"grading", "algorithms", "config", "trl_names", "user_code", "stats", "step_spans"},
 ]
 RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
 

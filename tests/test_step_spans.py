@@ -7,7 +7,8 @@ from importlib.util import find_spec
 import pytest
 
 from cohortrl.models import load_model
-from cohortrl.rewards.steps import split_steps, step_end_tokens, token_char_ends
+from cohortrl.rollout.types import token_char_ends
+from cohortrl.step_spans import split_steps, step_end_tokens
 
 
 def test_split_steps_lines_delimiters_and_regex():

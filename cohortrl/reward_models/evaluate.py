@@ -10,7 +10,7 @@ import math
 import random
 from collections import Counter
 
-from cohortrl.rewards.labels import PairExample, PointExample, StepExample
+from cohortrl.reward_models.labels import PairExample, PointExample, StepExample
 from cohortrl.stats import wilson_interval
 
 
@@ -66,7 +66,7 @@ def accuracy_at_half(probs: list[float], labels: list[float]) -> float:
 
 def evaluate_prm(model, tokenizer, examples: list[StepExample], max_length: int = 512) -> dict:
     """Held-out step accuracy, AUROC and the base rate (accuracy of always guessing the majority label)."""
-    from cohortrl.rewards.models import prm_step_scores
+    from cohortrl.reward_models.scoring import prm_step_scores
 
     probs, labels = [], []
     for e in examples:
@@ -81,7 +81,7 @@ def evaluate_prm(model, tokenizer, examples: list[StepExample], max_length: int 
 
 def evaluate_orm(model, tokenizer, examples: list[PointExample], max_length: int = 512) -> dict:
     """Held-out accuracy of σ(score) ≥ 0.5 and AUROC of the scores against outcome labels."""
-    from cohortrl.rewards.models import orm_scores
+    from cohortrl.reward_models.scoring import orm_scores
 
     scores = orm_scores(model, tokenizer, [e.prompt for e in examples], [e.completion for e in examples],
                         max_length=max_length)
@@ -93,7 +93,7 @@ def evaluate_orm(model, tokenizer, examples: list[PointExample], max_length: int
 
 def evaluate_pairs(model, tokenizer, examples: list[PairExample], max_length: int = 512) -> dict:
     """Held-out preference accuracy: how often the ORM scores the chosen response above the rejected one."""
-    from cohortrl.rewards.models import orm_scores
+    from cohortrl.reward_models.scoring import orm_scores
 
     prompts = [e.prompt for e in examples]
     chosen = orm_scores(model, tokenizer, prompts, [e.chosen for e in examples], max_length=max_length)
@@ -128,8 +128,8 @@ def best_of_n(family_name: str, n_problems: int, n_candidates: int, *, level: in
     """
     from cohortrl import tasks
     from cohortrl.grading.answers import extract_answer
-    from cohortrl.rewards.labels import gym_candidates
-    from cohortrl.rewards.models import orm_scores, prm_step_scores
+    from cohortrl.reward_models.labels import gym_candidates
+    from cohortrl.reward_models.scoring import orm_scores, prm_step_scores
 
     family = tasks.get(family_name)
     rng = random.Random(f"best-of-n/{family_name}/{seed}/{level}")

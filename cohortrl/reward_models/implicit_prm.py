@@ -6,7 +6,7 @@ A causal LM π_φ, read against the frozen reference π_ref, gives every respons
     r_t = β · (log π_φ(y_t | x, y_<t) − log π_ref(y_t | x, y_<t)),
 
 and a step's reward is the sum of its tokens' rewards: the tokens after the previous step's last token up to
-and including its own (`cohortrl.rewards.steps` finds that token; the last step also takes any tokens after
+and including its own (`cohortrl.step_spans` finds that token; the last step also takes any tokens after
 it, so the steps of a response sum to its whole-response reward β·log π_φ(y|x)/π_ref(y|x)). That sum is an
 outcome reward model, so φ learns from outcome labels y ∈ [0, 1] alone, by cross-entropy:
 
@@ -43,8 +43,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from cohortrl.rewards.steps import Span, StepScores, StepSource, split_steps, step_end_tokens
 from cohortrl.rollout.hf import response_logprobs
+from cohortrl.step_spans import Span, StepScores, StepSource, split_steps, step_end_tokens
 
 
 def step_sums(token_rewards: Sequence[float], step_ends: Sequence[int]) -> list[float]:

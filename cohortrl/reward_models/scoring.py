@@ -22,7 +22,7 @@ STEP_SEPARATOR = "\n"
 def chat_text(tokenizer, prompt, response: str) -> str:
     """The exchange as a reward model reads it, in its chat template: a text prompt as the user's turn (a
     conversation as it stands), then the response as the assistant's. The one rendering that training
-    (`trainers.reward_model`), the PRM and the ``reward_model`` reward function (`make_reward_model`) use."""
+    (`reward_models.train`), the PRM and the ``reward_model`` reward function (`make_reward_model`) use."""
     asked = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     return tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": response}], tokenize=False)
 

@@ -8,7 +8,7 @@ Losses (pure functions over logits):
 * PRM: BCE at the last token of each step (Lightman et al. 2023, arXiv 2305.20050), mean over steps.
 
 The saved ORM loads with the ``reward_model`` reward function (`cohortrl.rewards.functions`), the saved PRM
-with `cohortrl.rewards.models.load_prm`.
+with `cohortrl.reward_models.scoring.load_prm`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from cohortrl.rewards.labels import PairExample, PointExample, StepExample
-from cohortrl.rewards.models import chat_text, encode_steps
+from cohortrl.reward_models.labels import PairExample, PointExample, StepExample
+from cohortrl.reward_models.scoring import chat_text, encode_steps
 
 
 # ---------------------------------------------------------------------------------------------------- losses
@@ -214,7 +214,7 @@ def _gym_pairs(cfg: RewardModelConfig) -> bool:
 
 def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
     """(train, held-out) examples for ``cfg``."""
-    from cohortrl.rewards.labels import as_pointwise, gym_pair_examples, gym_step_examples, load_jsonl
+    from cohortrl.reward_models.labels import as_pointwise, gym_pair_examples, gym_step_examples, load_jsonl
 
     if cfg.data.startswith("task:"):
         family = cfg.data.removeprefix("task:")
@@ -250,7 +250,7 @@ def train_reward_model(cfg: RewardModelConfig) -> dict:
 
 
 def _train_and_evaluate(cfg: RewardModelConfig, model, tokenizer, train: list, held: list) -> dict:
-    from cohortrl.rewards.rm_eval import evaluate_orm, evaluate_pairs, evaluate_prm
+    from cohortrl.reward_models.evaluate import evaluate_orm, evaluate_pairs, evaluate_prm
 
     t0 = time.process_time()
     losses = train_on(model, tokenizer, train, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
@@ -269,7 +269,7 @@ def _train_and_evaluate(cfg: RewardModelConfig, model, tokenizer, train: list, h
     elif held:
         summary["held_out"] = evaluate_pairs(model, tokenizer, held, max_length=cfg.max_length)
     if _gym_pairs(cfg):  # held out as pointwise outcomes above; as pairs here too
-        from cohortrl.rewards.labels import gym_pair_examples
+        from cohortrl.reward_models.labels import gym_pair_examples
 
         pairs = gym_pair_examples(cfg.data.removeprefix("task:"), cfg.n_eval, seed=cfg.seed + 10_000, level=cfg.level)
         summary["held_out_pairs"] = evaluate_pairs(model, tokenizer, pairs, max_length=cfg.max_length)

@@ -137,7 +137,7 @@ def make_reward_model(model: str, batch_size: int = 16, max_length: int = 1024) 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from cohortrl.models import prepare_tokenizer
-    from cohortrl.rewards.models import chat_text
+    from cohortrl.reward_models.scoring import chat_text
 
     with torch.random.fork_rng(devices=[]):  # a head missing from the checkpoint would be drawn at random
         scorer = AutoModelForSequenceClassification.from_pretrained(model).eval()

@@ -8,7 +8,7 @@ response of a group carries the same number of step rewards and a missing step c
 Built in: ``task_steps``, the gym's own step graders (a required step is worth 1 when stated correctly, once,
 and only if the response commits to an answer; 0 otherwise) — for GSM8K these are its checked arithmetic
 statements; ``learned_prm``, a PRM trained by ``cohortrl train-rm``, on the steps `split_steps` finds;
-``implicit_prm``, PRIME's implicit PRM (`cohortrl.rewards.implicit_prm`), which reads the rollout's tokens
+``implicit_prm``, PRIME's implicit PRM (`cohortrl.reward_models.implicit_prm`), which reads the rollout's tokens
 and learns online, so it is a `StepSource` of its own rather than a function.
 
 Every source goes through the same guards before a step reward reaches the advantages (``guard_steps``):
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 from cohortrl.grading.answers import extract_answer
 from cohortrl.rewards.grader_errors import contained
-from cohortrl.rewards.steps import Span, StepScores, StepSource, split_steps
+from cohortrl.step_spans import Span, StepScores, StepSource, split_steps
 from cohortrl.tools.text import render_with_origins
 
 
@@ -94,7 +94,7 @@ def make_learned_prm(model: str, delimiter: str = "\n", regex: str | None = None
     ``logit`` the raw logit. ``threshold``: 1.0 when σ(logit) ≥ threshold, else 0.0 (a hard verdict, like the
     gym's). A step past ``max_length`` tokens is unseen and earns 0. The model is loaded once, in eval mode,
     on ``device``, and runs without gradients in the trainer's process, ``batch_size`` exchanges a forward."""
-    from cohortrl.rewards.models import load_prm, prm_step_logits
+    from cohortrl.reward_models.scoring import load_prm, prm_step_logits
 
     if score not in ("prob", "logit"):
         raise ValueError(f"learned_prm score must be 'prob' or 'logit', got {score!r}")
@@ -147,7 +147,7 @@ def build_step_source(name: str, kwargs: dict | None, *, timeout_s: float | None
     """The step source ``reward.process`` names: a source built from the trainer's policy (``implicit_prm``:
     ``policy`` is its initial weights, ``reference`` the frozen π_ref or None to copy the policy), else a
     process reward function (`resolve_process`)."""
-    from cohortrl.rewards.implicit_prm import ImplicitPRM
+    from cohortrl.reward_models.implicit_prm import ImplicitPRM
     from cohortrl.rewards.scoring import RewardFunctionError
 
     policy_sources = {"implicit_prm": ImplicitPRM}

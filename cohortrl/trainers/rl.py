@@ -46,10 +46,10 @@ from cohortrl.models import load_model
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
 from cohortrl.rewards.scoring import RewardFunctionError, TrainerState, WeightedReward, resolve
-from cohortrl.rewards.steps import step_end_tokens
 from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.rollout.types import Rollout
+from cohortrl.step_spans import step_end_tokens
 from cohortrl.trainers import faults, guards
 from cohortrl.trainers.evaluate import evaluate_config, rollout_columns, score_rollout
 from cohortrl.trainers.inputs import resolve_inputs

@@ -12,7 +12,7 @@ import torch
 from cohortrl.config import ConfigError
 from cohortrl.distributed import Dist
 from cohortrl.models import load_model
-from cohortrl.rewards.implicit_prm import ImplicitPRM, step_sums
+from cohortrl.reward_models.implicit_prm import ImplicitPRM, step_sums
 from cohortrl.rewards.process import build_step_source
 from cohortrl.rewards.scoring import RewardFunctionError
 from cohortrl.rollout.types import Rollout
@@ -126,7 +126,8 @@ def test_steps_are_found_in_the_whole_response_when_a_tool_result_sits_in_it(mod
     steps = prm.score(rollout, {})[0]
     assert [s for s, _ in steps] == pytest.approx(expected, abs=1e-6)
     # Mapping over the model's tokens only (what it did before) misplaces the steps after the result.
-    from cohortrl.rewards.steps import split_steps, step_end_tokens, token_char_ends
+    from cohortrl.rollout.types import token_char_ends
+    from cohortrl.step_spans import split_steps, step_end_tokens
 
     own = [t for t, m in zip(flat, rollout.response_mask[0].tolist()) if m]
     before = step_sums(rewards[: len(own)], step_end_tokens(split_steps(rollout.completions[0]), token_char_ends(tok, own)))

@@ -7,12 +7,12 @@ import math
 import pytest
 
 from cohortrl import tasks
-from cohortrl.rewards.labels import gym_step_examples
-from cohortrl.rewards.models import load_prm, prm_step_logits, prm_step_scores
+from cohortrl.reward_models.labels import gym_step_examples
+from cohortrl.reward_models.scoring import load_prm, prm_step_logits, prm_step_scores
+from cohortrl.reward_models.train import build_reward_model, train_on
 from cohortrl.rewards.process import make_task_steps, resolve_process
-from cohortrl.rewards.steps import split_steps
+from cohortrl.step_spans import split_steps
 from cohortrl.trainers.grpo import GRPOTrainer
-from cohortrl.trainers.reward_model import build_reward_model, train_on
 from tests.trainers.test_grpo import tiny_config
 
 

@@ -10,7 +10,8 @@ import torch
 
 from cohortrl import tasks
 from cohortrl.models import build_tiny_tokenizer
-from cohortrl.rewards.labels import (
+from cohortrl.reward_models.evaluate import auroc, auroc_interval
+from cohortrl.reward_models.labels import (
     LabelDataError,
     PairExample,
     PointExample,
@@ -22,9 +23,8 @@ from cohortrl.rewards.labels import (
     perturb_reference,
     response_steps,
 )
-from cohortrl.rewards.models import encode_steps, load_prm, prm_step_scores, step_char_ends, token_containing
-from cohortrl.rewards.rm_eval import auroc, auroc_interval
-from cohortrl.trainers.reward_model import bradley_terry_loss, build_reward_model, train_on
+from cohortrl.reward_models.scoring import encode_steps, load_prm, prm_step_scores, step_char_ends, token_containing
+from cohortrl.reward_models.train import bradley_terry_loss, build_reward_model, train_on
 
 
 # ------------------------------------------------------------------------------------------- AUROC
@@ -200,7 +200,7 @@ def test_train_rm_cli_smoke(tmp_path, capsys):
 @pytest.mark.parametrize("setting", ["auto", "aten"])
 def test_train_rm_runs_under_the_configured_linear_kernel(tmp_path, monkeypatch, setting):
     from cohortrl import kernels
-    from cohortrl.trainers.reward_model import load_rm_config, train_reward_model
+    from cohortrl.reward_models.train import load_rm_config, train_reward_model
 
     original = torch.nn.functional.linear
     calls = []
@@ -244,7 +244,7 @@ def test_bad_rows_give_exact_errors(tmp_path, kind, line, message):
 
 def test_policy_completer_samples_n_continuations_of_the_prefix_reproducibly():
     from cohortrl.models import load_model
-    from cohortrl.rewards.labels import policy_completer
+    from cohortrl.reward_models.labels import policy_completer
 
     model, tok = load_model("tiny-llama", seed=0)
     model.eval()

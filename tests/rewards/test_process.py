@@ -9,7 +9,7 @@ import torch
 from cohortrl import tasks
 from cohortrl.algorithms import process_advantages
 from cohortrl.rewards.process import guard_steps, make_task_steps, step_detectors
-from cohortrl.rewards.steps import split_steps
+from cohortrl.step_spans import split_steps
 from cohortrl.trainers.grpo import GRPOTrainer
 from cohortrl.trainers.ppo import PPOTrainer
 from tests.trainers.test_grpo import tiny_config

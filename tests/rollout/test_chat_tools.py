@@ -151,7 +151,7 @@ TWO_CALLS = (f"A = {call('calculator', expression='pi*19^2/4')} mm^2\nB = {call(
 
 def line_steps(prompts, completions, **columns):
     """A process reward for the test: every line of the completion is a step worth 1."""
-    from cohortrl.rewards.steps import split_steps
+    from cohortrl.step_spans import split_steps
 
     return [[(1.0, span) for span in split_steps(c)] for c in completions]
 
@@ -161,7 +161,8 @@ def test_step_rewards_land_on_the_token_that_ends_the_step_after_tool_turns(tmp_
     template's turn: a step's character span is mapped through the ends generation recorded, not by decoding
     the tokens, so each step reward lands on the model's token that completes the step's line."""
     from cohortrl.config import Config
-    from cohortrl.rewards.steps import step_end_tokens, token_char_ends
+    from cohortrl.rollout.types import token_char_ends
+    from cohortrl.step_spans import step_end_tokens
     from cohortrl.trainers.grpo import GRPOTrainer
     from cohortrl.trainers.metrics import PhaseTimer
 
