@@ -26,9 +26,10 @@ BEAMS = ("cantilever, two point loads", "cantilever, point load + UDL", "simply 
 
 
 # scripts/eng_study.sh's GRPO runs by reward (REWARD=...): the run-name prefix and the table's label
-# (START=sft_more: GRPO from the first control, the warm start trained further)
+# (START=sft_more: GRPO from the first control, the warm start trained further; TAG=steps: with step rewards)
 GRPO_RUNS = (("grpo", "SFT + GRPO (20 steps)"), ("grpo_supported", "SFT + GRPO on the supported reward (20 steps)"),
-             ("grpo_supported_from_sft_more", "the first control (SFT continued) + GRPO on the supported reward (20 steps)"))
+             ("grpo_supported_from_sft_more", "the first control (SFT continued) + GRPO on the supported reward (20 steps)"),
+             ("grpo_supported_steps", "SFT + GRPO on the supported reward and task_steps step rewards (grpo_combined, 20 steps)"))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -183,7 +184,7 @@ def plot(root: Path, out: Path) -> None:
               ("response_length_mean", "response length (tokens)"),
               ("tools/calls_per_response", "calculator calls per response")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))
-    for (prefix, _), style in zip(GRPO_RUNS, ("-", "--", ":")):
+    for (prefix, _), style in zip(GRPO_RUNS, ("-", "--", ":", "-.")):
         for seed in range(10):
             path = root / f"{prefix}_s{seed}" / "metrics.jsonl"
             if not path.is_file():
