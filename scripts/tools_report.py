@@ -9,7 +9,6 @@ mean and spread over seeds and the per-problem agreement between seeds. Every nu
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import sys
@@ -17,13 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cohortrl.rewards.error_categories import CATEGORIES  # noqa: E402
-from cohortrl.stats import wilson_interval  # noqa: E402
+from eng_report import accuracy, final_responses, read_jsonl  # noqa: E402  (scripts/, this file's own folder)
 
 ARMS = (("calc", "with the calculator"), ("plain", "without tools"))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def cpu_time(log: Path) -> tuple[float, str]:
@@ -42,9 +37,7 @@ def runs(root: Path):
             if not (run / "final").is_dir():
                 continue
             last = [r for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r][-1]
-            rows = read_jsonl(run / "eval_completions.jsonl")
-            rows = [r for r in rows if r["step"] == last["step"]]
-            yield arm, label, seed, run, last, rows
+            yield arm, label, seed, last, final_responses(run)
 
 
 def main(root: Path, out: Path) -> None:
@@ -56,17 +49,16 @@ def main(root: Path, out: Path) -> None:
     by_arm: dict[str, list[float]] = {}
     solved: dict[str, list[set[str]]] = {}
     n_eval = set()
-    for arm, label, seed, run, last, rows in runs(root):
-        n, k = len(rows), sum(bool(r["correct"]) for r in rows)
-        lo, hi = wilson_interval(k, n)
+    for arm, label, seed, last, rows in runs(root):
+        acc, lo, hi, n = accuracy(rows)
         n_eval.add(n)
         counts = {c: sum(r.get("category") == c for r in rows) for c in CATEGORIES}
         user, wall = cpu_time(root / f"{arm}_s{seed}.log")
-        lines.append(f"| {label} | {seed} | {k / n:.3f} ({lo:.3f}-{hi:.3f}) | "
+        lines.append(f"| {label} | {seed} | {acc:.3f} ({lo:.3f}-{hi:.3f}) | "
                      + " | ".join(str(counts[c]) for c in CATEGORIES)
                      + f" | {last.get('eval/tool_calls_per_response', 0.0):.2f} | {last['eval/response_length_mean']:.1f}"
                      f" | {user:,.0f} | {wall} |")
-        by_arm.setdefault(label, []).append(k / n)
+        by_arm.setdefault(label, []).append(acc)
         solved.setdefault(label, []).append({r["prompt"] for r in rows if r["correct"]})
     lines += ["", f"Held-out problems per evaluation: {sorted(n_eval)}.", "",
               "| arm | seeds | mean accuracy | sd over seeds | min-max | problems solved by every seed | by any seed |",
