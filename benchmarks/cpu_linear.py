@@ -1,4 +1,4 @@
-"""PyTorch's fp32 linear (MKL) against oneDNN's (``cohortrl/kernels.py``) on the products an RL step makes, on
+"""PyTorch's fp32 linear (MKL) against oneDNN's (``cohortrl/cpu/kernels.py``) on the products an RL step makes, on
 this machine: decoding (one position per sequence, B rows; oneDNN also with the weights in its own blocked
 layout, as ``kernels.decoding_weights`` lays them out for generation), a training forward and its backward
 (B·T rows), and whole phases of a real model (a sampled batch, response log-probs, their backward). A/B
@@ -19,8 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cohortrl import kernels
-from cohortrl.kernels import linear_kernels, onednn_available
+from cohortrl.cpu import kernels
+from cohortrl.cpu.kernels import linear_kernels, onednn_available
 from cohortrl.models import load_model
 from cohortrl.rollout.hf import Sampling, generate, response_logprobs
 
@@ -80,9 +80,9 @@ def main() -> None:
     groups = max(1, B // 4)
     rollout, _ = generate(model, tok, ROWS[:groups], B // groups, sampling)
     r = timed(lambda: generate(model, tok, ROWS[:groups], B // groups, sampling), args.repeats)
-    # under oneDNN a Llama-family model decodes through the lean step (rollout/decoder.py), under aten through
+    # under oneDNN a Llama-family model decodes through the lean step (cpu/decoder.py), under aten through
     # transformers' forward: this row is the whole decoding path, not the kernel alone
-    results.append((f"generate {B} x {T} tokens (oneDNN: rollout/decoder.py's lean step where it applies)", r["aten"], r["onednn"]))
+    results.append((f"generate {B} x {T} tokens (oneDNN: cpu/decoder.py's lean step where it applies)", r["aten"], r["onednn"]))
     ids, mask = rollout.input_ids(), rollout.attention_mask()
     with torch.no_grad():
         r = timed(lambda: response_logprobs(model, ids, mask, rollout.response_ids), args.repeats)

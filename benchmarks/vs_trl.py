@@ -597,9 +597,9 @@ SETTINGS = """\
 | weights | the same directory: `from_pretrained` (fp32) | the same directory (`model.name`, fp32) |
 | precision | `bf16=False` (TRL's default is bf16 when fp16 is off), `fp16=False` | `model.dtype: float32` |
 | gradient checkpointing | `gradient_checkpointing=False` (TRL's default is True) | none |
-| generation | `model.generate` (no vLLM, no continuous batching), `use_cpu=True` | its own KV-cache decoding loop, each prompt prefilled once per group (`sampling.backend: hf`, docs/performance.md), `train.device: cpu`; the one-token steps through `rollout/decoder.py` (Llama family, fp32, oneDNN) |
-| fp32 linear kernel | PyTorch's default (MKL sgemm) | `train.cpu_linear: auto`: oneDNN (`cohortrl/kernels.py`); the same function to float rounding |
-| CPU allocator | glibc's defaults | `train.cpu_allocator: auto`: freed memory kept in the process (`cohortrl/cpu_memory.py`) |
+| generation | `model.generate` (no vLLM, no continuous batching), `use_cpu=True` | its own KV-cache decoding loop, each prompt prefilled once per group (`sampling.backend: hf`, docs/performance.md), `train.device: cpu`; the one-token steps through `cpu/decoder.py` (Llama family, fp32, oneDNN) |
+| fp32 linear kernel | PyTorch's default (MKL sgemm) | `train.cpu_linear: auto`: oneDNN (`cohortrl/cpu/kernels.py`); the same function to float rounding |
+| CPU allocator | glibc's defaults | `train.cpu_allocator: auto`: freed memory kept in the process (`cohortrl/cpu/memory.py`) |
 | fine-tuning | full (no PEFT) | full (`model.lora.enabled: false`) |
 | prompts | 81 × "What is a * b?" (single digits), system prompt "Be brief.", chat template of the model | the same rows, `model.system_prompt: "Be brief."` |
 | sampling | temperature 1.0, top_p 1.0, top_k 0, `generation_kwargs={{"min_new_tokens": T}}` | temperature 1.0, top_p 1.0, top_k 0, `min_new_tokens` = `max_new_tokens` = T |
@@ -610,7 +610,7 @@ SETTINGS = """\
 | clipping | `epsilon=0.2` (`epsilon_high` = epsilon) | `clip_low = clip_high = 0.2` |
 | KL | `beta={beta}`, k3 in the loss, `use_bias_correction_kl=False` (TRL's default multiplies it by the ratio) | `beta: {beta}`, `kl_estimator: k3` |
 | updates | `num_iterations=1` (μ = 1, on-policy) | `epochs: 1`, `minibatches: 1` |
-| the update's forward | `compute_loss` runs the policy over the batch again | `train.reuse_rollout_forward: true`: the update differentiates the forward decoding ran (`rollout/replay.py`); the same gradient to float rounding |
+| the update's forward | `compute_loss` runs the policy over the batch again | `train.reuse_rollout_forward: true`: the update differentiates the forward decoding ran (`cpu/replay.py`); the same gradient to float rounding |
 | optimiser | AdamW (transformers' default `adamw_torch_fused`), lr {lr}, betas (0.9, 0.999), eps 1e-8, weight decay 0, `lr_scheduler_type="constant"` (TRL's default is linear decay), max grad norm 1.0 | `torch.optim.AdamW` (fused), lr {lr}, betas (0.9, 0.999), eps 1e-8, weight decay 0, constant schedule, max grad norm 1.0 |
 | seed, threads | seed {seed}, {threads} torch thread(s), one process | seed {seed}, {threads} torch thread(s), one process |
 """
@@ -629,7 +629,7 @@ its update. Gradient norms are total L2 norms over all parameters, accumulated i
 clipping. One update at ratio 1: the policy term of the loss is −mean(A) = 0 in value, so the loss value checks
 the advantages and the KL term, and the gradient norm checks the policy-gradient and KL gradients. The check
 runs cohortrl's own-forward path; the timed steps differentiate decoding's forward instead, which
-`tests/rollout/test_replay.py` checks against that path parameter by parameter."""
+`tests/cpu/test_replay.py` checks against that path parameter by parameter."""
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -119,8 +119,9 @@ def cmd_verify(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from cohortrl import cpu
+    from cohortrl.cpu.kernels import linear_kernels
     from cohortrl.data import load_rows
-    from cohortrl.kernels import linear_kernels, resolve_cpu_linear
     from cohortrl.models import load_model
     from cohortrl.rewards.scoring import WeightedReward, resolve
     from cohortrl.rollout.hf import model_device
@@ -139,8 +140,8 @@ def cmd_eval(args) -> int:
     fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
     _, eval_rows = load_rows(cfg.data, cfg.train.seed)
     correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), timeout_s=cfg.reward.timeout_s)
-    # The linear kernel the trainer's own evaluations use (train.cpu_linear), so both report the same numbers.
-    with linear_kernels(resolve_cpu_linear(cfg.train.cpu_linear, model_device(model))):
+    # The linear kernel the trainer's own evaluations use (train.cpu_fast_path), so both report the same numbers.
+    with linear_kernels(cpu.linear_kernel(cfg.train, model_device(model), model), model):
         responses: list[dict] = []
         result = evaluate_config(model, tokenizer, eval_rows[: cfg.eval.n_prompts], correctness, cfg, responses=responses)
     if args.responses:

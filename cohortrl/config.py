@@ -353,21 +353,27 @@ class TrainConfig:
     """Show a console progress bar."""
     threads: int = 0
     """torch CPU threads (0: torch's default)."""
+    cpu_fast_path: Literal["auto", "off"] = "auto"
+    """The CPU fast path (``cohortrl/cpu/``): oneDNN linear kernels, a lean decoding step, the on-policy update's
+    backward through decoding's forward, freed memory kept between steps. ``auto``: on for a Llama-family
+    model with fp32 weights on a CPU (anything else falls back to plain transformers, said once at INFO);
+    ``off``: plain transformers, PyTorch's kernels and glibc's defaults throughout. The same function either way,
+    to float rounding. The three settings below tune its parts when it is on."""
     cpu_linear: Literal["auto", "onednn", "aten"] = "auto"
     """Kernel for fp32 linear layers on a CPU: ``onednn`` (oneDNN, faster than PyTorch's default MKL on the
     thin products of decoding and training, ``benchmarks/cpu_linear.py``), ``aten`` (PyTorch's default) or
     ``auto`` (oneDNN when this PyTorch build has it). Same function either way, to float rounding
-    (``cohortrl/kernels.py``). Ignored on a GPU."""
+    (``cohortrl/cpu/kernels.py``). Ignored on a GPU."""
     cpu_allocator: Literal["auto", "retain", "system"] = "auto"
     """Freed CPU memory: ``retain`` keeps it mapped in the process for the next step's tensors (glibc's
     ``mallopt``: every block from the heap, no mmap, no heap trimming), so a step does not fault its pages in again;
     ``system`` leaves glibc's defaults; ``auto`` retains on a CPU under glibc. Process-wide; peak memory stays
-    about where it was, but it is not returned to the OS until the process ends (``cohortrl/cpu_memory.py``)."""
+    about where it was, but it is not returned to the OS until the process ends (``cohortrl/cpu/memory.py``)."""
     reuse_rollout_forward: bool = True
     """GRPO with one update per rollout (``algorithm.epochs`` 1, one minibatch, one micro-batch), one process,
-    the lean decoder (``rollout/decoder.py``) and no dropout: the policy that sampled is the policy being
+    the lean decoder (``cpu/decoder.py``) and no dropout: the policy that sampled is the policy being
     differentiated, so the update reuses decoding's forward instead of running its own: log-probabilities from
-    decoding's logits, the backward from what decoding recorded (``rollout/replay.py``). The same gradient to
+    decoding's logits, the backward from what decoding recorded (``cpu/replay.py``). The same gradient to
     float rounding, a third fewer FLOPs in the update. Where a condition does not hold, the update runs its own
     forward; ``false``: always."""
     wandb: bool = False
@@ -748,6 +754,10 @@ def validate(cfg: Config) -> None:
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
     _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0 keeps all)")
     _require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps, "must be >= 0 (0: never stop)")
+    for key in ("cpu_linear", "cpu_allocator"):
+        _require(t.cpu_fast_path == "auto" or getattr(t, key) == "auto" or getattr(t, key) in ("aten", "system"),
+                 f"train.{key}", getattr(t, key), "asks for part of the CPU fast path, which train.cpu_fast_path=off "
+                 "turns off; drop one of the two")
     _require(cfg.reward.timeout_s >= 0, "reward.timeout_s", cfg.reward.timeout_s, "must be >= 0 (0: no limit)")
     proc = cfg.reward.process
     _require(

@@ -306,7 +306,7 @@ class Memory:
     logits: float  # fp32 logit copies of one micro-batch during the update
     kv_cache: float  # generation: this device's share of the B sequences, whole length S
     baseline: float  # cpu: the process before any model (imports, allocator); 0 on a GPU
-    decode_layout: float = 0.0  # cpu, fp32: the linear weights' oneDNN layout while decoding (rollout/decoder.py, kernels.decoding_weights)
+    decode_layout: float = 0.0  # cpu, fp32: the linear weights' oneDNN layout while decoding (cpu/decoder.py, kernels.decoding_weights)
 
     @property
     def gradients(self) -> float:

@@ -23,7 +23,7 @@ LAYERS = [
     {"__main__", "cli"},
     {"trainers"},
     {"rewards", "rollout", "reward_models"},
-    {"tasks", "tools", "data", "models", "planner", "distributed", "kernels", "cpu_memory"},
+    {"tasks", "tools", "data", "models", "planner", "distributed", "cpu"},
     {"grading", "algorithms", "config", "trl_names", "user_code", "stats", "step_spans"},
 ]
 RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}

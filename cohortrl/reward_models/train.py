@@ -175,10 +175,10 @@ class RewardModelConfig:
     max_length: int = 512
     seed: int = 0
     cpu_linear: Literal["auto", "onednn", "aten"] = "auto"
-    """Kernel for fp32 linear layers on a CPU, as ``train.cpu_linear`` of a training run (``cohortrl/kernels.py``)."""
+    """Kernel for fp32 linear layers on a CPU, as ``train.cpu_linear`` of a training run (``cohortrl/cpu/kernels.py``)."""
     cpu_allocator: Literal["auto", "retain", "system"] = "auto"
     """Freed CPU memory kept in the process for reuse, as ``train.cpu_allocator`` of a training run
-    (``cohortrl/cpu_memory.py``)."""
+    (``cohortrl/cpu/memory.py``)."""
     out: str = "runs/reward_model"
     """Output directory: the model (save_pretrained), its tokenizer, train_rm.json (losses and eval)."""
 
@@ -238,14 +238,14 @@ def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
 
 def train_reward_model(cfg: RewardModelConfig) -> dict:
     """Train, save to ``cfg.out`` and evaluate on held-out data; returns the summary written to train_rm.json."""
-    from cohortrl.cpu_memory import apply_cpu_allocator, resolve_cpu_allocator
-    from cohortrl.kernels import linear_kernels, resolve_cpu_linear
+    from cohortrl.cpu.memory import apply_cpu_allocator, resolve_cpu_allocator
+    from cohortrl.cpu.kernels import linear_kernels, resolve_cpu_linear
     from cohortrl.rollout.hf import model_device
 
     train, held = load_examples(cfg)
     model, tokenizer = build_reward_model(cfg.model, cfg.kind, seed=cfg.seed)
     apply_cpu_allocator(resolve_cpu_allocator(cfg.cpu_allocator, model_device(model)))
-    with linear_kernels(resolve_cpu_linear(cfg.cpu_linear, model_device(model))):
+    with linear_kernels(resolve_cpu_linear(cfg.cpu_linear, model_device(model)), model):
         return _train_and_evaluate(cfg, model, tokenizer, train, held)
 
 

@@ -21,10 +21,11 @@ import torch
 from transformers import DynamicCache
 
 from cohortrl.config import SamplingConfig
+from cohortrl.cpu import kernels
+from cohortrl.cpu.decoder import decoder_for
+from cohortrl.cpu.kernels import decoding_weights
+from cohortrl.cpu.replay import Recording
 from cohortrl.data import prompt_messages, prompt_preview, render_prompt
-from cohortrl.kernels import decoding_weights
-from cohortrl.rollout.decoder import decoder_for
-from cohortrl.rollout.replay import Recording
 from cohortrl.rollout.tools import ToolSession, tool_protocol
 from cohortrl.rollout.types import Rollout
 from cohortrl.tools import Toolset, tool_prompt
@@ -97,7 +98,7 @@ def generate(
     """Sample ``group_size`` responses for each row's ``prompt``. Returns (rollout, prompts truncated).
 
     ``record``: where the lean decoder runs, keep its forward for the update's backward
-    (``rollout.replay``, a ``rollout/replay.py`` :class:`Recording`; None where it does not run).
+    (``rollout.replay``, a ``cpu/replay.py`` :class:`Recording`; None where it does not run).
     ``tools``: the model may call them (``rollout/tools.py``), in the protocol ``tool_protocol`` picks: the text
     protocol describes them after the system prompt, the chat protocol hands their schemas to the chat template;
     their results are in the responses as tokens marked by ``rollout.tool_mask``."""
@@ -171,9 +172,9 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)
     B, name = ids.shape[0], cache_argument(model)
     next_position = mask.sum(-1, keepdim=True)  # the first response token's position
-    lean = decoder_for(model)  # Llama-family fp32 on a CPU under oneDNN: rollout/decoder.py; else transformers'
+    lean = decoder_for(model)  # Llama-family fp32 on a CPU under oneDNN: cpu/decoder.py; else transformers'
     if record and (lean is None or cache is not None):
-        raise ValueError("recording needs the lean decoder (rollout/decoder.py) and no transformers cache")
+        raise ValueError("recording needs the lean decoder (cpu/decoder.py) and no transformers cache")
     prefix = None
     if record and ids.shape[1] > 1:  # the decoder runs the first Tp − 1 columns, each distinct prompt once
         prefix = _unique_prompts(ids[:, :-1], mask[:, :-1])
@@ -425,7 +426,7 @@ def _plain_lm_head(model):
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
         return None
     head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
+    if type(head) not in kernels.PLAIN_LINEAR:  # an nn.Linear, or one on the CPU fast path's kernel
         return None
     return model.get_decoder(), head
 
@@ -511,7 +512,7 @@ class _HeadLogProbs(torch.autograd.Function):
 
 
 def _chunk_logits(h_NH, weight_VH, bias_V, temperature: float) -> torch.Tensor:
-    logits = torch.nn.functional.linear(h_NH, weight_VH, bias_V).float()
+    logits = kernels.linear(h_NH, weight_VH, bias_V).float()  # oneDNN under the trainer's linear_kernels
     return logits.div_(temperature) if temperature not in (0, 1) else logits
 
 

@@ -27,7 +27,7 @@ class Rollout:
     group_size: int  # G
     rows: list[dict] = field(default_factory=list)  # (B,) the dataset row each response answers
     sampling_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampler's own numerics (vLLM); None: HF
-    # The decoding forward, kept for the update's backward (rollout/replay.py); only for these rows as generated:
+    # The decoding forward, kept for the update's backward (cpu/replay.py); only for these rows as generated:
     # ``select`` and ``concat`` drop it.
     replay: object | None = field(default=None, repr=False)
     # Tool calls (rollout/tools.py); None when the rollout ran without tools.

@@ -63,6 +63,9 @@ class PPOTrainer(RLTrainer):
         # Under torchrun the critic is data-parallel like the policy (DDP); its value targets stay local.
         self.train_critic = self.dist.wrap(self.critic)
 
+    def _kernel_models(self) -> list:
+        return [*super()._kernel_models(), self.critic]
+
     def _synced_modules(self, train_policy: bool) -> list:
         return [*super()._synced_modules(train_policy), self.train_critic]
 

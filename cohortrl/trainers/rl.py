@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
-from cohortrl import distributed
+from cohortrl import cpu, distributed
 from cohortrl.algorithms import get_policy_loss, masked_mean, truncated_importance_weights
 from cohortrl.config import Config
-from cohortrl.cpu_memory import apply_cpu_allocator, resolve_cpu_allocator
+from cohortrl.cpu.kernels import linear_kernels
+from cohortrl.cpu.memory import apply_cpu_allocator
 from cohortrl.data import PromptStream, load_rows
-from cohortrl.kernels import linear_kernels, resolve_cpu_linear
 from cohortrl.models import load_model
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
@@ -143,6 +143,7 @@ class RLTrainer(Trainer):
         self._start_run(run_dir, resume, overwrite)
         n_train_rows = self._build_rewards_and_data(inputs)
         self._build_models(inputs, n_train_rows)
+        self.cpu_linear = cpu.linear_kernel(self.cfg.train, self.device, self.model)  # every step's and evaluation's
         self._build_rollout(inputs)
         self.step_count = 0
         self.grader_log = MetricsLog(self.run_dir, grader_errors.FILE)  # built-in graders' failures (a bug report)
@@ -163,8 +164,7 @@ class RLTrainer(Trainer):
         self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss)  # names already checked by config.validate
         self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
-        self.cpu_linear = resolve_cpu_linear(cfg.train.cpu_linear, self.device)  # the kernel every step and evaluation use
-        apply_cpu_allocator(resolve_cpu_allocator(cfg.train.cpu_allocator, self.device))  # process-wide, before the first step
+        apply_cpu_allocator(cpu.allocator(cfg.train, self.device))  # process-wide, before the first step
         if self.dist.launched:
             _check_distributed(cfg, self.name, self.dist)
         self._seed_process(resume)
@@ -278,10 +278,15 @@ class RLTrainer(Trainer):
         its own, e.g. PPO's critic)."""
         return [self.train_model] if train_policy else []
 
+    def _kernel_models(self) -> list:
+        """The models a step runs forward passes of, whose linear layers the CPU fast path's kernel computes
+        (the algorithm may add its own, e.g. PPO's critic)."""
+        return [self.model, self.reference.model if self.reference is not None else None]
+
     # ------------------------------------------------------------------------------------------ the step
     def step(self) -> dict:
         """One training step: rollout → rewards → advantages → loss → update. Returns its metrics."""
-        with linear_kernels(self.cpu_linear):  # train.cpu_linear: the oneDNN linear kernel, for this step only
+        with linear_kernels(self.cpu_linear, *self._kernel_models()):  # the CPU fast path's kernel, for this step only
             timer, started = PhaseTimer(), time.perf_counter()
 
             # 1-2. rollout and rewards (with step rewards under reward.process)
@@ -330,7 +335,7 @@ class RLTrainer(Trainer):
         """log π_ref of the response tokens (B, T)."""
         with self.reference() as ref_model:
             if rollout.replay is not None and rollout.replay.can_score(ref_model):
-                # the CPU fast path: on decoding's recorded rows, every product over all of them at once (rollout/replay.py)
+                # the CPU fast path: on decoding's recorded rows, every product over all of them at once (cpu/replay.py)
                 return rollout.replay.logprobs_under(ref_model, rollout.response_ids, rollout.response_mask)
             return self._logprobs(ref_model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids)
 
@@ -612,7 +617,7 @@ class RLTrainer(Trainer):
     def evaluate(self, responses: list | None = None) -> dict:
         """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers. ``responses``
         (rank 0) receives each greedy response (``evaluate.evaluate``)."""
-        with self.dist.gathered(self.model), linear_kernels(self.cpu_linear):  # FSDP2: rank 0 runs forward passes the others do not
+        with self.dist.gathered(self.model), linear_kernels(self.cpu_linear, self.model):  # FSDP2: rank 0 runs forward passes the others do not
             metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
                                       self.trainer_state, tools=self.tools, responses=responses) if self.dist.is_main else None
         return self.dist.broadcast(metrics)

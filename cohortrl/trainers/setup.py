@@ -87,7 +87,7 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     so that a run that does not fit fails at the start rather than after its first rollout, and so that the
     first steps' activations are laid out around the state instead of being displaced by it (on a CPU, the
     second step then reuses the first's freed memory instead of faulting in fresh pages: see
-    ``cpu_memory.py``). Done by torch's own code: one step with zero gradients at learning rate 0 (the moments
+    ``cpu/memory.py``). Done by torch's own code: one step with zero gradients at learning rate 0 (the moments
     stay 0 and the weights unchanged, weight decay included), then the step counters back to 0. The state is
     the one a first step would have started from; ``tests/trainers/test_setup.py`` checks that the first real
     step gives bit-identical weights and state."""

@@ -49,13 +49,13 @@ from pathlib import Path
 
 import torch
 
-from cohortrl import distributed
+from cohortrl import cpu, distributed
 from cohortrl.algorithms import masked_sum
 from cohortrl.config import ConfigError
+from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.data import (
     DataError, PromptStream, check_prompt, load_examples, load_rows, prompt_key, prompt_messages, render_prompt,
 )
-from cohortrl.kernels import linear_kernels, resolve_cpu_linear
 from cohortrl.rewards.scoring import WeightedReward, resolve
 from cohortrl.rollout.hf import response_logprobs
 from cohortrl.rollout.tools import tool_protocol, toolset
@@ -324,11 +324,11 @@ class SFTTrainer(Trainer):
         self.config_hash = config_hash(cfg.to_dict())  # in every manifest, as the RL trainers write it (cohortrl verify)
         self.dist = distributed.Dist()  # one process: the identity the shared helpers expect
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
-        self.cpu_linear = resolve_cpu_linear(cfg.train.cpu_linear, self.device)
         self._seed_process(resume)
 
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer)
         self.model.to(self.device)
+        self.cpu_linear = cpu.linear_kernel(cfg.train, self.device, self.model)  # every step's and evaluation's
         # The prompt and call form RL and evaluation will use with this tokenizer (rollout/hf.py's generate): in
         # the text protocol the tools' description follows the system prompt, in the chat protocol the template
         # describes their schemas.
@@ -404,7 +404,7 @@ class SFTTrainer(Trainer):
         micro_batches = [self.stream.take(s.batch_size) for _ in range(s.grad_accum)]
         n_tokens = sum(sum(e.loss_mask) for mb in micro_batches for e in mb)  # the mean's N, over the whole step
         loss_total, seen = 0.0, 0
-        with linear_kernels(self.cpu_linear):
+        with linear_kernels(self.cpu_linear, self.model):
             for examples in micro_batches:
                 batch = collate(examples, self.tokenizer.pad_token_id)
                 loss = completion_loss(self.model, batch, n_tokens)
@@ -443,7 +443,7 @@ class SFTTrainer(Trainer):
     def evaluate(self, responses: list | None = None) -> dict:
         """Held-out accuracy by ``reward.correctness``, as the RL trainers measure it; ``responses`` receives each
         greedy response (``evaluate.evaluate``)."""
-        with linear_kernels(self.cpu_linear):
+        with linear_kernels(self.cpu_linear, self.model):
             return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
                                    tools=self.tools, responses=responses)
 

@@ -9,7 +9,7 @@ from behind these boundaries instead of branching inside the loop (``RLTrainer._
   the rows (``Dist.local_share``) and adds zero-weight micro-batches where collectives need every rank to run
   as many forwards (``Dist.padding_micro_batches``);
 * the CPU fast path (``train.reuse_rollout_forward``): ``ReplayedForward`` differentiates decoding's own
-  recorded forward (``rollout/replay.py``) when a single micro-batch is the whole rollout.
+  recorded forward (``cpu/replay.py``) when a single micro-batch is the whole rollout.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class PlainForward:
 
 class ReplayedForward:
     """The CPU fast path: the log-probs decoding already computed for the whole rollout, differentiated by
-    replaying its recorded forward backwards (``rollout/replay.py``). Only for one micro-batch holding every
+    replaying its recorded forward backwards (``cpu/replay.py``). Only for one micro-batch holding every
     row of the rollout, in order, in a single on-policy update (``RLTrainer._reuse_rollout_forward``)."""
 
     replayed = True

@@ -199,7 +199,7 @@ def test_train_rm_cli_smoke(tmp_path, capsys):
 
 @pytest.mark.parametrize("setting", ["auto", "aten"])
 def test_train_rm_runs_under_the_configured_linear_kernel(tmp_path, monkeypatch, setting):
-    from cohortrl import kernels
+    from cohortrl.cpu import kernels
     from cohortrl.reward_models.train import load_rm_config, train_reward_model
 
     original = torch.nn.functional.linear

@@ -8,16 +8,16 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from cohortrl import kernels
+from cohortrl.cpu import kernels
 from cohortrl.algorithms import aggregate, get_policy_loss
-from cohortrl.kernels import linear_kernels
+from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.models import build_tiny_model, load_model
 from cohortrl.rollout.hf import Sampling, generate, response_logprobs
 from cohortrl.rollout.tools import ToolSession, tool_metrics
 from cohortrl.rollout.types import Rollout
 from cohortrl.tools import Toolset, render, resolve_tools
-from tests.rollout.test_decoder import PROMPTS
-from tests.rollout.test_replay import build, grads
+from tests.cpu.test_decoder import PROMPTS
+from tests.cpu.test_replay import build, grads
 
 needs_onednn = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear op")
 

@@ -4,8 +4,8 @@ allows it), and "plain", ``train.cpu_linear=aten`` (plain transformers and autog
 
 import pytest
 
-from cohortrl import kernels
-from cohortrl.rollout import decoder
+from cohortrl.cpu import kernels
+from cohortrl.cpu import decoder
 
 
 class CPUPath:

@@ -218,8 +218,9 @@ def test_metrics_and_curves_are_written(tmp_path, addition_jsonl):
 @pytest.mark.parametrize("setting", ["auto", "aten"])
 def test_steps_and_evaluations_run_under_the_configured_linear_kernel(tmp_path, addition_jsonl, monkeypatch, setting):
     """``train.cpu_linear``: auto sends a CPU step's and evaluation's linear layers to oneDNN (where the build
-    has it), aten leaves PyTorch's own; either way F.linear is PyTorch's again afterwards."""
-    from cohortrl import kernels
+    has it), aten leaves PyTorch's own; either way the policy's layers are plain ``nn.Linear`` again afterwards
+    and F.linear was never replaced."""
+    from cohortrl.cpu import kernels
 
     original = torch.nn.functional.linear
     calls = []
@@ -231,7 +232,8 @@ def test_steps_and_evaluations_run_under_the_configured_linear_kernel(tmp_path, 
     trainer.step()
     after_step = len(calls)
     trainer.evaluate()
-    assert torch.nn.functional.linear is original
+    assert torch.nn.functional.linear is original  # never replaced: the policy's own layers are switched, and back
+    assert {type(m) for m in trainer.model.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
     if want == "onednn":
         assert after_step > 0 and len(calls) > after_step  # the step's and the evaluation's products
     else:

@@ -1,6 +1,6 @@
 """A model outside the Llama family trains end to end: a tiny GPT-2 (learned positions, fused Conv1D attention
 projections, GELU) under GRPO, GRPO with LoRA, and SFT. The CPU fast path (the lean decoder and the replayed
-backward, rollout/decoder.py and rollout/replay.py) computes only Llama-family models, so generation and the
+backward, cpu/decoder.py and cpu/replay.py) computes only Llama-family models, so generation and the
 update run through transformers' forward, and the run says so once, at INFO, with the reason."""
 
 import logging
@@ -19,7 +19,7 @@ from tests.trainers.test_sft import sft_config
 NAME = {"name": "tiny-gpt2"}  # model.name as the run records it (the model itself is handed to the trainer)
 FALLBACK = (
     "the CPU fast path is not used for GPT2LMHeadModel: not a Llama-family architecture (model_type 'gpt2'; the lean "
-    "decoder computes llama, qwen2, mistral); generation and backward use plain transformers"
+    "decoder computes llama, qwen2, mistral); it runs on plain transformers and PyTorch's kernels (train.cpu_fast_path)"
 )
 
 

@@ -1,11 +1,11 @@
-"""``train.reuse_rollout_forward``: on-policy GRPO differentiates decoding's own forward (rollout/replay.py)
+"""``train.reuse_rollout_forward``: on-policy GRPO differentiates decoding's own forward (cpu/replay.py)
 instead of running another. The step's numbers are those of the update's own forward to float rounding, and
 every setting under which decoding's forward is not the update's forward turns it off."""
 
 import pytest
 
-from cohortrl import kernels
-from cohortrl.rollout.replay import Recording
+from cohortrl.cpu import kernels
+from cohortrl.cpu.replay import Recording
 from cohortrl.trainers.grpo import GRPOTrainer
 from cohortrl.trainers.ppo import PPOTrainer
 from tests.trainers.test_grpo import tiny_config

@@ -1,4 +1,4 @@
-"""The lean decoding step (cohortrl/rollout/decoder.py) computes transformers' forward: the same next-token
+"""The lean decoding step (cohortrl/cpu/decoder.py) computes transformers' forward: the same next-token
 logits, step by step, for left-padded rows, grouped-query attention, q/k/v biases and LoRA adapters; models it
 cannot compute go to transformers' forward, and the reason is logged once per model."""
 
@@ -7,13 +7,13 @@ import logging
 import pytest
 import torch
 
-from cohortrl import kernels
-from cohortrl.kernels import linear_kernels
+from cohortrl.cpu import kernels
+from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.models import build_tiny_tokenizer, load_model
-from cohortrl.rollout import decoder as decoder_module
-from cohortrl.rollout.decoder import LlamaDecoder, decoder_for
+from cohortrl.cpu import decoder as decoder_module
+from cohortrl.cpu.decoder import LlamaDecoder, decoder_for
 from cohortrl.rollout.hf import Sampling, _positions, _prefill, encode_prompts, generate
-from cohortrl.rollout.replay import Recording
+from cohortrl.cpu.replay import Recording
 
 needs_onednn = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear op")
 

@@ -1,4 +1,4 @@
-"""``train.cpu_allocator`` (cohortrl/cpu_memory.py): freed memory stays mapped in the process under glibc."""
+"""``train.cpu_allocator`` (cohortrl/cpu/memory.py): freed memory stays mapped in the process under glibc."""
 
 import subprocess
 import sys
@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
-from cohortrl import cpu_memory
+from cohortrl.cpu import memory as cpu_memory
 from cohortrl.config import Config, ConfigError
-from cohortrl.cpu_memory import resolve_cpu_allocator
+from cohortrl.cpu.memory import resolve_cpu_allocator
 
 glibc_only = pytest.mark.skipif(cpu_memory._glibc() is None, reason="mallopt is glibc's")
 
@@ -19,7 +19,7 @@ glibc_only = pytest.mark.skipif(cpu_memory._glibc() is None, reason="mallopt is 
 # retained, only the first does.
 _PROBE = textwrap.dedent("""
     import ctypes, resource, sys
-    from cohortrl.cpu_memory import retain_freed_memory
+    from cohortrl.cpu.memory import retain_freed_memory
     if sys.argv[1] == "retain":
         assert retain_freed_memory()
     libc = ctypes.CDLL(None)

@@ -1,13 +1,16 @@
-"""oneDNN linear layers (cohortrl/kernels.py): the same function as PyTorch's F.linear, values and gradients, to
-float rounding; everything it does not handle goes to F.linear untouched; the swap of F.linear is scoped."""
+"""oneDNN linear layers (cohortrl/cpu/kernels.py): the same function as PyTorch's F.linear, values and gradients, to
+float rounding; everything it does not handle goes to F.linear untouched; only the models a context is given are
+switched, for its duration, and F.linear itself never is. The fast path's one switch (cohortrl/cpu/__init__.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cohortrl import kernels
+from cohortrl.cpu import kernels
 from cohortrl.config import Config, ConfigError
-from cohortrl.kernels import decoding_weights, linear, linear_kernels, onednn_available, resolve_cpu_linear
+from cohortrl import cpu
+from cohortrl.cpu.kernels import (OneDNNLinear, decoding_weights, linear, linear_kernels, onednn_available, onednn_linear,
+                                 resolve_cpu_linear)
 from cohortrl.models import load_model
 from cohortrl.rollout.hf import Sampling, generate, response_logprobs
 
@@ -33,7 +36,7 @@ def test_values_and_gradients_equal_pytorchs_linear(shape, bias):
         (y * upstream).sum().backward()
         return y.detach(), x.grad, w.grad, None if b is None else b.grad
 
-    ours, theirs = run(linear), run(F.linear)
+    ours, theirs = run(onednn_linear), run(F.linear)
     assert ours[0].shape == theirs[0].shape
     for a, e in zip(ours, theirs):
         if e is not None:
@@ -46,9 +49,9 @@ def test_the_oneDNN_path_is_taken_for_plain_fp32_cpu_tensors(monkeypatch):
     real = kernels._onednn
     monkeypatch.setattr(kernels, "_onednn", lambda *a: calls.append(a[0].shape) or real(*a))
     x, w = torch.randn(4, 8), torch.randn(6, 8)
-    linear(x, w)  # no grad wanted: one oneDNN product
+    onednn_linear(x, w)  # no grad wanted: one oneDNN product
     x.requires_grad_(True)
-    linear(x, w).sum().backward()  # forward and the input gradient
+    onednn_linear(x, w).sum().backward()  # forward and the input gradient
     assert calls == [(4, 8), (4, 8), (4, 6)]
 
 
@@ -64,24 +67,86 @@ def test_what_oneDNN_does_not_take_goes_to_pytorch_unchanged(case, monkeypatch):
         class Tagged(torch.Tensor):  # a tensor subclass (as DTensor is) keeps its own dispatch
             pass
         w = w.as_subclass(Tagged)
-    assert torch.equal(linear(x, w), F.linear(x, w))
+    assert torch.equal(onednn_linear(x, w), F.linear(x, w))
 
 
-def test_the_swap_of_F_linear_is_scoped_and_nests():
+def test_only_the_given_models_are_switched_for_the_contexts_duration_and_contexts_nest():
+    a, b = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), torch.nn.Linear(3, 2)
     original = F.linear
-    with linear_kernels("onednn"):
-        assert F.linear is linear
-        with linear_kernels("onednn"):
-            assert F.linear is linear
-        assert F.linear is linear  # the inner exit leaves the outer swap in place
-    assert F.linear is original
-    with pytest.raises(RuntimeError, match="boom"), linear_kernels("onednn"):
+    with linear_kernels("onednn", a, None):
+        assert type(a[0]) is OneDNNLinear and isinstance(a[0], torch.nn.Linear)
+        assert type(b) is torch.nn.Linear  # not given: PyTorch's kernel
+        assert F.linear is original and kernels._active == 1
+        with linear_kernels("onednn", a, b):
+            assert type(a[0]) is OneDNNLinear and type(b) is OneDNNLinear
+        assert type(a[0]) is OneDNNLinear and type(b) is torch.nn.Linear  # the inner exit undoes only its own
+        assert set(a.state_dict()) == {"0.weight", "0.bias"}
+    assert type(a[0]) is torch.nn.Linear and kernels._active == 0
+    with pytest.raises(RuntimeError, match="boom"), linear_kernels("onednn", a):
         raise RuntimeError("boom")
-    assert F.linear is original
-    with linear_kernels("aten"):
-        assert F.linear is original
+    assert type(a[0]) is torch.nn.Linear and kernels._active == 0
+    with linear_kernels("aten", a):
+        assert type(a[0]) is torch.nn.Linear and kernels._active == 0
     with pytest.raises(ValueError, match="unknown linear kernel"), linear_kernels("mkl"):
         pass
+
+
+def test_a_linear_subclass_keeps_its_own_forward():
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    m = torch.nn.Sequential(Scaled(4, 3))
+    with linear_kernels("onednn", m):
+        assert type(m[0]) is Scaled
+
+
+@needs_onednn
+def test_this_packages_own_products_follow_the_innermost_context(monkeypatch):
+    calls = []
+    real = kernels._onednn
+    monkeypatch.setattr(kernels, "_onednn", lambda *a: calls.append(1) or real(*a))
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    with linear_kernels("aten"):
+        linear(x, w)
+    assert calls == []
+    with linear_kernels("onednn"):
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert calls == [1]
+    m = torch.nn.Linear(8, 6)
+    with linear_kernels("onednn", m):
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 1]
+
+
+def test_the_fast_path_is_one_switch_and_falls_back_for_models_it_does_not_compute(monkeypatch, caplog):
+    import logging
+
+    from cohortrl.config import TrainConfig
+
+    monkeypatch.setattr(kernels, "onednn_available", lambda: True)
+    llama, _ = load_model("tiny-llama", seed=0)
+    assert cpu.linear_kernel(TrainConfig(), "cpu", llama) == "onednn"
+    assert cpu.linear_kernel(TrainConfig(), "cuda", llama) == "aten"
+    assert cpu.linear_kernel(TrainConfig(cpu_fast_path="off"), "cpu", llama) == "aten"
+    assert cpu.linear_kernel(TrainConfig(cpu_linear="aten"), "cpu", llama) == "aten"
+    assert cpu.allocator(TrainConfig(cpu_fast_path="off"), "cpu") == "system"
+    half = llama.to(torch.bfloat16)  # fp32 only: a bf16 model falls back, once, at INFO, with the reason
+    with caplog.at_level(logging.INFO, logger="cohortrl"):
+        assert cpu.linear_kernel(TrainConfig(), "cpu", half) == "aten"
+        assert cpu.linear_kernel(TrainConfig(), "cpu", half) == "aten"
+    said = [r for r in caplog.records if "CPU fast path" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO and "torch.bfloat16" in said[0].getMessage()
+    assert cpu.linear_kernel(TrainConfig(cpu_linear="onednn"), "cpu", half) == "onednn"  # asked for by name
+
+
+def test_the_config_refuses_a_part_of_the_fast_path_with_the_fast_path_off():
+    assert Config.from_dict({"train": {"cpu_fast_path": "off", "cpu_linear": "aten"}}).train.cpu_fast_path == "off"
+    for key, value in (("cpu_linear", "onednn"), ("cpu_allocator", "retain")):
+        with pytest.raises(ConfigError, match=f"train.{key}.*cpu_fast_path=off"):
+            Config.from_dict({"train": {"cpu_fast_path": "off", key: value}})
+    with pytest.raises(ConfigError, match="cpu_fast_path"):
+        Config.from_dict({"train": {"cpu_fast_path": "on"}})
 
 
 def test_auto_picks_oneDNN_on_a_CPU_only_and_a_missing_oneDNN_is_an_error(monkeypatch):
@@ -121,7 +186,7 @@ def test_a_models_logprobs_and_gradients_agree_under_both_kernels(lora):
 
     def run(kind):
         model.zero_grad()
-        with linear_kernels(kind):
+        with linear_kernels(kind, model):
             logp, entropy = response_logprobs(model, ids, mask, rollout.response_ids, temperature=0.7, with_entropy=True)
             weights = torch.linspace(-1.0, 2.0, logp.numel()).view_as(logp) * rollout.response_mask
             (logp * weights).sum().backward()
@@ -144,7 +209,7 @@ def test_sampling_under_oneDNN_draws_the_same_tokens():
     out = {}
     for kind in ("aten", "onednn"):
         torch.manual_seed(0)
-        with linear_kernels(kind):
+        with linear_kernels(kind, model):
             out[kind], _ = generate(model, tok, ROWS, 3, Sampling(temperature=1.0, max_new_tokens=16))
     assert torch.equal(out["aten"].response_ids, out["onednn"].response_ids)
 
@@ -165,7 +230,7 @@ def test_decoding_lays_the_weights_out_once_uses_them_for_its_row_count_and_free
             assert len(kernels._packed) == n_linear
             with decoding_weights(model, 8):  # nested (evaluation inside a step): the outer layout stays
                 assert len(kernels._packed) == n_linear
-            got8, got3 = F.linear(x8, head), F.linear(x3, head)
+            got8, got3 = linear(x8, head), linear(x3, head)
         assert kernels._packed == {}
     assert used == [True, False]  # the blocked layout for 8 rows only
     torch.testing.assert_close(got8, x8 @ head.t(), rtol=1e-5, atol=1e-5)

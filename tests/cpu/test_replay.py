@@ -1,4 +1,4 @@
-"""The update's backward through the rollout's own forward (cohortrl/rollout/replay.py): the log-probabilities,
+"""The update's backward through the rollout's own forward (cohortrl/cpu/replay.py): the log-probabilities,
 entropies and every parameter's gradient are those of autograd through transformers' forward over the same
 responses, for left-padded prompts shared by groups, responses ending at different steps, grouped-query
 attention, q/k/v biases, a tied head and LoRA adapters."""
@@ -8,13 +8,13 @@ import contextlib
 import pytest
 import torch
 
-from cohortrl import kernels
-from cohortrl.kernels import linear_kernels
+from cohortrl.cpu import kernels
+from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.models import load_model
-from cohortrl.rollout import decoder as decoder_module
-from cohortrl.rollout import replay as replay_module
+from cohortrl.cpu import decoder as decoder_module
+from cohortrl.cpu import replay as replay_module
 from cohortrl.rollout.hf import Sampling, generate, response_logprobs
-from tests.rollout.test_decoder import PROMPTS, tiny_qwen2, with_lora
+from tests.cpu.test_decoder import PROMPTS, tiny_qwen2, with_lora
 
 needs_onednn = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear op")
 
@@ -134,7 +134,7 @@ def test_another_models_logprobs_on_the_recording_equal_its_own_forward(name, mo
 def test_gradients_are_handed_to_autograd_as_a_backward_would_leave_them():
     """Gradients.deliver: tensor hooks transform the gradient, post-accumulate hooks run, an existing .grad
     accumulates, and a gradient that nothing else holds becomes .grad itself (kept, not copied)."""
-    from cohortrl.rollout.replay import Gradients
+    from cohortrl.cpu.replay import Gradients
 
     hooked, plain, accumulated = (torch.nn.Parameter(torch.randn(3, 4)) for _ in range(3))
     frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)

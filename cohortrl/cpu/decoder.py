@@ -19,7 +19,7 @@ PEFT LoRA adapters are folded into the laid-out copy (W + s·B·A): the same fun
 product. Only plain LoRA; DoRA, LoRA bias or other variants fall back to transformers' forward, as do other
 architectures, GPUs and non-fp32 weights (:func:`decoder_for` returns None and says why at INFO, once per model).
 Prefill stays with transformers' forward: it runs once per prompt, on many tokens, where its overhead is
-small. The arithmetic is the same to float rounding; ``tests/rollout/test_decoder.py`` checks the logits
+small. The arithmetic is the same to float rounding; ``tests/cpu/test_decoder.py`` checks the logits
 against transformers' step by step.
 """
 
@@ -31,7 +31,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from cohortrl import kernels
+from cohortrl.cpu import kernels
 
 log = logging.getLogger("cohortrl")
 
@@ -65,10 +65,10 @@ def log_fallback(model, reason: Exception, instead: str) -> None:
 def _linear_parts(module) -> tuple[torch.nn.Linear, list[str]]:
     """A linear module as (its plain ``nn.Linear``, the names of the plain LoRA adapters it adds on top);
     raises :class:`Unsupported` for anything else. Cheap: no weight is computed."""
-    if type(module) is torch.nn.Linear:
+    if type(module) in kernels.PLAIN_LINEAR:
         return module, []
     base = getattr(module, "base_layer", None)
-    if type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight"):
+    if type(base) not in kernels.PLAIN_LINEAR or not hasattr(module, "get_delta_weight"):
         raise Unsupported(f"linear layer of type {type(module).__name__}")
     if module.disable_adapters or module.merged:
         return base, []
@@ -124,8 +124,9 @@ def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def check_supported(model) -> None:
-    """Raise :class:`Unsupported` (with the reason) unless the lean decoder computes this model's forward."""
+def check_architecture(model) -> None:
+    """Raise :class:`Unsupported` (with the reason) unless the fast path computes this model: a Llama-family
+    architecture with fp32 weights on a CPU, made of plain linear layers or plain LoRA ones."""
     base = _base_model(model)
     cfg = base.config
     if cfg.model_type not in SUPPORTED_TYPES:
@@ -136,15 +137,10 @@ def check_supported(model) -> None:
     window = getattr(cfg, "sliding_window", None)
     if window and (cfg.model_type != "qwen2" or getattr(cfg, "use_sliding_window", False)):
         raise Unsupported("sliding-window attention")
-    # the weights before the kernel: on a GPU the kernel setting (ignored there) is not the reason to name
     weight = base.get_input_embeddings().weight
     if not kernels._plain_cpu_fp32(weight):
         raise Unsupported(f"weights of type {type(weight).__name__} on {weight.device} in {weight.dtype} "
                           "(the lean decoder is for plain fp32 tensors on a CPU)")
-    if not kernels.onednn_available() or kernels._swaps == 0:
-        raise Unsupported("not under the oneDNN linear kernel (train.cpu_linear)")
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or "binary" not in torch.ops.mkldnn._linear_pointwise.overloads():
-        raise Unsupported("this PyTorch build has no oneDNN weight layout op or fused linear-add")
     inner = getattr(base, "model", None)
     missing = [name for name in ("layers", "norm", "rotary_emb") if not hasattr(inner, name)]
     if missing or base.get_output_embeddings() is None:
@@ -156,15 +152,31 @@ def check_supported(model) -> None:
             _linear_parts(m)
 
 
+def check_supported(model) -> None:
+    """Raise :class:`Unsupported` (with the reason) unless the lean decoder computes this model's forward now:
+    :func:`check_architecture`, under ``linear_kernels("onednn")``, on a build with oneDNN's layout op."""
+    check_architecture(model)
+    if not kernels.onednn_available() or kernels._active == 0:
+        raise Unsupported("not under the oneDNN linear kernel (train.cpu_fast_path, train.cpu_linear)")
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or "binary" not in torch.ops.mkldnn._linear_pointwise.overloads():
+        raise Unsupported("this PyTorch build has no oneDNN weight layout op or fused linear-add")
+
+
+def computes(model, instead: str, check=check_supported) -> bool:
+    """Whether ``check`` (:func:`check_supported` or :func:`check_architecture`) passes for ``model``; if not,
+    the reason is logged once per model with what runs ``instead``."""
+    try:
+        check(model)
+    except (Unsupported, AttributeError) as e:
+        log_fallback(model, e, instead)
+        return False
+    return True
+
+
 def decoder_for(model):
     """A :class:`LlamaDecoder` factory for ``model`` if it qualifies, else None (transformers' forward; the
     reason logged once per model)."""
-    try:
-        check_supported(model)
-    except (Unsupported, AttributeError) as e:
-        log_fallback(model, e, "generation and backward use plain transformers")
-        return None
-    return LlamaDecoder
+    return LlamaDecoder if computes(model, "generation and backward use plain transformers") else None
 
 
 class LlamaDecoder:
@@ -176,7 +188,7 @@ class LlamaDecoder:
 
     ``prefix`` = (ids_UP, mask_UP, index_B) instead of a cache: the decoder runs the first P prompt columns
     itself, each of the U distinct prompts once (``index_B``: each row's prompt), in :meth:`_prefill`.
-    ``record``: keep what the update's backward needs to reuse this forward (``rollout/replay.py``): per layer
+    ``record``: keep what the update's backward needs to reuse this forward (``cpu/replay.py``): per layer
     and per call, the layer's input, its q/k/v and gate/up products and the residual after attention; per
     step, the final hidden state, the tokens fed, log Z and the entropy of the logits at ``temperature`` and (told
     by :meth:`sampled`) the sampled token's logit, and the logits themselves while they fit. It takes ``prefix``,
@@ -233,7 +245,7 @@ class LlamaDecoder:
         self.record = record
         V = base.get_output_embeddings().weight.shape[0]
         self.keep_logits = record and B * S * V * 4 <= RECORD_LOGITS_BYTES
-        # Recorded rows (rollout/replay.py): the prefix's U·P rows, then step s's B rows at U·P + s·B, written in
+        # Recorded rows (cpu/replay.py): the prefix's U·P rows, then step s's B rows at U·P + s·B, written in
         # place as they are computed (no concatenation afterwards); a run that ends early leaves the tail unused.
         self.n_prefix = prefix[0].numel() if record and prefix is not None else 0
         rows, d = self.n_prefix + S * B, cfg.hidden_size
@@ -264,7 +276,7 @@ class LlamaDecoder:
         outputs reach nothing."""
         U, P = ids_UP.shape
         H, Hkv, D = self.H, self.Hkv, self.D
-        # kept: the recording's attention over the prefix is this one (rollout/replay.py)
+        # kept: the recording's attention over the prefix is this one (cpu/replay.py)
         self.prefix_rotation = rotation = self.rotation_for((mask_UP.cumsum(-1) - 1).clamp(min=0))  # (U, P, 1, D/2)
         self.prefix_allowed = allowed = (  # (U, P, P): causal over the prompt's real positions, padding sees itself
             torch.ones(P, P, dtype=torch.bool).tril() & mask_UP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool)
@@ -351,7 +363,7 @@ class LlamaDecoder:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm, term for term (``F.rms_norm`` is one call but no faster on a CPU); also what
-    ``rollout/replay.py`` recomputes (its derivative is ``replay.rms_norm_backward``)."""
+    ``cpu/replay.py`` recomputes (its derivative is ``replay.rms_norm_backward``)."""
     return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt_() * weight
 
 
@@ -359,7 +371,7 @@ def paired_qkv(attn, h: torch.Tensor, q_order: torch.Tensor, k_order: torch.Tens
     """An attention block's q, k and v projections of h, concatenated, q and k in the decoder's paired feature
     order (see :class:`LlamaDecoder`): one product with the three weights stacked in that order (active LoRA
     adapters merged in, as the decoding step has them)."""
-    return F.linear(h, *_stacked([attn.q_proj, attn.k_proj, attn.v_proj], [q_order, k_order, None]))
+    return kernels.linear(h, *_stacked([attn.q_proj, attn.k_proj, attn.v_proj], [q_order, k_order, None]))
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 With one update per rollout (μ = 1, one minibatch, one micro-batch) the policy that sampled the responses is
 the policy the update differentiates, with the same weights. The forward the update would run, every
 response token through the model, has then already been run once: token by token, while decoding. The lean
-decoder (``rollout/decoder.py``, ``record=True``) keeps what a backward needs from it:
+decoder (``cpu/decoder.py``, ``record=True``) keeps what a backward needs from it:
 
 - per layer and per call (the prompt prefix once per distinct prompt, then one call per decoding step): the
   layer's input x, its q/k/v products (rotary not yet applied), the residual after attention and its gate/up
@@ -26,7 +26,7 @@ Gradients land in ``.grad`` as ``loss.backward()`` would leave them (LoRA adapte
 head and embedding included), each parameter's through autograd once and without a copy (:class:`_Handover`),
 so its hooks run. The numbers are those
 of autograd through transformers' forward to float rounding: the decoding kernels sum in another order than a
-training forward does (``tests/rollout/test_replay.py`` checks each parameter's gradient). What it saves is the
+training forward does (``tests/cpu/test_replay.py`` checks each parameter's gradient). What it saves is the
 update's forward: about a third of its FLOPs (``docs/performance.md``). :meth:`Recording.logprobs_under`
 scores the same rows under another model of the architecture (the reference) in one pass.
 """
@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cohortrl.rollout.decoder import (Unsupported, _base_model, _linear_parts, _stacked, check_supported, log_fallback,
-                                      paired_qkv, rms_norm, rotate)
+from cohortrl.cpu import kernels
+from cohortrl.cpu.decoder import _base_model, _linear_parts, _stacked, computes, paired_qkv, rms_norm, rotate
 
 # Head gradients of at most this many bytes of logits at once (as ``hf.LOGPROB_CHUNK_BYTES``).
 CHUNK_BYTES = 32 * 2**20
@@ -96,7 +96,7 @@ def linear_backward(module, x_N: torch.Tensor, grad_y_N: torch.Tensor, grads: Gr
     base, adapters = _linear_parts(module)
     weight = base.weight
     grad_y_N = grad_y_N.contiguous()
-    grad_x = F.linear(grad_y_N, weight.detach().t())  # dy·W; oneDNN under the trainer's kernel (kernels.py)
+    grad_x = kernels.linear(grad_y_N, weight.detach().t())  # dy·W, on the kernel of the enclosing linear_kernels
     if weight.requires_grad:
         grads.add_product(weight, grad_y_N.t(), x_N)
     if base.bias is not None and base.bias.requires_grad:
@@ -195,12 +195,7 @@ class Recording:
     def can_score(model) -> bool:
         """Whether :meth:`logprobs_under` computes ``model`` (the lean decoder's models, under its kernel); if not,
         the reason is logged once per model."""
-        try:
-            check_supported(model)
-        except (Unsupported, AttributeError) as e:
-            log_fallback(model, e, "the reference's log-probs use plain transformers")
-            return False
-        return True
+        return computes(model, "the reference's log-probs use plain transformers")
 
     @torch.no_grad()
     def logprobs_under(self, model, response_ids_BT, response_mask_BT) -> torch.Tensor:
@@ -361,7 +356,7 @@ class Recording:
         bases = [base for base, _ in parts]
         grad_qkv_N = grad_qkv_N.contiguous()
         weight, _ = _stacked(modules, [self.q_order, self.k_order, None])  # as decoding multiplied by it
-        grad_h1 = F.linear(grad_qkv_N, weight.t())  # dy·W; oneDNN under the trainer's kernel (kernels.py)
+        grad_h1 = kernels.linear(grad_qkv_N, weight.t())  # dy·W, on the kernel of the enclosing linear_kernels
         if any(b.weight.requires_grad for b in bases):
             grad_w = grad_qkv_N.t() @ h1_N  # (H·D + 2·Hkv·D, d), rows in the paired order
             for base, g, back in zip(bases, grad_w.split(sizes), backs):

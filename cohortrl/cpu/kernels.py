@@ -3,18 +3,20 @@
 On a CPU, PyTorch sends an fp32 ``F.linear`` to MKL's sgemm. The products a small LLM's RL step is made of are
 thin: decoding multiplies a weight by one row per sequence (8 × 576 by 576 × 1,536 for SmolLM2 at P·G = 8),
 training by a few hundred rows. On those shapes oneDNN (shipped inside every x86 PyTorch wheel, used by
-PyTorch for its own convolutions and bf16 products) is faster than MKL on the machine this library is
-developed on, an AMD EPYC: one SmolLM2 decoding step's products took 0.70× MKL's time (0.47× from oneDNN's
-own weight layout, :func:`decoding_weights`), a training forward's and its input gradients' 0.92-0.94×
-(``benchmarks/cpu_linear.py`` measures them side by side on any machine).
+PyTorch for its own convolutions and bf16 products) can be faster than MKL; ``benchmarks/cpu_linear.py``
+measures both side by side on any machine, and docs/performance.md records what it measured where.
 
-:func:`linear_kernels` is a context in which every eligible ``F.linear`` (what ``nn.Linear``, PEFT's LoRA
-layers and every transformers model call) runs on ``torch.ops.mkldnn._linear_pointwise``: input, weight and
-bias fp32 plain tensors on the CPU. Anything else (GPU tensors, bf16, FSDP's DTensors) goes to PyTorch's own
-kernel untouched. Under autograd, :class:`_OneDNNLinear` computes the input gradient with oneDNN too and the
-weight gradient with ``torch.mm`` (on SmolLM2's shapes oneDNN was no faster there). It is the same function, summed in another order:
-outputs and gradients agree with PyTorch's to float rounding (``tests/test_kernels.py``), so sampling and
-the loss do not change, only the last bits of each product.
+:func:`linear_kernels` is a context for one phase of work on the models it is given: each of their
+``nn.Linear`` layers (what transformers' Llama-family models, PEFT's LoRA layers and the critic's head are made
+of) becomes a :class:`OneDNNLinear` while it lasts, whose forward calls ``torch.ops.mkldnn._linear_pointwise``
+on fp32 plain tensors on the CPU and PyTorch's own ``F.linear`` on anything else (GPU tensors, bf16, FSDP's
+DTensors). Nothing outside those modules changes: ``torch.nn.functional.linear`` is never replaced, and
+other models in the process keep PyTorch's kernel. This package's own products (the lean decoder, the
+replayed backward, the rollout's logit head) call :func:`linear`, which follows the innermost context.
+Under autograd, :class:`_OneDNNLinearFn` computes the input gradient with oneDNN too and the weight gradient
+with ``torch.mm`` (on SmolLM2's shapes oneDNN was no faster there). It is the same function, summed in another
+order: outputs and gradients agree with PyTorch's to float rounding (``tests/cpu/test_kernels.py``), so
+sampling and the loss do not change, only the last bits of each product.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-_ATEN_LINEAR = F.linear  # PyTorch's own, kept before any swap: the fallback
+_ATEN_LINEAR = F.linear  # PyTorch's own (never replaced; the name keeps call sites explicit)
 
 
 def onednn_available() -> bool:
@@ -52,7 +54,7 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class _OneDNNLinear(torch.autograd.Function):
+class _OneDNNLinearFn(torch.autograd.Function):
     """y = x Wᵀ + b with oneDNN; backward: dx = dy W (oneDNN), dW = dyᵀ x and db = Σ dy (aten)."""
 
     @staticmethod
@@ -82,49 +84,72 @@ def _plain_cpu_fp32(t: torch.Tensor | None) -> bool:
     return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32)
 
 
-def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` on oneDNN where eligible (see the module docstring), else PyTorch's own ``F.linear``."""
+def onednn_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on oneDNN where eligible (fp32 plain CPU tensors, see the module docstring), else PyTorch's
+    own ``F.linear``."""
     x = input
     if x.dim() < 2 or weight.dim() != 2 or not (_plain_cpu_fp32(x) and _plain_cpu_fp32(weight) and _plain_cpu_fp32(bias)):
         return _ATEN_LINEAR(x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _OneDNNLinear.apply(x, weight, bias)
+        return _OneDNNLinearFn.apply(x, weight, bias)
     packed = _packed.get(id(weight))
     if packed is not None and packed[0] is weight and x.numel() == _packed_rows * x.shape[-1]:
         return _onednn(x, packed[1], bias)  # a decoding step: the weight in oneDNN's own layout
     return _onednn(x, weight, bias)
 
 
-_swaps = 0  # nesting depth of linear_kernels("onednn")
-_swap_lock = threading.Lock()
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product this package's own code computes: :func:`onednn_linear` inside ``linear_kernels("onednn")``,
+    PyTorch's ``F.linear`` outside it."""
+    return onednn_linear(input, weight, bias) if _active else _ATEN_LINEAR(input, weight, bias)
+
+
+class OneDNNLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose forward is :func:`onednn_linear`: what :func:`linear_kernels` turns a model's
+    linear layers into for its duration (same parameters, same state dict)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(input, self.weight, self.bias)
+
+
+# What a plain linear layer is while a step runs: code that needs one (rather than a subclass with its own
+# forward) checks ``type(m) in PLAIN_LINEAR``.
+PLAIN_LINEAR = (torch.nn.Linear, OneDNNLinear)
+
+_active = 0  # nesting depth of linear_kernels("onednn")
+_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def linear_kernels(kind: str):
-    """A context for one phase of work (a training step, an evaluation): ``onednn`` routes eligible
-    ``F.linear`` calls to oneDNN, ``aten`` changes nothing.
+def linear_kernels(kind: str, *models: torch.nn.Module | None):
+    """A context for one phase of work (a training step, an evaluation) on ``models``: ``onednn`` runs their
+    ``nn.Linear`` layers, and this package's own products, on oneDNN; ``aten`` changes nothing. None among
+    ``models`` is skipped.
 
-    It swaps ``torch.nn.functional.linear`` for :func:`linear` while it lasts, which is where ``nn.Linear`` and
-    transformers look the function up at every call. A ``TorchFunctionMode`` would do it without touching the
-    module, but it runs Python for every op of the forward: about 5% of SmolLM2's decoding time. The swap is
-    process-wide while it lasts; :func:`linear` computes the same function for every caller, so another thread
-    calling ``F.linear`` meanwhile gets the same numbers."""
-    global _swaps
+    A layer is switched by setting its class to :class:`OneDNNLinear` (a subclass: ``isinstance`` checks, the
+    state dict and hooks are unchanged) and switched back on exit; layers of a subclass of ``nn.Linear`` keep
+    their own forward. Nested contexts leave a layer switched until the one that switched it exits."""
+    global _active
     if kind not in ("onednn", "aten"):
         raise ValueError(f"unknown linear kernel {kind!r}: expected 'onednn' or 'aten'")
     if kind == "aten":
         yield
         return
-    with _swap_lock:
-        _swaps += 1
-        F.linear = linear
+    switched = []
+    with _lock:
+        _active += 1
+        for model in models:
+            for m in model.modules() if model is not None else ():
+                if type(m) is torch.nn.Linear:
+                    m.__class__ = OneDNNLinear
+                    switched.append(m)
     try:
         yield
     finally:
-        with _swap_lock:
-            _swaps -= 1
-            if _swaps == 0:
-                F.linear = _ATEN_LINEAR
+        with _lock:
+            for m in switched:
+                m.__class__ = torch.nn.Linear
+            _active -= 1
 
 
 _packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, packed), while decoding
@@ -134,17 +159,16 @@ _packed_rows = 0  # the row count the layout was made for
 @contextlib.contextmanager
 def decoding_weights(model, rows: int):
     """While decoding ``rows`` sequences one token at a time: every fp32 CPU linear weight of ``model`` in
-    oneDNN's blocked layout for ``rows``-row products, made once on entry and freed on exit; :func:`linear`
+    oneDNN's blocked layout for ``rows``-row products, made once on entry and freed on exit; :func:`onednn_linear`
     uses it for the products with exactly ``rows`` rows. A no-op unless ``linear_kernels("onednn")`` is active.
 
-    Decoding multiplies every weight by a few rows per token, so it reads all the weights once per token; in
-    the blocked layout oneDNN reads them faster. On SmolLM2 with 8 rows, one decoding step's 211 products
-    took 27 ms against 42 ms from the plain layout (58 ms with MKL), and laying the weights out took 0.13 s
-    (``benchmarks/cpu_linear.py``, which measures it on any model). It holds a second copy of the weights
-    while decoding, freed when decoding ends, before the update (whose gradients and optimiser state weigh
-    more). Same function, to float rounding."""
+    Decoding multiplies every weight by a few rows per token, so it reads all the weights once per token, and
+    oneDNN reads its own layout faster than the plain one (``benchmarks/cpu_linear.py`` measures both on any
+    model; docs/performance.md has the numbers). It holds a second copy of the weights while decoding, freed
+    when decoding ends, before the update (whose gradients and optimiser state weigh more). Same function, to
+    float rounding."""
     global _packed_rows
-    if _swaps == 0 or _packed or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if _active == 0 or _packed or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         # not under the oneDNN kernel, already inside a decoding context, or a build without the layout op
         yield
         return
