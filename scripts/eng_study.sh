@@ -12,6 +12,7 @@
 # SFT_LEVEL (default LEVEL) is the level of the warm start's references: below LEVEL, the warm start (and the
 # control) never see a reference of the level that GRPO trains on and every arm is evaluated on
 # (`eval_sft`, `eval_control`); only the grader knows that level.
+# SFT_STEPS (default: the config's 40) sets the warm start's length (runs land in runs/eng_..._sftN/).
 # SFT_SIZE (default: the config's 2,000) limits the warm start's references to a fixed set of that many
 # problems, drawn from the same pool as GRPO's prompts: the warm start and the control then repeat them epoch
 # after epoch, as SFT on a finite demonstration set does, while GRPO draws any prompt of the pool (runs land in
@@ -38,6 +39,9 @@ else
   OUT=runs/eng_$FAMILY${LEVEL}_from$SFT_LEVEL; SFT=sft
 fi
 if [[ -n ${SFT_SIZE:-} ]]; then OUT=${OUT}_refs$SFT_SIZE; SFT_DATA=("data.train_size=$SFT_SIZE"); else SFT_DATA=(); fi
+if [[ -n ${SFT_STEPS:-} ]]; then  # a shorter (or longer) warm start, checkpointed at its end, evaluated by eval_sft only
+  OUT=${OUT}_sft$SFT_STEPS; SFT_DATA+=("train.steps=$SFT_STEPS" "train.checkpoint_every=0" "eval.n_prompts=0")
+fi
 START=${START:-$SFT}
 if [[ $START != "$SFT" ]]; then GRPO=${GRPO}_from_$START; fi
 if [[ -n ${TAG:-} ]]; then GRPO=${GRPO}_$TAG; fi
