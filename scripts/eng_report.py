@@ -45,17 +45,19 @@ def final_responses(run: Path) -> list[dict]:
 
 def arms(root: Path) -> list[tuple[str, list[dict]]]:
     found = []
-    if (root / "eval_base.jsonl").is_file():
-        found.append(("base SmolLM2-135M-Instruct, with the calculator", read_jsonl(root / "eval_base.jsonl")))
     sft = "sft_axial3_e200" if (root / "sft_axial3_e200").is_dir() else "sft"  # the first study's name
+    tools = ", with the calculator" if uses_tools(root / sft) else ""
+    if (root / "eval_base.jsonl").is_file():
+        found.append((f"base SmolLM2-135M-Instruct{tools}", read_jsonl(root / "eval_base.jsonl")))
     # `cohortrl eval` of a warm start's final/ on the RL level (scripts/eng_study.sh eval_sft): the warm start's
     # own evaluation is on its references' level, which is another level when SFT_LEVEL was set
     on_rl_level = (root / "eval_sft.jsonl").is_file()
     sft_level = sft_level_note(root / sft)
+    sft_steps = warm_start_steps(root / sft)
     if on_rl_level:
-        found.append((f"SFT (40 steps{sft_level})", read_jsonl(root / "eval_sft.jsonl")))
+        found.append((f"SFT ({sft_steps} steps{sft_level})", read_jsonl(root / "eval_sft.jsonl")))
     elif (root / sft / "eval_completions.jsonl").is_file():
-        found.append((f"SFT (40 steps{sft_level})", final_responses(root / sft)))
+        found.append((f"SFT ({sft_steps} steps{sft_level})", final_responses(root / sft)))
     for prefix, label in GRPO_RUNS:
         for seed in range(10):
             run = root / f"{prefix}_s{seed}"
@@ -63,14 +65,14 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
                 found.append((f"{label}, seed {seed}", final_responses(run)))
     # the controls: copies of a supervised run, resumed (sft_more continues the warm start; sft_more_more
     # continues sft_more, the start of the START=sft_more GRPO runs), each counted once it went further
-    previous, run = 40, f"{sft}_more"
+    previous, run = sft_steps, f"{sft}_more"
     while (root / run).is_dir():
         more = root / run
         steps = max((r["step"] for r in read_jsonl(more / "metrics.jsonl")), default=0)
         if not ((more / "final" / "cohortrl_run.json").is_file() and steps > previous and
                 json.loads((more / "final" / "cohortrl_run.json").read_text()).get("step") == steps):
             break
-        start = f" from {previous}" if previous != 40 else ""
+        start = f" from {previous}" if previous != sft_steps else ""
         name = f"SFT continued{start} to {steps} steps{sft_level} (the GRPO phase's wall time)"
         if run == f"{sft}_more" and (root / "eval_control.jsonl").is_file():
             found.append((name, read_jsonl(root / "eval_control.jsonl")))
@@ -78,6 +80,22 @@ def arms(root: Path) -> list[tuple[str, list[dict]]]:
             found.append((name, final_responses(more)))
         previous, run = steps, run + "_more"
     return found
+
+
+def uses_tools(run: Path) -> bool:
+    """Whether the warm start (and so every arm of its study) ran with tools (``rollout.tools``)."""
+    import yaml
+
+    config = run / "config.yaml"
+    return not config.is_file() or bool((yaml.safe_load(config.read_text()).get("rollout") or {}).get("tools", True))
+
+
+def warm_start_steps(run: Path) -> int:
+    """The warm start's length (``train.steps`` of its config; 40, the configs' own, when it has none)."""
+    import yaml
+
+    config = run / "config.yaml"
+    return yaml.safe_load(config.read_text())["train"]["steps"] if config.is_file() else 40
 
 
 def sft_level_note(run: Path) -> str:
@@ -103,8 +121,12 @@ def new_units(prompt) -> bool:
 
 
 def kind(prompt) -> str:
-    """The problem's section shape (axial_stress) or beam and load case (beam_bending)."""
+    """The problem's section shape (axial_stress), beam and load case (beam_bending) or function
+    (python_function)."""
     text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    function = re.search(r"Write a Python function\s+def (\w+)\(", text)
+    if function:
+        return function.group(1)
     if "beam" in text.split(".")[0] or "cantilever" in text.split(".")[0]:
         beam = "cantilever" if "cantilever" in text.split(".")[0] else "simply supported"
         loads = "point load + UDL" if "uniformly distributed" in text else "two point loads"
@@ -131,7 +153,7 @@ def seed_summary(values: list[float]) -> str:
 def table(root: Path) -> str:
     found = arms(root)
     kinds_seen = {kind(r["prompt"]) for _, rows in found for r in rows}
-    columns = [k for k in SHAPES + BEAMS if k in kinds_seen]
+    columns = [k for k in SHAPES + BEAMS if k in kinds_seen] + sorted(kinds_seen - set(SHAPES + BEAMS) - {"other"})
     lines = ["| arm | held-out strict accuracy (95% Wilson CI, n) | supported: every required step right too | "
              + " | ".join(columns) + " |", "|---|---|---|" + "---|" * len(columns)]
     for name, rows in found:
@@ -162,6 +184,8 @@ def table(root: Path) -> str:
         if seeds:
             out.append(f"{label} over {len(seeds)} seed(s): strict {seed_summary([accuracy(r)[0] for r in seeds])}; "
                        f"supported {seed_summary([accuracy(supported_only(r))[0] for r in seeds])}.")
+    if not any(r["category"] for _, rows in found for r in rows):  # a family without error categories (code)
+        return "\n\n".join(out) + "\n"
     kinds = [k for k in CATEGORIES if k != "correct"]
     cat = ["| arm | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
     for name, rows in found:
@@ -191,6 +215,9 @@ def plot(root: Path, out: Path) -> None:
                 continue
             rows = [r for r in read_jsonl(path) if "reward_mean" in r]
             for ax, (key, title) in zip(axes, panels):
+                if not any(key in r for r in rows):  # no tools in this study
+                    ax.set_title(f"{title}: not logged", fontsize=9)
+                    continue
                 ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], style, label=f"{prefix} seed {seed}",
                         lw=1.2)
                 ax.set_title(title, fontsize=9)
