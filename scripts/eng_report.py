@@ -207,21 +207,16 @@ def plot(root: Path, out: Path) -> None:
               ("zero_variance_frac", "groups without signal (fraction)"),
               ("response_length_mean", "response length (tokens)"),
               ("tools/calls_per_response", "calculator calls per response")]
+    runs = [(prefix, seed, style, [r for r in read_jsonl(path) if "reward_mean" in r])
+            for (prefix, _), style in zip(GRPO_RUNS, ("-", "--", ":", "-.")) for seed in range(10)
+            if (path := root / f"{prefix}_s{seed}" / "metrics.jsonl").is_file()]
+    panels = [(key, title) for key, title in panels if any(key in r for *_, rows in runs for r in rows)]  # no tools: 3
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))
-    for (prefix, _), style in zip(GRPO_RUNS, ("-", "--", ":", "-.")):
-        for seed in range(10):
-            path = root / f"{prefix}_s{seed}" / "metrics.jsonl"
-            if not path.is_file():
-                continue
-            rows = [r for r in read_jsonl(path) if "reward_mean" in r]
-            for ax, (key, title) in zip(axes, panels):
-                if not any(key in r for r in rows):  # no tools in this study
-                    ax.set_title(f"{title}: not logged", fontsize=9)
-                    continue
-                ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], style, label=f"{prefix} seed {seed}",
-                        lw=1.2)
-                ax.set_title(title, fontsize=9)
-                ax.set_xlabel("GRPO step")
+    for prefix, seed, style, rows in runs:
+        for ax, (key, title) in zip(axes, panels):
+            ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], style, label=f"{prefix} seed {seed}", lw=1.2)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("GRPO step")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
