@@ -755,7 +755,7 @@ def validate(cfg: Config) -> None:
     _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0 keeps all)")
     _require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps, "must be >= 0 (0: never stop)")
     for key in ("cpu_linear", "cpu_allocator"):
-        _require(t.cpu_fast_path == "auto" or getattr(t, key) == "auto" or getattr(t, key) in ("aten", "system"),
+        _require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system"),
                  f"train.{key}", getattr(t, key), "asks for part of the CPU fast path, which train.cpu_fast_path=off "
                  "turns off; drop one of the two")
     _require(cfg.reward.timeout_s >= 0, "reward.timeout_s", cfg.reward.timeout_s, "must be >= 0 (0: no limit)")

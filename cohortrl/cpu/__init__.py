@@ -30,8 +30,6 @@ from cohortrl.cpu.decoder import check_architecture, computes
 from cohortrl.cpu.kernels import resolve_cpu_linear
 from cohortrl.cpu.memory import resolve_cpu_allocator
 
-FAST_PATH_SETTINGS = ("auto", "off")
-
 
 def linear_kernel(train_cfg, device, model) -> str:
     """The kernel a run's linear layers use, ``onednn`` or ``aten``, from ``train.cpu_fast_path`` and
