@@ -367,8 +367,9 @@ class TrainConfig:
     cpu_allocator: Literal["auto", "retain", "system"] = "auto"
     """Freed CPU memory: ``retain`` keeps it mapped in the process for the next step's tensors (glibc's
     ``mallopt``: every block from the heap, no mmap, no heap trimming), so a step does not fault its pages in again;
-    ``system`` leaves glibc's defaults; ``auto`` retains on a CPU under glibc. Process-wide; peak memory stays
-    about where it was, but it is not returned to the OS until the process ends (``cohortrl/cpu/memory.py``)."""
+    ``system`` leaves glibc's defaults; ``auto`` retains on a CPU under glibc. Process-wide while a run holds it:
+    peak memory stays about where it was, but it is not returned to the OS until the run closes, which puts
+    glibc's defaults back (``cohortrl/cpu/memory.py``)."""
     reuse_rollout_forward: bool = True
     """GRPO with one update per rollout (``algorithm.epochs`` 1, one minibatch, one micro-batch), one process,
     the lean decoder (``cpu/decoder.py``) and no dropout: the policy that sampled is the policy being

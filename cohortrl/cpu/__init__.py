@@ -12,7 +12,7 @@ autograd throughout; where ``auto`` falls back, the run says so once, at INFO, w
 - ``replay.py``: an on-policy GRPO update's backward through what decoding recorded, instead of a second
   forward (``train.reuse_rollout_forward``);
 - ``memory.py``: freed memory kept in the process between steps (``train.cpu_allocator``; glibc's
-  ``mallopt``, which is process-wide by nature: set once when a run starts and documented there).
+  ``mallopt``, which is process-wide by nature: set when a run starts, glibc's defaults back when it closes).
 
 Each computes the same function as the plain path, to float rounding; ``tests/cpu/`` checks each against
 it, and the trainer tests run on both paths (``tests/trainers/conftest.py``). It relies on transformers'

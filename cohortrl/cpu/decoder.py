@@ -30,6 +30,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from cohortrl.cpu import kernels
 
@@ -124,9 +125,23 @@ def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def _cache_layout_known() -> bool:
+    """Whether transformers' ``DynamicCache`` keeps its keys and values where :func:`_cached` reads them."""
+    try:
+        cache = DynamicCache()
+    except Exception:  # a newer constructor that wants arguments: a layout this module does not know
+        return False
+    return hasattr(cache, "layers") or hasattr(cache, "key_cache")
+
+
 def check_architecture(model) -> None:
     """Raise :class:`Unsupported` (with the reason) unless the fast path computes this model: a Llama-family
-    architecture with fp32 weights on a CPU, made of plain linear layers or plain LoRA ones."""
+    architecture with fp32 weights on a CPU, made of plain linear layers or plain LoRA ones, under a
+    transformers version whose KV cache it can read. An attribute the checks expect but a newer transformers
+    or PEFT no longer has raises ``AttributeError``, which :func:`computes` treats as a reason too."""
+    if not _cache_layout_known():
+        raise Unsupported("transformers' DynamicCache has neither `layers` (4.56+) nor `key_cache` (before), the "
+                          "layouts the lean decoder reads")
     base = _base_model(model)
     cfg = base.config
     if cfg.model_type not in SUPPORTED_TYPES:

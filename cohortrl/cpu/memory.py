@@ -22,8 +22,12 @@ was (the benchmark's SmolLM2 worker peaked at 3848-4072 MB, against 3851 MB befo
 lays them out varies between processes. What changes is that the heap is not handed back to the OS between
 steps, nor at the end. ``train.cpu_allocator: system`` leaves glibc's defaults alone.
 
-Process-wide and once: it applies to every later allocation of the process, including other libraries'.
-Only glibc has these parameters; on macOS, Windows or musl ``auto`` leaves the allocator alone.
+The parameters are process-wide by nature: while they are set they apply to every allocation of the process,
+including other libraries'. So they are scoped to the runs that asked for them: a trainer sets them when its
+run starts and :func:`release_freed_memory` puts glibc's defaults back (128 KiB thresholds, mmap allowed) and
+returns the retained heap to the OS when the last such run closes (``Trainer.close``). glibc's dynamic
+threshold stays off after that, as any explicit ``mallopt`` leaves it. Only glibc has these parameters; on
+macOS, Windows or musl ``auto`` leaves the allocator alone.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ M_TRIM_THRESHOLD = -1  # <malloc.h>
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+# glibc's starting values (DEFAULT_MMAP_THRESHOLD_MIN, DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX), put back on release
+GLIBC_DEFAULTS = ((M_MMAP_THRESHOLD, 128 * 1024), (M_TRIM_THRESHOLD, 128 * 1024), (M_MMAP_MAX, 65536))
 
-_retaining = False
+_holders = 0  # runs of this process that retain freed memory now
 
 
 def _glibc():
@@ -70,25 +76,46 @@ def resolve_cpu_allocator(setting: str, device) -> str:
 
 
 def retain_freed_memory() -> bool:
-    """Keep freed memory mapped in this process for reuse (see the module docstring). Returns whether it is
-    in effect; idempotent."""
-    global _retaining
-    if _retaining:
+    """Keep freed memory mapped in this process for reuse (see the module docstring) until every caller that
+    got True has called :func:`release_freed_memory`. Returns whether it is in effect."""
+    global _holders
+    if _holders:
+        _holders += 1
         return True
     libc = _glibc()
     if libc is None:
         return False
     # mallopt returns 1 on success; -1 for M_TRIM_THRESHOLD is documented as "never trim", 0 for M_MMAP_MAX as
     # "never mmap". The threshold is still set: should M_MMAP_MAX be refused, blocks up to it are retained.
-    _retaining = all(libc.mallopt(param, value) == 1 for param, value in (
+    retaining = all(libc.mallopt(param, value) == 1 for param, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, -1), (M_MMAP_MAX, 0)))
-    if not _retaining:
+    if not retaining:
         log.warning("mallopt refused M_MMAP_THRESHOLD, M_TRIM_THRESHOLD or M_MMAP_MAX; freed CPU memory may go back "
                     "to the OS as usual")
-    return _retaining
+        _restore(libc)
+        return False
+    _holders = 1
+    return True
 
 
-def apply_cpu_allocator(kind: str) -> None:
-    """Put a resolved ``cpu_allocator`` into effect (``system``: nothing to do)."""
-    if kind == "retain":
-        retain_freed_memory()
+def release_freed_memory() -> None:
+    """One holder of :func:`retain_freed_memory` is done; after the last, glibc's defaults are back and the freed
+    heap goes back to the OS (``malloc_trim``)."""
+    global _holders
+    if _holders == 0:
+        return
+    _holders -= 1
+    if _holders == 0:
+        _restore(_glibc())
+
+
+def _restore(libc) -> None:
+    for param, value in GLIBC_DEFAULTS:
+        libc.mallopt(param, value)
+    libc.malloc_trim(0)
+
+
+def apply_cpu_allocator(kind: str) -> bool:
+    """Put a resolved ``cpu_allocator`` into effect (``system``: nothing to do). Returns whether the caller now
+    holds the retained allocator and must call :func:`release_freed_memory` when its run ends."""
+    return kind == "retain" and retain_freed_memory()

@@ -238,15 +238,19 @@ def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
 
 def train_reward_model(cfg: RewardModelConfig) -> dict:
     """Train, save to ``cfg.out`` and evaluate on held-out data; returns the summary written to train_rm.json."""
-    from cohortrl.cpu.memory import apply_cpu_allocator, resolve_cpu_allocator
+    from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator
     from cohortrl.cpu.kernels import linear_kernels, resolve_cpu_linear
     from cohortrl.rollout.hf import model_device
 
     train, held = load_examples(cfg)
     model, tokenizer = build_reward_model(cfg.model, cfg.kind, seed=cfg.seed)
-    apply_cpu_allocator(resolve_cpu_allocator(cfg.cpu_allocator, model_device(model)))
-    with linear_kernels(resolve_cpu_linear(cfg.cpu_linear, model_device(model)), model):
-        return _train_and_evaluate(cfg, model, tokenizer, train, held)
+    holds_allocator = apply_cpu_allocator(resolve_cpu_allocator(cfg.cpu_allocator, model_device(model)))
+    try:
+        with linear_kernels(resolve_cpu_linear(cfg.cpu_linear, model_device(model)), model):
+            return _train_and_evaluate(cfg, model, tokenizer, train, held)
+    finally:
+        if holds_allocator:
+            release_freed_memory()
 
 
 def _train_and_evaluate(cfg: RewardModelConfig, model, tokenizer, train: list, held: list) -> dict:

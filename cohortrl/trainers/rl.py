@@ -40,7 +40,7 @@ from cohortrl import cpu, distributed
 from cohortrl.algorithms import get_policy_loss, masked_mean, truncated_importance_weights
 from cohortrl.config import Config
 from cohortrl.cpu.kernels import linear_kernels
-from cohortrl.cpu.memory import apply_cpu_allocator
+from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.models import load_model
 from cohortrl.rewards import grader_errors
@@ -164,7 +164,8 @@ class RLTrainer(Trainer):
         self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss)  # names already checked by config.validate
         self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
-        apply_cpu_allocator(cpu.allocator(cfg.train, self.device))  # process-wide, before the first step
+        # process-wide while held: released by close()
+        self._holds_allocator = apply_cpu_allocator(cpu.allocator(cfg.train, self.device))
         if self.dist.launched:
             _check_distributed(cfg, self.name, self.dist)
         self._seed_process(resume)
@@ -234,10 +235,14 @@ class RLTrainer(Trainer):
         self.norm_length = self.cfg.algorithm.norm_length or cfg.sampling.max_new_tokens
 
     def close(self) -> None:
-        """Stop the reward workers (if any), then let the run go (``Trainer.close``)."""
+        """Stop the reward workers (if any), give the allocator back (``cpu/memory.py``), then let the run go
+        (``Trainer.close``)."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self._holds_allocator:
+            release_freed_memory()
+            self._holds_allocator = False
         super().close()
 
     @property

@@ -162,3 +162,50 @@ def test_the_lean_step_samples_the_same_with_and_without_shared_prefill(temperat
         flat, _ = generate(model, tok, [r for r in rows for _ in range(3)], 1, sampling)
     assert torch.equal(grouped.response_ids, flat.response_ids)
     assert torch.equal(grouped.response_mask, flat.response_mask)
+
+
+class _NewerLoraLinear(torch.nn.Module):
+    """A LoRA layer as a later PEFT might lay it out: a base layer and a delta weight, but none of the
+    attributes (``disable_adapters``, ``merged``, ``active_adapters``, ``lora_A``) the fast path reads."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base_layer = base
+        self.delta = torch.nn.Parameter(torch.randn_like(base.weight) * 0.1)
+
+    def get_delta_weight(self, name):
+        return self.delta
+
+    def forward(self, x):
+        return self.base_layer(x) + torch.nn.functional.linear(x, self.delta)
+
+
+class _NewerCache:
+    """A KV cache as a later transformers might lay it out: neither ``layers`` nor ``key_cache``."""
+
+
+@needs_onednn
+@pytest.mark.parametrize("change", ["cache layout", "LoRA layer"])
+def test_a_newer_transformers_or_peft_layout_falls_back_to_transformers(change, monkeypatch, caplog):
+    """The fast path reads transformers' cache and PEFT's LoRA attributes; a version that lays them out
+    otherwise must send the model to transformers' forward (said once at INFO), not fail mid-generation."""
+    model, tok = load_model("tiny-llama-4l", seed=4)
+    if change == "cache layout":
+        monkeypatch.setattr(decoder_module, "DynamicCache", _NewerCache)
+        reason = "DynamicCache has neither `layers`"
+    else:
+        torch.manual_seed(0)
+        attn = model.model.layers[0].self_attn
+        attn.q_proj = _NewerLoraLinear(attn.q_proj)
+        reason = "'_NewerLoraLinear' object has no attribute 'disable_adapters'"
+    rows = [{"prompt": p} for p in PROMPTS]
+    out = {}
+    with caplog.at_level(logging.INFO, logger="cohortrl"):
+        for kind in ("onednn", "aten"):
+            torch.manual_seed(0)
+            with linear_kernels(kind):
+                assert decoder_for(model) is None
+                out[kind], _ = generate(model, tok, rows, 3, Sampling(temperature=1.0, max_new_tokens=16))
+    assert torch.equal(out["onednn"].response_ids, out["aten"].response_ids)
+    said = [r.getMessage() for r in caplog.records if r.name == "cohortrl"]
+    assert len(said) == 1 and reason in said[0], said

@@ -19,9 +19,11 @@ glibc_only = pytest.mark.skipif(cpu_memory._glibc() is None, reason="mallopt is 
 # retained, only the first does.
 _PROBE = textwrap.dedent("""
     import ctypes, resource, sys
-    from cohortrl.cpu.memory import retain_freed_memory
-    if sys.argv[1] == "retain":
+    from cohortrl.cpu.memory import release_freed_memory, retain_freed_memory
+    if sys.argv[1] in ("retain", "released"):
         assert retain_freed_memory()
+    if sys.argv[1] == "released":  # a run that retained, then closed
+        release_freed_memory()
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
     size, faults = int(sys.argv[2]) * 1024 * 1024, []
@@ -50,6 +52,52 @@ def test_freed_blocks_stay_resident_for_the_next_round(mib):
     assert all(n > pages * 0.9 for n in system)  # glibc's defaults: every round faults in again
     assert retained[0] > pages * 0.9  # the first touch is paid once either way
     assert all(n < pages * 0.01 for n in retained[1:])  # then the heap's freed blocks are reused as they are
+    released = _faults("released", mib)
+    assert all(n > pages * 0.9 for n in released)  # glibc's defaults are back: the setting did not outlive the run
+
+
+class _FakeGlibc:
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 1
+
+    def malloc_trim(self, pad):
+        self.calls.append(("trim", pad))
+        return 1
+
+
+def test_the_setting_lasts_until_its_last_holder_releases_it(monkeypatch):
+    libc = _FakeGlibc()
+    monkeypatch.setattr(cpu_memory, "_glibc", lambda: libc)
+    monkeypatch.setattr(cpu_memory, "_holders", 0)
+    retain = [(cpu_memory.M_MMAP_THRESHOLD, cpu_memory.MMAP_THRESHOLD_MAX), (cpu_memory.M_TRIM_THRESHOLD, -1),
+              (cpu_memory.M_MMAP_MAX, 0)]
+    restore = [*cpu_memory.GLIBC_DEFAULTS, ("trim", 0)]
+    assert cpu_memory.apply_cpu_allocator("retain") and cpu_memory.apply_cpu_allocator("retain")  # two runs
+    assert libc.calls == retain  # set once
+    cpu_memory.release_freed_memory()
+    assert libc.calls == retain  # the other run still holds it
+    cpu_memory.release_freed_memory()
+    assert libc.calls == retain + restore
+    cpu_memory.release_freed_memory()  # an extra release changes nothing
+    assert libc.calls == retain + restore
+    assert not cpu_memory.apply_cpu_allocator("system") and libc.calls == retain + restore
+
+
+def test_a_trainer_gives_the_allocator_back_when_it_closes(tmp_path, monkeypatch):
+    from cohortrl.trainers.grpo import GRPOTrainer
+
+    libc = _FakeGlibc()
+    monkeypatch.setattr(cpu_memory, "_glibc", lambda: libc)
+    monkeypatch.setattr(cpu_memory, "_holders", 0)
+    trainer = GRPOTrainer({"model": {"name": "tiny-llama"}, "data": {"source": "task:arithmetic"},
+                           "algorithm": {"group_size": 2, "prompts_per_step": 1}, "train": {"steps": 1}}, tmp_path / "run")
+    assert cpu_memory._holders == 1 and libc.calls[0] == (cpu_memory.M_MMAP_THRESHOLD, cpu_memory.MMAP_THRESHOLD_MAX)
+    trainer.close()
+    assert cpu_memory._holders == 0 and libc.calls[-1] == ("trim", 0)
 
 
 def test_resolution():
@@ -62,7 +110,7 @@ def test_resolution():
 
 def test_without_glibc_auto_leaves_the_allocator_and_retain_is_an_error(monkeypatch):
     monkeypatch.setattr(cpu_memory, "_glibc", lambda: None)
-    monkeypatch.setattr(cpu_memory, "_retaining", False)
+    monkeypatch.setattr(cpu_memory, "_holders", 0)
     assert resolve_cpu_allocator("auto", "cpu") == "system"
     with pytest.raises(RuntimeError, match="Set train.cpu_allocator=auto or system"):
         resolve_cpu_allocator("retain", "cpu")
