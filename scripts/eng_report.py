@@ -166,7 +166,8 @@ def table(root: Path) -> str:
         lines.append(f"| {name} | {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}) | {s_acc:.3f} ({s_lo:.3f}-{s_hi:.3f}) | "
                      + " | ".join(by_shape) + " |")
     out = ["\n".join(lines)]
-    if "solid round" in kinds_seen:  # axial_stress: the level-3 units (sizes in m, strength in GPa) or not
+    if "solid round" in kinds_seen and any(new_units(r["prompt"]) for _, rows in found for r in rows):
+        # axial_stress level 3: the units level 2 never uses (sizes in m, strength in GPa) or not
         def right(rows):
             return f"{sum(r['correct'] for r in rows)} ({sum(r['correct'] for r in supported_only(rows))})/{len(rows)}"
 
