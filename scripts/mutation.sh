@@ -5,12 +5,14 @@
 #
 #   scripts/mutation.sh algorithms          # cohortrl/algorithms/ against tests/algorithms/
 #   scripts/mutation.sh grading             # grading/units.py and grading/answer_format.py against their tests
+#   scripts/mutation.sh step                # trainers/update.py and trainers/grpo.py against the wiring, golden
+#                                           # and optimiser tests
 #   scripts/mutation.sh algorithms /tmp/m   # copy into /tmp/m instead of /tmp/cohortrl-mutation-<scope>
 #
 # Then, in the copy: `mutmut results` lists the survivors, `mutmut show NAME` prints one as a diff, and
 # `mutmut run NAME...` re-runs some (e.g. after copying a new test into <copy>/tests and <copy>/mutants/tests).
 set -euo pipefail
-scope=${1:?usage: scripts/mutation.sh algorithms|grading [copy-dir]}
+scope=${1:?usage: scripts/mutation.sh algorithms|grading|step [copy-dir]}
 root=$(git rev-parse --show-toplevel)
 dir=${2:-/tmp/cohortrl-mutation-$scope}
 case $scope in
@@ -21,7 +23,10 @@ case $scope in
     mutate='"cohortrl/grading/units.py", "cohortrl/grading/answer_format.py"'
     tests='"tests/tasks/test_units.py", "tests/tasks/test_unit_boundaries.py", "tests/tasks/test_answer_format.py",
       "tests/tasks/test_grading_mutation_kills.py"' ;;
-  *) echo "unknown scope $scope: algorithms or grading" >&2; exit 2 ;;
+  step)  # the update's helpers and GRPO's own part of the step, against the tests that pin the step's numbers
+    mutate='"cohortrl/trainers/update.py", "cohortrl/trainers/grpo.py"'
+    tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py"' ;;
+  *) echo "unknown scope $scope: algorithms, grading or step" >&2; exit 2 ;;
 esac
 rm -rf "$dir" && mkdir -p "$dir"
 git -C "$root" archive HEAD | tar -x -C "$dir"
