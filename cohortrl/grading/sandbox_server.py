@@ -266,6 +266,14 @@ def describe(error: BaseException, memory_mb: int) -> str:
     return f"{text} (line {lines[-1]})" if lines else text
 
 
+def cpu_limit(timeout_s: float) -> int:
+    """RLIMIT_CPU's soft limit for a job: the first whole second above its wall-clock limit. The wall-clock
+    limit is the contract (the server kills at it); this is the backstop should the server not. Not equal to it:
+    the kernel samples CPU time in scheduler ticks and can count a busy job a tick ahead, so a CPU limit of
+    exactly the wall-clock limit ended 1 s jobs up to a few milliseconds early."""
+    return math.floor(timeout_s) + 1
+
+
 def run_job(job: dict) -> dict:
     """Compile the model's code, find its function and call it once per argument list."""
     namespace = {"__builtins__": restricted_builtins(), "__name__": "solution"}
@@ -310,7 +318,7 @@ def child_main(job: dict, fds: dict, slot: int, seccomp: Seccomp, server_pid: in
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        cpu = max(1, math.ceil(job["timeout_s"]))
+        cpu = cpu_limit(job["timeout_s"])
         limits = [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, job["as_bytes"], job["as_bytes"]),
                   (resource.RLIMIT_NOFILE, 8, 8), (resource.RLIMIT_NPROC, 0, 0), (resource.RLIMIT_FSIZE, 0, 0),
                   (resource.RLIMIT_CORE, 0, 0)]
@@ -675,7 +683,7 @@ class Server:
             return {"ok": False, "reason": child.killed_for, "seccomp": seccomp_on}
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
-            cpu = max(1, math.ceil(child.job["timeout_s"]))
+            cpu = cpu_limit(child.job["timeout_s"])
             reason = SIGNAL_REASONS[sig].format(cpu=cpu) if sig in SIGNAL_REASONS else f"killed by signal {signal_name(sig)}"
             if sig == signal.SIGKILL:
                 reason = f"killed (SIGKILL): the CPU-time hard limit of {cpu + 1} s or the kernel's OOM killer"

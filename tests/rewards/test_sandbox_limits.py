@@ -2,9 +2,10 @@
 60% of its limit succeeds, sleeping or computing; a hostile one (a busy loop, an endless sleep) is killed no
 earlier than its limit and no later than 0.2 s after it, measured by this process's clock around the job.
 
-The limits are not whole seconds on purpose as well as whole: the CPU-time rlimit is ceil(limit) s, so at
-1.5 s it is the wall-clock timer alone that must stop a busy loop at 1.5 s (the rlimit would only at 2 s),
-while at 1.0 s both stand guard.
+The limits are not whole seconds on purpose as well as whole: the CPU-time rlimit is the first whole second above
+the limit (``sandbox_server.cpu_limit``), so at 1.0 s as at 1.5 s it is the wall-clock timer that must stop a busy
+loop. (When the rlimit was ceil(limit), equal to a whole-second limit, a busy loop was once killed by it 0.4 ms
+before its 1.0 s limit on an idle machine: the kernel's CPU time is sampled in ticks.)
 
 Load: the upper bound holds with room on this 2-core machine at a load average of 7-8 (other test suites
 running): the kill arrived 15-30 ms after the limit (docs/testing.md). A late kill caused by the sandbox is the
@@ -19,6 +20,7 @@ import time
 import pytest
 
 from cohortrl.grading.sandbox import Sandbox
+from cohortrl.grading.sandbox_server import cpu_limit
 
 LATE = 0.2  # seconds after the limit by which a hostile job must be dead
 ATTEMPTS = 2
@@ -70,3 +72,8 @@ def test_a_hostile_job_is_killed_at_its_limit_and_not_later_than_0_2_s_after(box
         if elapsed <= limit + LATE:
             break
     assert min(elapsed_all) <= limit + LATE, f"killed {min(elapsed_all) - limit:.3f} s after its {limit} s limit"
+
+
+def test_the_cpu_time_backstop_lies_above_the_wall_clock_limit():
+    """Whole seconds above the limit, never equal to it: the CPU rlimit must not end a job the wall clock allows."""
+    assert [cpu_limit(t) for t in (0.2, 0.999, 1.0, 1.5, 2.0, 2.9)] == [1, 1, 2, 2, 3, 3]
