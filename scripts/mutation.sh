@@ -5,8 +5,8 @@
 #
 #   scripts/mutation.sh algorithms          # cohortrl/algorithms/ against tests/algorithms/
 #   scripts/mutation.sh grading             # grading/units.py and grading/answer_format.py against their tests
-#   scripts/mutation.sh step                # trainers/update.py and trainers/grpo.py against the wiring, golden
-#                                           # and optimiser tests
+#   scripts/mutation.sh step                # trainers/update.py and trainers/grpo.py against the wiring, golden,
+#                                           # optimiser and rollout-forward-reuse tests
 #   scripts/mutation.sh algorithms /tmp/m   # copy into /tmp/m instead of /tmp/cohortrl-mutation-<scope>
 #
 # Then, in the copy: `mutmut results` lists the survivors, `mutmut show NAME` prints one as a diff, and
@@ -25,7 +25,8 @@ case $scope in
       "tests/tasks/test_grading_mutation_kills.py"' ;;
   step)  # the update's helpers and GRPO's own part of the step, against the tests that pin the step's numbers
     mutate='"cohortrl/trainers/update.py", "cohortrl/trainers/grpo.py"'
-    tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py"' ;;
+    tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py",
+      "tests/trainers/test_reuse_rollout_forward.py"' ;;
   *) echo "unknown scope $scope: algorithms, grading or step" >&2; exit 2 ;;
 esac
 rm -rf "$dir" && mkdir -p "$dir"

@@ -58,7 +58,7 @@ class MicroBatch:
 
 
 def micro_batches(rows: torch.Tensor, weights_BT: torch.Tensor, loss_mask, response_mask, positions: list[torch.Tensor],
-                  device, n_padding: int = 0) -> list[MicroBatch]:
+                  device, n_padding: int) -> list[MicroBatch]:
     """A minibatch's ``rows`` (with their token weights) cut at ``positions`` (index lists into ``rows``), then
     ``n_padding`` zero-weight micro-batches on row 0 with empty masks (``Dist.padding_micro_batches``). Weights
     and masks go to ``device``; the rows index the rollout, which stays on the CPU."""

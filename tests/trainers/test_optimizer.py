@@ -68,3 +68,34 @@ def test_state_allocated_up_front_is_the_state_a_first_step_starts_from(fused, w
         for key, value in lazy.state[q].items():
             assert torch.equal(torch.as_tensor(early.state[p][key]), torch.as_tensor(value)), key
     assert not torch.equal(model[1].weight.detach(), start[2])  # the steps moved it
+
+
+
+def _one_model_update(max_grad_norm):
+    """One AdamW step of a small linear model through ``optimizer_step``: (model, optimizer, the gradient's norm
+    before the step, finite, the logged norms)."""
+    from cohortrl.trainers.setup import Optimised
+    from cohortrl.trainers.update import optimizer_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    trained = [Optimised("grad_norm", list(model.parameters()), optimizer, scheduler)]
+    loss = (model(torch.randn(5, 4)) ** 2).sum() * 100  # a gradient far above the clipping threshold below
+    loss.backward()
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    finite, norms = optimizer_step(trained, loss.item(), max_grad_norm)
+    return model, optimizer, norm, finite, norms
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_the_optimiser_step_frees_the_gradients_and_clips_only_when_asked(max_grad_norm):
+    """Gradients are freed (None, not zeros) once the step has used them; the logged norm is the gradient's own,
+    before clipping; ``max_grad_norm=None`` clips nothing, 1.0 scales the gradient the moments see to norm 1."""
+    model, optimizer, norm, finite, norms = _one_model_update(max_grad_norm)
+    assert finite and norm > 10 and norms["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert all(p.grad is None for p in model.parameters())
+    exp_avg = torch.cat([optimizer.state[p]["exp_avg"].flatten() for p in model.parameters()])
+    seen = (exp_avg / 0.1).norm().item()  # AdamW's first moment after one step: (1 − β1)·g, β1 = 0.9
+    assert seen == pytest.approx(norm if max_grad_norm is None else 1.0, rel=1e-4)

@@ -26,6 +26,7 @@ from cohortrl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     gae_advantages,
     kl_penalty,
+    kl_shaped_rewards,
     masked_fill_padding,
     masked_whiten,
     outcome_token_rewards,
@@ -100,8 +101,10 @@ def plain_logprobs(model, rollout, temperature: float) -> torch.Tensor:
 @pytest.mark.parametrize("estimator", list(ADVANTAGE_ESTIMATORS))
 def test_grpo_trains_on_the_configured_estimators_advantages_of_the_steps_rewards(tmp_path, estimator):
     process = estimator in ("grpo_process", "grpo_combined")
-    trainer = build(tmp_path, algorithm={"estimator": estimator}, train={"steps": 1},
-                    reward={"process": PROCESS_REWARD} if process else {})
+    # Settings away from the estimators' defaults (eps 1e-6, credit "sum"), so one dropped on its way is seen.
+    eps, credit = 0.25, "min" if estimator == "grpo_process" else "sum"
+    trainer = build(tmp_path, algorithm={"estimator": estimator, "eps": eps}, train={"steps": 1},
+                    reward={"process": {**PROCESS_REWARD, "credit": credit}} if process else {})
     seen, losses = record_targets(trainer), record_policy_loss(trainer)
     trainer.train()
     (step,) = seen
@@ -115,10 +118,10 @@ def test_grpo_trains_on_the_configured_estimators_advantages_of_the_steps_reward
     torch.testing.assert_close(step["rewards"], rewards, rtol=0, atol=0)
     assert rewards.view(-1, 4).std(-1).max() > 0, "no group has reward variance: every estimator would give 0"
 
-    kwargs = dict(rewards=rewards, response_mask=mask, group_size=4, eps=1e-6)
+    kwargs = dict(rewards=rewards, response_mask=mask, group_size=4, eps=eps)
     if process:
         assert batch.step_rewards is not None and any(any(s) for s in batch.step_rewards)
-        kwargs.update(step_rewards=batch.step_rewards, step_ends=batch.step_ends, credit="sum", process_coef=0.5)
+        kwargs.update(step_rewards=batch.step_rewards, step_ends=batch.step_ends, credit=credit, process_coef=0.5)
         # the step rewards are the process reward function's scores on the completions (no guard fires here)
         assert batch.step_rewards == [[s for s, _ in steps] for steps in letter_words(None, completions)]
     expected = ADVANTAGE_ESTIMATORS[estimator](**kwargs)
@@ -128,6 +131,43 @@ def test_grpo_trains_on_the_configured_estimators_advantages_of_the_steps_reward
     # The policy loss is handed exactly those advantages (one update on the whole batch here).
     (call,) = losses
     torch.testing.assert_close(call["advantages"], targets.advantages, rtol=0, atol=0)
+    # ... with the configured eps and credit: the defaults would give other advantages
+    if estimator in ("grpo", "grpo_batch", "grpo_process", "grpo_combined", "reinforce_pp", "reinforce_pp_baseline"):
+        defaults = {**kwargs, "eps": 1e-6, **({"credit": "sum"} if process else {})}
+        assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS[estimator](**defaults), atol=1e-4), estimator
+    if estimator == "grpo_process":
+        assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS[estimator](**{**kwargs, "credit": "sum"}), atol=1e-4)
+
+
+def test_kl_in_the_reward_reaches_a_token_level_estimator_as_token_rewards(tmp_path):
+    """REINFORCE++ with KL in the reward: the advantages are the estimator's on r − β·Σ KL and the per-token
+    −β·KL_t (measured on the sampling policy against the reference), recomputed here from the step's tensors."""
+    beta = 0.1
+    trainer = build(tmp_path, algorithm={"estimator": "reinforce_pp", "kl_in_reward": True, "kl_estimator": "k1",
+                                         "beta": beta}, train={"steps": 2})
+    seen = record_targets(trainer)
+    trainer.train()
+    step = seen[1]  # after one update, so the policy and the reference differ
+    mask = step["batch"].rollout.response_mask
+    kl_BT = kl_penalty(step["old_logp"], step["ref_logp"], "k1")
+    assert (kl_BT * mask).abs().max() > 1e-3
+    shaped, token_rewards = kl_shaped_rewards(step["rewards"], kl_BT, mask, beta)
+    kwargs = dict(rewards=shaped, response_mask=mask, group_size=4, eps=1e-6)
+    expected = ADVANTAGE_ESTIMATORS["reinforce_pp"](**kwargs, token_rewards=token_rewards)
+    torch.testing.assert_close(step["targets"].advantages, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS["reinforce_pp"](**kwargs), atol=1e-4)
+
+
+def test_grpo_without_a_kl_term_trains_on_the_policy_loss_alone(tmp_path):
+    """β = 0 (Dr. GRPO, DAPO, this repository's engineering runs): no reference model, KL logged as exactly 0,
+    and the loss is the policy loss."""
+    trainer = build(tmp_path, algorithm={"beta": 0.0}, train={"steps": 2})
+    assert trainer.reference is None
+    rows = [r for r in trainer.train() if "loss" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["kl"] == 0.0
+        assert row["loss"] == pytest.approx(row["policy_loss"], rel=1e-6, abs=1e-9)
 
 
 def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path):
