@@ -25,6 +25,7 @@ against transformers' step by step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
@@ -125,10 +126,12 @@ def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _cache_layout_known() -> bool:
-    """Whether transformers' ``DynamicCache`` keeps its keys and values where :func:`_cached` reads them."""
+@functools.lru_cache(maxsize=None)
+def _cache_layout_known(cache_class) -> bool:
+    """Whether transformers' ``DynamicCache`` keeps its keys and values where :func:`_cached` reads them. Asked
+    before every generation; the answer depends only on the class, so it is worked out once per class."""
     try:
-        cache = DynamicCache()
+        cache = cache_class()
     except Exception:  # a newer constructor that wants arguments: a layout this module does not know
         return False
     return hasattr(cache, "layers") or hasattr(cache, "key_cache")
@@ -139,7 +142,7 @@ def check_architecture(model) -> None:
     architecture with fp32 weights on a CPU, made of plain linear layers or plain LoRA ones, under a
     transformers version whose KV cache it can read. An attribute the checks expect but a newer transformers
     or PEFT no longer has raises ``AttributeError``, which :func:`computes` treats as a reason too."""
-    if not _cache_layout_known():
+    if not _cache_layout_known(DynamicCache):
         raise Unsupported("transformers' DynamicCache has neither `layers` (4.56+) nor `key_cache` (before), the "
                           "layouts the lean decoder reads")
     base = _base_model(model)
