@@ -98,7 +98,8 @@ class DataConfig:
     max_prompt_tokens: int = 512
     """Prompts longer than this (after the chat template) are handled per ``overlong_prompts``."""
     overlong_prompts: Literal["reject", "truncate"] = "reject"
-    """``reject``: stop with an error naming the prompt; ``truncate``: keep the last tokens and count it."""
+    """``reject``: stop with an error naming the prompt, before step 1 (every training and held-out prompt is
+    checked when the trainer is built); ``truncate``: keep the last tokens and count it."""
 
 
 @dataclass

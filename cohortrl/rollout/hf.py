@@ -43,18 +43,12 @@ def encode_prompts(tokenizer, prompts: list[str], system_prompt: str | None, max
                    tools: list[dict] | None = None):
     """Tokenise chat-formatted prompts, left-padded. Returns (ids (P, Tp), mask (P, Tp), n_truncated).
     ``tools``: JSON schemas the chat template describes (``data.render_prompt``)."""
-    texts = [render_prompt(tokenizer, p, system_prompt, tools) for p in prompts]
-    # The chat template already holds the special tokens; adding BOS again would shift the distribution.
-    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    encoded = [_prompt_ids(tokenizer, p, system_prompt, tools) for p in prompts]
     n_truncated = 0
     for i, ids in enumerate(encoded):
         if len(ids) > max_prompt_tokens:
             if overlong == "reject":
-                raise PromptTooLongError(
-                    f"prompt {i} has {len(ids)} tokens after the chat template, more than "
-                    f"data.max_prompt_tokens={max_prompt_tokens}: {prompt_preview(prompts[i])!r}. "
-                    "Raise data.max_prompt_tokens or set data.overlong_prompts=truncate."
-                )
+                raise _too_long(f"prompt {i}", len(ids), max_prompt_tokens, prompts[i])
             encoded[i] = ids[-max_prompt_tokens:]  # keep the end: the question and the assistant header
             n_truncated += 1
     Tp = max(len(ids) for ids in encoded)
@@ -65,6 +59,48 @@ def encode_prompts(tokenizer, prompts: list[str], system_prompt: str | None, max
         ids_PT[i, Tp - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         mask_PT[i, Tp - len(ids) :] = 1
     return ids_PT, mask_PT, n_truncated
+
+
+def _prompt_ids(tokenizer, prompt: str, system_prompt: str | None, tools: list[dict] | None) -> list[int]:
+    # The chat template already holds the special tokens; adding BOS again would shift the distribution.
+    return tokenizer(render_prompt(tokenizer, prompt, system_prompt, tools), add_special_tokens=False)["input_ids"]
+
+
+def _too_long(what: str, n: int, max_prompt_tokens: int, prompt: str) -> PromptTooLongError:
+    return PromptTooLongError(
+        f"{what} has {n} tokens after the chat template, more than data.max_prompt_tokens={max_prompt_tokens}: "
+        f"{prompt_preview(prompt)!r}. Raise data.max_prompt_tokens or set data.overlong_prompts=truncate."
+    )
+
+
+def prompt_framing(tokenizer, system_prompt: str | None, tools: Toolset | None) -> tuple[str | None, list[dict] | None]:
+    """(system prompt, tool schemas) as ``generate`` renders prompts with ``tools``: the text protocol describes
+    them after the system prompt, the chat protocol hands their schemas to the chat template."""
+    if tools is None:
+        return system_prompt, None
+    if tool_protocol(tools, tokenizer) == "chat":
+        return system_prompt, tools.schemas()
+    return tool_prompt(system_prompt, tools), None
+
+
+def check_prompt_lengths(tokenizer, prompts: list[str], what: str, *, system_prompt: str | None, max_prompt_tokens: int,
+                         tools: Toolset | None = None) -> None:
+    """Raise ``PromptTooLongError`` for the first of ``prompts`` (named ``what`` and its index) that ``generate``
+    would reject, rendered as it will be: a trainer checks its prompts before step 1, not when one is drawn
+    (or the held-out set is evaluated) hours into a run."""
+    system_prompt, schemas = prompt_framing(tokenizer, system_prompt, tools)
+    # Rendering a prompt through the chat template is the slow part (milliseconds each). A text prompt whose
+    # own tokens plus the template's frame stay a margin below the budget cannot exceed it once rendered (only
+    # the tokens at the frame's two seams can merge differently), so only the others are rendered.
+    frame = len(_prompt_ids(tokenizer, "", system_prompt, schemas))
+    texts = [p for p in prompts if isinstance(p, str)]
+    own = iter(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str) and len(next(own)) + frame + 16 <= max_prompt_tokens:
+            continue
+        n = len(_prompt_ids(tokenizer, prompt, system_prompt, schemas))
+        if n > max_prompt_tokens:
+            raise _too_long(f"{what} {i}", n, max_prompt_tokens, prompt)
 
 
 def model_device(model) -> torch.device:
@@ -102,18 +138,17 @@ def generate(
     ``tools``: the model may call them (``rollout/tools.py``), in the protocol ``tool_protocol`` picks: the text
     protocol describes them after the system prompt, the chat protocol hands their schemas to the chat template;
     their results are in the responses as tokens marked by ``rollout.tool_mask``."""
-    session, schemas = None, None
+    session = None
+    framed_system_prompt, schemas = prompt_framing(tokenizer, system_prompt, tools)
     if tools is not None:
         group_rows = [row for row in rows for _ in range(group_size)]
-        if tool_protocol(tools, tokenizer) == "chat":
-            schemas = tools.schemas()
+        if schemas is not None:  # the chat protocol: the template renders the calls and results
             messages = [prompt_messages(row["prompt"], system_prompt) for row in group_rows]
             session = ToolSession(tools, tokenizer, group_rows, messages, schemas)
         else:
-            system_prompt = tool_prompt(system_prompt, tools)
             session = ToolSession(tools, tokenizer, group_rows)
     prompt_ids, prompt_mask, n_truncated = encode_prompts(
-        tokenizer, [r["prompt"] for r in rows], system_prompt, max_prompt_tokens, overlong_prompts, schemas
+        tokenizer, [r["prompt"] for r in rows], framed_system_prompt, max_prompt_tokens, overlong_prompts, schemas
     )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Tp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)

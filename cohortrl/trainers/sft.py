@@ -57,7 +57,7 @@ from cohortrl.data import (
     DataError, PromptStream, check_prompt, load_examples, load_rows, prompt_key, prompt_messages, render_prompt,
 )
 from cohortrl.rewards.scoring import WeightedReward, resolve
-from cohortrl.rollout.hf import response_logprobs
+from cohortrl.rollout.hf import check_prompt_lengths, response_logprobs
 from cohortrl.rollout.tools import tool_protocol, toolset
 from cohortrl.tools import chat, result_spans, tool_prompt, with_calculator
 from cohortrl.trainers import guards
@@ -343,6 +343,10 @@ class SFTTrainer(Trainer):
         examples, eval_rows = self._load_data(inputs)
         self.stream = PromptStream(examples, cfg.train.seed)
         self.eval_rows = eval_rows[: cfg.eval.n_prompts]
+        if cfg.data.overlong_prompts == "reject":  # the held-out evaluation would stop the run after its last step
+            check_prompt_lengths(self.tokenizer, [r["prompt"] for r in self.eval_rows], "held-out prompt",
+                                 system_prompt=cfg.model.system_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                 tools=self.tools)
         fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
         self.correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), fn.weight, cfg.reward.timeout_s)
         self.optimizer = build_optimizer(self.model, cfg.optim)

@@ -294,10 +294,10 @@ def test_lora_on_modules_the_model_lacks_names_both(tmp_path, addition_jsonl):
 def test_overlong_prompts_are_rejected_by_name_or_truncated_and_counted(tmp_path, addition_jsonl, caplog):
     cfg = tiny_config(addition_jsonl, data={"max_prompt_tokens": 5}, train={"steps": 1}, eval={"n_prompts": 0})
     with pytest.raises(PromptTooLongError) as err:
-        GRPOTrainer(cfg, tmp_path / "reject").train()
+        GRPOTrainer(cfg, tmp_path / "reject")  # before step 1: every training prompt is checked up front
     assert err.match(
-        r"^prompt 0 has \d+ tokens after the chat template, more than data.max_prompt_tokens=5: 'What is \d \+ \d\?'\. "
-        r"Raise data.max_prompt_tokens or set data.overlong_prompts=truncate\.$"
+        r"^training prompt 0 has \d+ tokens after the chat template, more than data.max_prompt_tokens=5: "
+        r"'What is \d \+ \d\?'\. Raise data.max_prompt_tokens or set data.overlong_prompts=truncate\.$"
     )
     cfg = tiny_config(addition_jsonl, data={"max_prompt_tokens": 5, "overlong_prompts": "truncate"}, train={"steps": 1},
                       eval={"n_prompts": 0})
@@ -305,6 +305,22 @@ def test_overlong_prompts_are_rejected_by_name_or_truncated_and_counted(tmp_path
         row = GRPOTrainer(cfg, tmp_path / "truncate").train()[0]
     assert row["prompts_truncated"] == 2
     assert "2 prompt(s) truncated to data.max_prompt_tokens=5" in caplog.text
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "sft"])
+def test_an_overlong_held_out_prompt_stops_the_run_before_training(tmp_path, trainer):
+    """The held-out set is first generated from at the final evaluation (eval.before false): a prompt too long
+    for data.max_prompt_tokens there once ended a 20-minute SFT run after its last step, with nothing saved."""
+    from cohortrl.trainers.sft import SFTTrainer
+
+    short = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "completion": f" {i + 1}"} for i in range(8)]
+    held_out = short[:2] + [{"prompt": "Add these numbers: " + " + ".join(["1"] * 40) + ".", "answer": "40"}]
+    cfg = tiny_config(Path("unused.jsonl"), data={"max_prompt_tokens": 48, "eval_size": 0}, train={"steps": 1},
+                      eval={"before": False, "n_prompts": 3})
+    cls = GRPOTrainer if trainer == "grpo" else SFTTrainer
+    with pytest.raises(PromptTooLongError, match=r"^held-out prompt 2 has \d+ tokens after the chat template, more "
+                                                 r"than data.max_prompt_tokens=48: 'Add these numbers: 1 \+ 1"):
+        cls(cfg, tmp_path / trainer, train_dataset=short, eval_dataset=held_out)
 
 
 def test_a_hung_reward_function_stops_the_run_by_name(tmp_path, addition_jsonl):
