@@ -2,7 +2,9 @@
 the same config (batch-level statistics gathered, token weights global, DDP gradients), and a run
 checkpointed under 2 processes resumes under 2 or 1 and ends where the uninterrupted run ends."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +24,16 @@ def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "cohortrl", "train", str(config), "--run-dir", str(run_dir), *extra]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    # Its own session, so that a run hung in a collective (one rank failed, the other waiting) is killed with
+    # its workers at the time limit instead of leaving them behind.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
 
 
 def weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
@@ -43,11 +53,10 @@ def assert_same_weights(a: Path, b: Path, atol: float = 1e-5) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, addition_jsonl):
+def config_path(tmp_path_factory, addition_jsonl) -> Path:
     """One config exercising every statistic that spans the batch: batch-std advantages, token-mean
     aggregation over the global token count, two minibatches of one group each (so each rank sits out one),
     two epochs (old log-probs), micro-batches of 2 (gradient accumulation under no_sync)."""
-    root = tmp_path_factory.mktemp("ddp")
     config = {
         "model": {"name": "tiny-llama", "system_prompt": None},
         "data": {"source": f"jsonl:{addition_jsonl}", "eval_size": 4},
@@ -60,12 +69,30 @@ def runs(tmp_path_factory, addition_jsonl):
         "train": {"steps": 4, "checkpoint_every": 2, "progress": False},
         "eval": {"before": False, "n_prompts": 4, "batch_size": 4},
     }
-    path = root / "ddp.yaml"
+    path = tmp_path_factory.mktemp("ddp_config") / "ddp.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, config_path):
+    """The config run under one process, two, and two with FSDP2."""
+    root, path = tmp_path_factory.mktemp("ddp"), config_path
     torchrun(1, path, root / "one")
     torchrun(2, path, root / "two", "--steps", "2")
     torchrun(2, path, root / "fsdp", "--steps", "2", "train.strategy=fsdp")
     return root, path
+
+
+def assert_same_metrics(one: Path, other: Path, steps=(1, 2)) -> None:
+    """Every logged number of the given steps agrees (loss, KL, grad norm, rewards, advantages' statistics)."""
+    rows_one = {r["step"]: r for r in read_metrics(one) if "loss" in r}
+    rows_other = {r["step"]: r for r in read_metrics(other) if "loss" in r}
+    for step in steps:
+        for key, value in rows_one[step].items():
+            if key.startswith(VOLATILE) or value is None or isinstance(value, str):
+                continue
+            assert rows_other[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
 
 
 def test_two_processes_compute_the_same_update_as_one(runs):
@@ -73,18 +100,13 @@ def test_two_processes_compute_the_same_update_as_one(runs):
     # After two full steps (each: 2 epochs x 2 minibatches), weights and optimiser states on disk.
     one, two = root / "one" / "checkpoints", root / "two" / "checkpoints"
     assert_same_weights(one / "step_000002", two / "step_000002")
-    rows_one = {r["step"]: r for r in read_metrics(root / "one") if "loss" in r}
-    rows_two = {r["step"]: r for r in read_metrics(root / "two") if "loss" in r}
-    for step in (1, 2):
-        for key, value in rows_one[step].items():
-            if key.startswith(VOLATILE) or value is None or isinstance(value, str):
-                continue
-            assert rows_two[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
+    assert_same_metrics(root / "one", root / "two")
 
 
 def test_fsdp2_sharded_over_two_processes_computes_the_same_update(runs, tmp_path):
     root, path = runs
     assert_same_weights(root / "one" / "checkpoints" / "step_000002", root / "fsdp" / "checkpoints" / "step_000002")
+    assert_same_metrics(root / "one", root / "fsdp")  # the grad norm too: under FSDP2 a DTensor over the shards
     resumed = tmp_path / "fsdp"
     import shutil
 
@@ -140,3 +162,20 @@ def test_ppo_with_its_critic_matches_one_process(runs, tmp_path):
         for key in ("kl_coef", "value_loss", "explained_variance", "reward_mean"):
             if a.get(key) is not None:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_ranks_with_responses_of_different_lengths_match_one_process(config_path, tmp_path, monkeypatch):
+    """A stop string ends the tiny model's responses early and at random, so each rank pads its rollout to its own
+    longest response: the gathered advantages (padded to the longest over ranks) must be cut back to each rank's
+    width. Checked that the ranks' widths really differed at some step, from the lengths the reward saw."""
+    path = config_path
+    logging_fn = "tests.trainers.reward_fns:starts_with_letter_logging_lengths"
+    uneven = ("sampling.stop=[e]", "sampling.max_new_tokens=24", f"reward.functions=[{{name: '{logging_fn}'}}]", f"reward.correctness={logging_fn}",
+              "--steps", "2")
+    for nproc in (1, 2):
+        monkeypatch.setenv("COHORTRL_TEST_LENGTHS", str(tmp_path / f"lengths_{nproc}.jsonl"))
+        torchrun(nproc, path, tmp_path / f"run_{nproc}", *uneven)
+    assert_same_weights(tmp_path / "run_1" / "final", tmp_path / "run_2" / "final")
+    calls = [json.loads(line) for line in (tmp_path / "lengths_2.jsonl").read_text().splitlines()]
+    widths = {(c["step"], c["rank"]): max(c["lengths"]) for c in calls}
+    assert any(widths[(step, 0)] != widths[(step, 1)] for step in (0, 1)), widths

@@ -45,3 +45,15 @@ def hangs(prompts, completions, **columns):
 def starts_with_vowel(prompts, completions, **columns):
     """Rarer than a letter: many groups of 4 are all-wrong, so resampling has work to do."""
     return [1.0 if c[:1].lower() in "aeiou" else 0.0 for c in completions]
+
+
+def starts_with_letter_logging_lengths(prompts, completions, completion_lengths, trainer_state, **columns):
+    """``starts_with_letter``, appending each call's rank, step and response lengths (tokens) to the JSONL file
+    named by ``COHORTRL_TEST_LENGTHS``: a two-process test reads from it whether its ranks' padded widths differed."""
+    import json
+    import os
+
+    with open(os.environ["COHORTRL_TEST_LENGTHS"], "a") as f:
+        f.write(json.dumps({"rank": int(os.environ.get("RANK", 0)), "step": trainer_state.global_step,
+                            "lengths": list(completion_lengths)}) + "\n")
+    return starts_with_letter(prompts, completions)
