@@ -17,6 +17,7 @@ from pathlib import Path
 
 from cohortrl.config import ConfigError
 from cohortrl.data import DataError
+from cohortrl.rollout.hf import check_prompt_lengths
 
 log = logging.getLogger("cohortrl")
 
@@ -45,6 +46,17 @@ def check_run_fits(cfg, model, n_train_rows: int) -> None:
             f" for evaluation, fewer than one step's algorithm.prompts_per_step={P}; "
             "add prompts, lower data.eval_size or lower algorithm.prompts_per_step"
         )
+
+
+def check_prompts_fit(cfg, tokenizer, tools, splits: dict[str, list[dict]]) -> None:
+    """With ``data.overlong_prompts: reject``, every prompt of ``splits`` (name: rows) fits
+    ``data.max_prompt_tokens`` as generation will render it, or the run stops now with the row named, not at the
+    step that draws it or at the final evaluation."""
+    if cfg.data.overlong_prompts != "reject":
+        return
+    for what, rows in splits.items():
+        check_prompt_lengths(tokenizer, [r["prompt"] for r in rows], what, system_prompt=cfg.model.system_prompt,
+                             max_prompt_tokens=cfg.data.max_prompt_tokens, tools=tools)
 
 
 def finite(loss: float, grad_norms: dict[str, float]) -> bool:

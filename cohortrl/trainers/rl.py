@@ -46,7 +46,7 @@ from cohortrl.models import load_model
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
 from cohortrl.rewards.scoring import RewardFunctionError, TrainerState, WeightedReward, resolve
-from cohortrl.rollout.hf import check_prompt_lengths, generate, response_logprobs
+from cohortrl.rollout.hf import generate, response_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.rollout.types import Rollout
 from cohortrl.step_spans import step_end_tokens
@@ -145,7 +145,8 @@ class RLTrainer(Trainer):
         self._build_models(inputs, n_train_rows)
         self.cpu_linear = cpu.linear_kernel(self.cfg.train, self.device, self.model)  # every step's and evaluation's
         self._build_rollout(inputs)
-        self._check_prompt_lengths()
+        guards.check_prompts_fit(self.cfg, self.tokenizer, self.tools,
+                                 {"training prompt": self.stream.rows, "held-out prompt": self.eval_rows})
         self.step_count = 0
         self.grader_log = MetricsLog(self.run_dir, grader_errors.FILE)  # built-in graders' failures (a bug report)
         grader_errors.drain()  # failures from before this run (each logged when it happened) are not this run's
@@ -212,16 +213,6 @@ class RLTrainer(Trainer):
         self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler), **self.optimised}
         for o in self.optimised.values():  # AdamW's moments now, before the first rollout (a resume overwrites them)
             allocate_optimizer_state(o.optimizer)
-
-    def _check_prompt_lengths(self) -> None:
-        """Every training and held-out prompt fits ``data.max_prompt_tokens``, or the run stops now with the row
-        named, not at the step that draws it or at the final evaluation."""
-        d = self.cfg.data
-        if d.overlong_prompts != "reject":
-            return
-        for what, rows in (("training prompt", self.stream.rows), ("held-out prompt", self.eval_rows)):
-            check_prompt_lengths(self.tokenizer, [r["prompt"] for r in rows], what, system_prompt=self.cfg.model.system_prompt,
-                                 max_prompt_tokens=d.max_prompt_tokens, tools=self.tools)
 
     def _build_rollout(self, inputs) -> None:
         """What the step samples and scores with besides the policy: the reward workers, the process reward,

@@ -57,9 +57,9 @@ from cohortrl.data import (
     DataError, PromptStream, check_prompt, load_examples, load_rows, prompt_key, prompt_messages, render_prompt,
 )
 from cohortrl.rewards.scoring import WeightedReward, resolve
-from cohortrl.rollout.hf import check_prompt_lengths, response_logprobs
+from cohortrl.rollout.hf import prompt_framing, response_logprobs
 from cohortrl.rollout.tools import tool_protocol, toolset
-from cohortrl.tools import chat, result_spans, tool_prompt, with_calculator
+from cohortrl.tools import chat, result_spans, with_calculator
 from cohortrl.trainers import guards
 from cohortrl.trainers.evaluate import evaluate_config
 from cohortrl.trainers.inputs import as_config, resolve_inputs
@@ -333,9 +333,7 @@ class SFTTrainer(Trainer):
         # the text protocol the tools' description follows the system prompt, in the chat protocol the template
         # describes their schemas.
         self.protocol = tool_protocol(self.tools, self.tokenizer) if self.tools else None
-        self.tool_schemas = self.tools.schemas() if self.protocol == "chat" else None
-        self.system_prompt = (tool_prompt(cfg.model.system_prompt, self.tools) if self.protocol == "text"
-                              else cfg.model.system_prompt)
+        self.system_prompt, self.tool_schemas = prompt_framing(self.tokenizer, cfg.model.system_prompt, self.tools)
         n_ctx = getattr(self.model.config, "max_position_embeddings", None)
         if n_ctx is not None and cfg.sft.max_length > n_ctx:
             raise ConfigError(f"config key 'sft.max_length' = {cfg.sft.max_length}: more than {cfg.model.name}'s context "
@@ -343,10 +341,7 @@ class SFTTrainer(Trainer):
         examples, eval_rows = self._load_data(inputs)
         self.stream = PromptStream(examples, cfg.train.seed)
         self.eval_rows = eval_rows[: cfg.eval.n_prompts]
-        if cfg.data.overlong_prompts == "reject":  # the held-out evaluation would stop the run after its last step
-            check_prompt_lengths(self.tokenizer, [r["prompt"] for r in self.eval_rows], "held-out prompt",
-                                 system_prompt=cfg.model.system_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens,
-                                 tools=self.tools)
+        guards.check_prompts_fit(cfg, self.tokenizer, self.tools, {"held-out prompt": self.eval_rows})
         fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
         self.correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), fn.weight, cfg.reward.timeout_s)
         self.optimizer = build_optimizer(self.model, cfg.optim)
