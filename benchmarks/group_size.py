@@ -131,7 +131,7 @@ def sample_pool(model, tokenizer, rows, args):
     """S responses per prompt, their 0/1 correctness (K, S) and per-response gradients H (K·S, D)."""
     from cohortrl.rewards.scoring import WeightedReward, resolve
     from cohortrl.rollout.hf import Sampling, generate, response_logprobs
-    from cohortrl.trainers.evaluate import score_rollout
+    from cohortrl.rewards.scoring import score_rollout
 
     torch.manual_seed(1)
     sampling = Sampling(temperature=args.temperature, max_new_tokens=args.tokens)

@@ -3,10 +3,11 @@ pure functions aside). Runs two steps of a tiny GRPO run on the plain path (one 
 beta > 0, no resampling, step rewards or vLLM), records every function of the package that ran in the second, and counts
 each one's lines (``def`` to its end, docstring included) by where it lives:
 
-  counted      the trainers' step: cohortrl/trainers/ except metrics.py
-  aside        generation (cohortrl/rollout/), the algorithms' pure functions (cohortrl/algorithms/), reward
-               scoring (cohortrl/rewards/, user reward functions), the metrics assembly
-               (cohortrl/trainers/metrics.py), the distributed helper and everything else
+  counted      the trainers' step: cohortrl/trainers/ except sampler.py and metrics.py
+  aside        the rollout and its scoring (cohortrl/trainers/sampler.py: prompts drawn, generation called,
+               rewards scored, resampling; generation itself in cohortrl/rollout/), the algorithms' pure
+               functions (cohortrl/algorithms/), reward scoring (cohortrl/rewards/, user reward functions), the
+               metrics assembly (cohortrl/trainers/metrics.py), the distributed helper and everything else
 
     .venv/bin/python scripts/step_lines.py [--all]      # --all lists the functions set aside too
 """
@@ -27,7 +28,7 @@ from cohortrl.trainers.grpo import GRPOTrainer
 
 ROOT = Path(cohortrl.__file__).parent
 COUNTED = "trainers/"
-ASIDE_IN_TRAINERS = ("trainers/metrics.py",)
+ASIDE_IN_TRAINERS = ("trainers/sampler.py", "trainers/metrics.py")
 
 
 def reward(completions, **_):

@@ -260,3 +260,22 @@ def score(
             )
         totals.append(sum(w * v for w, v in applied))
     return totals, per_fn
+
+
+def rollout_columns(rollout, max_new_tokens: int, trainer_state: TrainerState | None = None) -> dict:
+    """The keyword arguments reward functions receive for a ``rollout.types.Rollout`` besides prompts and
+    completions (TRL's): the rows' columns (everything but the prompt), ``completion_ids`` (every token of the
+    completion's text, tool results included), ``completion_lengths``, ``trainer_state`` and ``max_new_tokens``."""
+    cols = {k: [row.get(k) for row in rollout.rows] for k in rollout.rows[0] if k != "prompt"}
+    cols["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.response_ids, rollout.sequence_mask)]
+    cols["completion_lengths"] = rollout.lengths.tolist()
+    cols["max_new_tokens"] = [max_new_tokens] * rollout.batch_size
+    cols["trainer_state"] = trainer_state or TrainerState()
+    return cols
+
+
+def score_rollout(rewards: list[WeightedReward], rollout, max_new_tokens: int, computed: dict | None = None,
+                  trainer_state: TrainerState | None = None) -> tuple[list[float], dict[str, list[float | None]]]:
+    """``score`` on a rollout's prompts and completions, with ``rollout_columns``."""
+    cols = rollout_columns(rollout, max_new_tokens, trainer_state)
+    return score(rewards, [r["prompt"] for r in rollout.rows], rollout.completions, cols, computed)

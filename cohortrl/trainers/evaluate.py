@@ -7,7 +7,7 @@ import logging
 import torch
 
 from cohortrl.rewards.error_categories import category_fractions, row_category
-from cohortrl.rewards.scoring import TrainerState, WeightedReward, score
+from cohortrl.rewards.scoring import TrainerState, WeightedReward, score_rollout
 from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.rollout.tools import toolset
 from cohortrl.stats import wilson_interval
@@ -17,31 +17,6 @@ progress = logging.getLogger("cohortrl.progress")  # printed by the command line
 # Each evaluation's greedy responses, one row each with its step, prompt, completion, correctness and error
 # category: what the model gets wrong, readable after the run.
 EVAL_RESPONSES = "eval_completions.jsonl"
-
-
-def _columns(rollout) -> dict[str, list]:
-    """Dataset columns (everything but the prompt) plus what the trainer knows about each completion."""
-    keys = [k for k in rollout.rows[0] if k != "prompt"]
-    cols = {k: [row.get(k) for row in rollout.rows] for k in keys}
-    # every token of the completion's text, tool results included
-    cols["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.response_ids, rollout.sequence_mask)]
-    cols["completion_lengths"] = rollout.lengths.tolist()
-    return cols
-
-
-def rollout_columns(rollout, max_new_tokens: int, trainer_state: TrainerState | None = None) -> dict:
-    """The keyword arguments reward functions receive besides prompts and completions (TRL's, see
-    ``rewards/scoring.py``): the rows' columns, ``completion_ids``, ``trainer_state``, plus ``max_new_tokens``."""
-    cols = _columns(rollout)
-    cols["max_new_tokens"] = [max_new_tokens] * rollout.batch_size
-    cols["trainer_state"] = trainer_state or TrainerState()
-    return cols
-
-
-def score_rollout(rewards: list[WeightedReward], rollout, max_new_tokens: int, computed: dict | None = None,
-                  trainer_state: TrainerState | None = None):
-    cols = rollout_columns(rollout, max_new_tokens, trainer_state)
-    return score(rewards, [r["prompt"] for r in rollout.rows], rollout.completions, cols, computed)
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """The training step GRPO and PPO share (``RLTrainer.step``), read top to bottom:
 
-1. rollout: sample P prompts and generate G responses each (``_sample_and_score``);
+1. rollout: sample P prompts and generate G responses each (``sampler.Sampler.sample``);
 2. rewards: score every response with the weighted reward functions; count zero-variance groups (all G equally
    correct) and keep / filter / resample them; step rewards when ``reward.process`` is set;
 3. log-probs of the reference model (β > 0) and of the policy that sampled (when the algorithm needs them);
@@ -26,9 +26,7 @@ correctness signal, not on the shaped total reward (a shaped total hides all-wro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -44,18 +42,18 @@ from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.models import load_model
 from cohortrl.rewards import grader_errors
-from cohortrl.rewards.process import build_step_source, guard_steps, step_detectors
-from cohortrl.rewards.scoring import RewardFunctionError, TrainerState, WeightedReward, resolve
-from cohortrl.rollout.hf import generate, response_logprobs
+from cohortrl.rewards.process import build_step_source
+from cohortrl.rewards.scoring import TrainerState, WeightedReward, resolve
+from cohortrl.rollout.hf import response_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.rollout.types import Rollout
-from cohortrl.step_spans import step_end_tokens
 from cohortrl.trainers import faults, guards
-from cohortrl.trainers.evaluate import evaluate_config, rollout_columns, score_rollout
+from cohortrl.trainers.evaluate import evaluate_config
 from cohortrl.trainers.inputs import resolve_inputs
 from cohortrl.trainers.loop import Trainer, _check_distributed, _release_run_dir_on_failure, config_hash
 from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, UpdateTotals, step_metrics
 from cohortrl.trainers.run_dir import claim as claim_run_dir
+from cohortrl.trainers.sampler import Sampler, ScoredBatch, reward_pool
 from cohortrl.trainers.setup import (
     Optimised, Reference, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler,
 )
@@ -64,19 +62,6 @@ from cohortrl.trainers.update import (
 )
 
 log = logging.getLogger("cohortrl")
-
-
-@dataclass
-class ScoredBatch:
-    rollout: Rollout
-    rewards: list[float]  # (B,) weighted total reward
-    per_fn: dict[str, list[float | None]]  # each reward function's values, (B,) each
-    zero_variance: torch.Tensor  # (P,) bool: all G responses of the group equally correct
-    zero_variance_first_draw: float  # fraction of zero-variance groups in the step's first draw
-    draws: int  # prompt batches generated this step (1 unless resampling)
-    prompts_truncated: int = 0  # prompts cut to data.max_prompt_tokens (overlong_prompts=truncate), all draws
-    step_rewards: list[list[float]] | None = None  # (B, S_i) guarded step rewards (reward.process), else None
-    step_ends: list[list[int]] | None = None  # (B, S_i) response-token index where each step ends
 
 
 @dataclass
@@ -219,7 +204,6 @@ class RLTrainer(Trainer):
         the vLLM engine; and the settings the step reads."""
         cfg = self.cfg
         self.sampling = cfg.sampling
-        self.pool = self._reward_pool(inputs.reward_fns)
         p = cfg.reward.process
         self.process = None if p is None else build_step_source(  # the implicit PRM starts from the initial policy
             p.name, p.kwargs, timeout_s=cfg.reward.timeout_s, policy=self.model, tokenizer=self.tokenizer,
@@ -231,7 +215,9 @@ class RLTrainer(Trainer):
 
             self.generator = VLLMGenerator(self.model, self.tokenizer, gpu_memory_utilization=cfg.sampling.vllm_gpu_memory_utilization,
                                            seed=cfg.train.seed)
-        self._engine_stale = False  # the policy changed since the engine last got its weights
+        self.sampler = Sampler(cfg, self.dist, self.model, self.tokenizer, self.stream, self.rewards, self.correctness,
+                               tools=self.tools, pool=reward_pool(cfg, inputs.reward_fns), process=self.process,
+                               generator=self.generator)
         self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or bool(
             getattr(getattr(self.model, "config", None), "attention_dropout", 0))
         self.norm_length = self.cfg.algorithm.norm_length or cfg.sampling.max_new_tokens
@@ -239,9 +225,7 @@ class RLTrainer(Trainer):
     def close(self) -> None:
         """Stop the reward workers (if any), give the allocator back (``cpu/memory.py``), then let the run go
         (``Trainer.close``)."""
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        self.sampler.close()
         if self._holds_allocator:
             release_freed_memory()
             self._holds_allocator = False
@@ -250,7 +234,7 @@ class RLTrainer(Trainer):
     @property
     def trainer_state(self) -> TrainerState:
         """What reward functions get as ``trainer_state`` (TRL's argument): steps done and the run's total."""
-        return TrainerState(global_step=self.step_count, max_steps=self.cfg.train.steps)
+        return self.sampler.trainer_state(self.step_count)
 
     # ------------------------------------------------------------------------------------------ the algorithm
     def _init_algorithm(self, model) -> None:
@@ -297,12 +281,12 @@ class RLTrainer(Trainer):
             timer, started = PhaseTimer(), time.perf_counter()
 
             # 1-2. rollout and rewards (with step rewards under reward.process)
-            batch = self._sample_and_score(timer)
+            batch = self.sampler.sample(self.step_count, timer, record=self._reuse_rollout_forward())
             rollout, rewards_B = batch.rollout, torch.tensor(batch.rewards)
             process_metrics = {}
             if self.process is not None:
                 with timer("score_steps"):
-                    process_metrics = self._score_steps(batch)
+                    process_metrics = self.sampler.score_steps(batch, self.step_count)
             keep_B = self._rows_to_train(batch)
             loss_mask = rollout.response_mask * keep_B.unsqueeze(-1)
 
@@ -328,6 +312,17 @@ class RLTrainer(Trainer):
                                 group_size=self.cfg.algorithm.group_size, correctness=self.correctness.name,
                                 lr=self.scheduler.get_last_lr()[0], timer=timer, started=started, grader_errors=errors)
 
+    def _reuse_rollout_forward(self) -> bool:
+        """Whether this step's update can differentiate decoding's forward (``train.reuse_rollout_forward``):
+        the rollout is exactly the batch of a single on-policy update, and decoding computes what training
+        would. Then ``generate`` records it (where the lean decoder runs)."""
+        a = self.cfg.algorithm
+        return (self.cfg.train.reuse_rollout_forward and self.reuses_rollout_forward and not self._needs_old_logp()
+                and a.epochs == 1 and a.minibatches == 1 and self.dist.world == 1
+                and (a.micro_batch_size == 0 or a.micro_batch_size >= a.prompts_per_step * a.group_size)
+                and a.zero_variance != "resample" and self.sampler.pool is None  # a batch joined from parts drops the recording
+                and self.step_count >= self.policy_frozen_steps and not self._dropout)
+
     def _rows_to_train(self, batch: ScoredBatch) -> torch.Tensor:
         """(B,) bool: the responses the loss keeps after the zero-variance and truncation settings."""
         a = self.cfg.algorithm
@@ -351,186 +346,6 @@ class RLTrainer(Trainer):
         the policy loss for the engine's other numerics."""
         targets.is_weights = truncated_importance_weights(old_logp, rollout.sampling_logp, rollout.response_mask, self.sampling.is_cap)
         targets.metrics["is_weight_mean"] = masked_mean(targets.is_weights, rollout.response_mask).item()
-
-    # ------------------------------------------------------------------------------------------ 1-2. rollout, rewards
-    def _sample_and_score(self, timer: PhaseTimer) -> ScoredBatch:
-        """P groups of G responses, scored; with ``algorithm.zero_variance: resample``, more draws until P
-        informative groups are found (``_resample``, DAPO's dynamic sampling)."""
-        batch, zero_all = self._draw(timer, 0)
-        if self.cfg.algorithm.zero_variance != "resample":
-            return batch
-        return self._resample(timer, [(batch, zero_all)])
-
-    def _draw(self, timer: PhaseTimer, k: int, first_frac: float | None = None) -> tuple[ScoredBatch, torch.Tensor]:
-        """Draw ``k`` (0 first) of the step's prompt batches: this rank's groups generated and scored, and every
-        group's zero-variance flag (P,). Under torchrun each rank generates its share, each group seeded by its
-        global index (``distributed.group_seed``), so sampling does not depend on the number of processes."""
-        a, d = self.cfg.algorithm, self.dist
-        P, G = a.prompts_per_step, a.group_size
-        local = d.local_groups(P)
-        rows = self.stream.take(P)
-        faults.point("generate")
-        group_ids = range(k * P + local.start, k * P + local.stop) if d.launched else None  # one process: batched
-        rollout, rewards, per_fn, n_trunc = self._rollout_and_score([rows[g] for g in local], timer, group_ids)
-        correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, G)
-        zero_local = (correct_PG == correct_PG[:, :1]).all(-1)
-        zero_all = d.gather_rows(zero_local.long()).bool()
-        first_frac = zero_all.float().mean().item() if first_frac is None else first_frac
-        return ScoredBatch(rollout, rewards, per_fn, zero_local, first_frac, k + 1, n_trunc), zero_all
-
-    def _resample(self, timer: PhaseTimer, draws: list[tuple[ScoredBatch, torch.Tensor]]) -> ScoredBatch:
-        """DAPO dynamic sampling: draw more prompt batches (at most ``max_resample_draws`` extra) until P
-        informative groups are found. They are chosen over the whole batch in draw order, then dealt out again
-        so that every rank trains on an equal share."""
-        a, d = self.cfg.algorithm, self.dist
-        P, G = a.prompts_per_step, a.group_size
-        first = draws[0][0]
-
-        def first_draw_only() -> ScoredBatch:  # nothing informative to train on: the first draw, where only KL acts
-            return dataclasses.replace(first, draws=len(draws), prompts_truncated=sum(b.prompts_truncated for b, _ in draws))
-
-        while True:
-            informative = sum(int((~z).sum()) for _, z in draws)
-            if informative >= P:
-                break
-            if len(draws) > a.max_resample_draws:
-                log.warning(
-                    "resample: only %d informative group(s) of %d after %d extra draws (algorithm.max_resample_draws); "
-                    "training on what there is", informative, P, a.max_resample_draws,
-                )
-                if informative == 0:
-                    return first_draw_only()
-                break
-            draws.append(self._draw(timer, len(draws), first.zero_variance_first_draw))
-        chosen = [(k, g) for k, (_, z) in enumerate(draws) for g in range(P) if not z[g]][:P]
-        if len(chosen) % d.world:
-            log.warning("resample: %d informative group(s) do not split over %d processes; the last %d are not trained on",
-                        len(chosen), d.world, len(chosen) % d.world)
-            chosen = chosen[: len(chosen) - len(chosen) % d.world]
-            if not chosen:
-                return first_draw_only()
-        local = d.local_groups(P)
-        mine = []  # the chosen groups this rank generated
-        for k, g in chosen:
-            if g in local:
-                part, idx = draws[k][0], list(range((g - local.start) * G, (g - local.start + 1) * G))
-                mine.append(((k, g), part.rollout.select(idx), [part.rewards[i] for i in idx],
-                             {name: [v[i] for i in idx] for name, v in part.per_fn.items()}))
-        everything = sorted(d.gather_list(mine), key=lambda item: item[0])  # every chosen group, in draw order
-        mine_now = d.local_groups(len(everything))
-        share = everything[mine_now.start : mine_now.stop]
-        rollout = Rollout.concat([r for _, r, _, _ in share], self.tokenizer.pad_token_id)
-        rewards = [x for _, _, rs, _ in share for x in rs]
-        per_fn = {name: [x for _, _, _, fn in share for x in fn[name]] for name in first.per_fn}
-        return ScoredBatch(rollout, rewards, per_fn, torch.zeros(len(share), dtype=torch.bool), first.zero_variance_first_draw,
-                           len(draws), sum(b.prompts_truncated for b, _ in draws))
-
-    def _rollout_and_score(self, rows: list[dict], timer: PhaseTimer, group_ids: range | None = None):
-        """G responses for each row, scored: (rollout, total rewards, each function's values, prompts truncated)."""
-        if self._engine_stale:  # vLLM: the policy changed since the engine last got its weights
-            with timer("weight_sync"):
-                self.generator.sync_weights(self.model)
-            self._engine_stale = False
-        parts, jobs = [], []
-        with self.dist.gathered(self.model):  # FSDP2: ranks run different numbers of decoding steps
-            for chunk, seed in self._generation_chunks(rows, group_ids):
-                with timer("generate"), torch.random.fork_rng(devices=[], enabled=seed is not None):
-                    if seed is not None:
-                        torch.manual_seed(seed)
-                    rollout, n_trunc = self._generate(chunk, seed)
-                parts.append((rollout, n_trunc))
-                if self.pool is not None:  # reward workers score this chunk while the next one is generated
-                    cols = rollout_columns(rollout, self.sampling.max_new_tokens, self.trainer_state)
-                    jobs.append(self.pool.submit([r["prompt"] for r in rollout.rows], rollout.completions, cols))
-        n_truncated = sum(n for _, n in parts)
-        parts = [r for r, _ in parts]
-        if n_truncated:
-            log.warning("%d prompt(s) truncated to data.max_prompt_tokens=%d", n_truncated, self.cfg.data.max_prompt_tokens)
-        rollout = parts[0] if len(parts) == 1 else Rollout.concat(parts, self.tokenizer.pad_token_id)
-        with timer("score"):
-            computed = None
-            if jobs:
-                results = [self.pool.result(job) for job in jobs]
-                computed = {name: [v for res in results for v in res[name]] for name in results[0]}
-            rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens, computed, self.trainer_state)
-        return rollout, rewards, per_fn, n_truncated
-
-    def _generation_chunks(self, rows: list[dict], group_ids: range | None) -> list[tuple[list[dict], int | None]]:
-        """The rows cut into generation calls, each with its sampling seed (None: the run's random stream). One
-        chunk normally; one per group under torchrun (``group_ids``), seeded by its global index
-        (``distributed.group_seed``) so what a group samples does not depend on the number of processes; two
-        halves with a reward pool, whose scoring of the first then runs while the second is generated."""
-        if group_ids is not None:
-            return [([row], distributed.group_seed(self.cfg.train.seed, self.step_count, g)) for row, g in zip(rows, group_ids)]
-        if self.pool is not None and len(rows) > 1:
-            half = (len(rows) + 1) // 2
-            return [(rows[:half], None), (rows[half:], None)]
-        return [(rows, None)]
-
-    def _generate(self, rows: list[dict], seed: int | None):
-        cfg = self.cfg
-        kw = dict(system_prompt=cfg.model.system_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens,
-                  overlong_prompts=cfg.data.overlong_prompts)
-        if self.generator is not None:
-            return self.generator.generate(rows, cfg.algorithm.group_size, self.sampling, seed=seed, **kw)
-        return generate(self.model, self.tokenizer, rows, cfg.algorithm.group_size, self.sampling,
-                        record=self._reuse_rollout_forward(), tools=self.tools, **kw)
-
-    def _reuse_rollout_forward(self) -> bool:
-        """Whether this step's update can differentiate decoding's forward (``train.reuse_rollout_forward``):
-        the rollout is exactly the batch of a single on-policy update, and decoding computes what training
-        would. Then ``generate`` records it (where the lean decoder runs)."""
-        a = self.cfg.algorithm
-        return (self.cfg.train.reuse_rollout_forward and self.reuses_rollout_forward and not self._needs_old_logp()
-                and a.epochs == 1 and a.minibatches == 1 and self.dist.world == 1
-                and (a.micro_batch_size == 0 or a.micro_batch_size >= a.prompts_per_step * a.group_size)
-                and a.zero_variance != "resample" and self.pool is None  # a batch joined from parts drops the recording
-                and self.step_count >= self.policy_frozen_steps and not self._dropout)
-
-    def _score_steps(self, batch: ScoredBatch) -> dict:
-        """Fill ``batch.step_rewards`` / ``step_ends`` from the process reward function (guarded, see
-        ``rewards/process.py``) and return the step detectors' metrics (over the whole batch)."""
-        p, rollout = self.cfg.reward.process, batch.rollout
-        prompts = [r["prompt"] for r in rollout.rows]
-        cols = rollout_columns(rollout, self.sampling.max_new_tokens, self.trainer_state)
-        raw = self.process.score(rollout, cols)
-        if not isinstance(raw, (list, tuple)) or len(raw) != rollout.batch_size:
-            raise RewardFunctionError(
-                f"process reward '{p.name}' must return one list of (score, span) per completion "
-                f"({rollout.batch_size}), got {type(raw).__name__}" + (f" of {len(raw)}" if hasattr(raw, "__len__") else "")
-            )
-        step_rewards, step_ends = [], []
-        for i, (completion, steps) in enumerate(zip(rollout.completions, raw)):
-            for score, span in steps:
-                if not isinstance(score, (int, float)) or not math.isfinite(score):
-                    raise RewardFunctionError(
-                        f"process reward '{p.name}' returned step score {score!r} for sample {i} "
-                        f"(prompt: {prompts[i][:200]!r}); step scores must be finite numbers"
-                    )
-            guarded = guard_steps(completion, steps, cap=p.cap, max_steps=p.max_steps, require_answer=p.require_answer)
-            char_ends = rollout.char_ends(i, self.tokenizer)  # every token of the text, tool turns included
-            stated = iter(step_end_tokens([span for _, span in guarded if span is not None], char_ends))
-            last = max(0, len(char_ends) - 1)  # a required step never stated counts on the last token
-            step_rewards.append([score for score, _ in guarded])
-            step_ends.append([next(stated) if span is not None else last for _, span in guarded])
-        batch.step_rewards, batch.step_ends = step_rewards, step_ends
-        learned = self.process.update(rollout, batch.per_fn[self.correctness.name])  # a PRM that learns online
-        d = self.dist
-        return {**step_detectors(
-            d.gather_list(rollout.completions), d.gather_list(step_rewards),
-            d.gather_list(batch.per_fn[self.correctness.name]), p.coef,
-        ), **learned}
-
-    def _reward_pool(self, in_memory: dict):
-        """Worker processes for the reward functions that can be loaded by name (``reward.workers`` > 0)."""
-        if not self.cfg.reward.workers:
-            return None
-        from cohortrl.rewards.pool import RewardPool
-
-        specs = [(f.name, f.kwargs) for f in self.cfg.reward.functions if f.name not in in_memory]
-        if not specs:
-            return None
-        return RewardPool(specs, self.cfg.reward.workers, self.cfg.reward.timeout_s)
 
     # ------------------------------------------------------------------------------------------ 3. log-probs
     def _micro_batches(self, n: int) -> list[torch.Tensor]:
@@ -585,8 +400,8 @@ class RLTrainer(Trainer):
                 # No optimiser or scheduler step on a non-finite update; every rank decides alike.
                 finite, norms = optimizer_step(trained, d.sum({"loss": update_loss})["loss"], self.cfg.optim.max_grad_norm)
                 totals.add_update(finite, norms)
-            if finite:
-                self._engine_stale = self.generator is not None and train_policy
+            if finite and train_policy:
+                self.sampler.policy_updated()
         rollout.replay = None  # used up (or unused): free decoding's activations
         return totals.result(d, int(loss_mask_all.sum()) * a.epochs, [o.metric for o in trained], train_policy)
 

@@ -124,7 +124,7 @@ def test_ppo_places_step_rewards_on_step_end_tokens(tmp_path):
         sampling={"max_new_tokens": 12}, train={"steps": 1},
     )
     trainer = PPOTrainer(cfg, tmp_path / "run")
-    batch = trainer._sample_and_score(__import__("cohortrl.trainers.metrics", fromlist=["PhaseTimer"]).PhaseTimer())
+    batch = trainer.sampler.sample(trainer.step_count, __import__("cohortrl.trainers.metrics", fromlist=["PhaseTimer"]).PhaseTimer())
     batch.step_rewards = [[1.0, 0.5] for _ in range(batch.rollout.batch_size)]
     batch.step_ends = [[0, 1] for _ in range(batch.rollout.batch_size)]
     rewards = trainer._token_rewards(batch, torch.zeros(batch.rollout.batch_size))

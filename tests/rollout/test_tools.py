@@ -299,17 +299,17 @@ def test_the_trainer_trains_on_model_tokens_only_and_logs_tool_metrics(tmp_path)
 
     trainer = _tool_trainer(tmp_path, steps=1)
     seen = {}
-    generate_, loss_ = trainer._generate, trainer.policy_loss
+    generate_, loss_ = trainer.sampler._generate, trainer.policy_loss
 
-    def keep_rollout(rows, seed):
-        seen["rollout"] = generate_(rows, seed)[0]
+    def keep_rollout(rows, seed, record):
+        seen["rollout"] = generate_(rows, seed, record)[0]
         return seen["rollout"], 0
 
     def keep_mask(**kw):
         seen["mask"] = kw["response_mask"].clone()
         return loss_(**kw)
 
-    trainer._generate, trainer.policy_loss = keep_rollout, keep_mask
+    trainer.sampler._generate, trainer.policy_loss = keep_rollout, keep_mask
     row = trainer.step()
     rollout = seen["rollout"]
     assert rollout.tool_mask.sum() > 0

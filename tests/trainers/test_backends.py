@@ -31,7 +31,7 @@ def test_a_reward_worker_killed_mid_run_is_replaced_and_training_goes_on(tmp_pat
     try:
         rows = [r for r in trainer.train() if "loss" in r]
         assert [r["step"] for r in rows] == [1, 2] and marker.exists()
-        assert trainer.pool.restarts == 1
+        assert trainer.sampler.pool.restarts == 1
         assert all(0 <= r["accuracy"] <= 1 for r in rows)
     finally:
         trainer.close()

@@ -53,7 +53,7 @@ def test_kl_in_reward_moves_the_penalty_from_the_loss_into_the_group_normalised_
     cfg = tiny_config(addition_jsonl, algorithm={"beta": beta, "kl_in_reward": True, "kl_estimator": "k1"}, train={"steps": 1})
     trainer = GRPOTrainer(cfg, tmp_path)
     trainer.train()  # one update: the policy now differs from the reference, so the KL is not 0
-    batch = trainer._sample_and_score(PhaseTimer())
+    batch = trainer.sampler.sample(trainer.step_count, PhaseTimer())
     rollout, mask = batch.rollout, batch.rollout.response_mask
     ids, attn = rollout.input_ids(), rollout.attention_mask()
     with torch.no_grad(), trainer.reference() as ref_model:

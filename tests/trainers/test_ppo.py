@@ -123,9 +123,9 @@ def test_critic_loss_falls_on_a_fixed_batch_while_the_policy_warms_up(tmp_path, 
         addition_jsonl, algorithm={"beta": 0.0, "ppo": {"lam": 1.0, "critic_warmup_steps": 100, "critic_lr": 3e-3, "vf_coef": 1.0}},
     )
     trainer = PPOTrainer(cfg, tmp_path)
-    batch = trainer._sample_and_score(PhaseTimer())
+    batch = trainer.sampler.sample(trainer.step_count, PhaseTimer())
     assert 0 < sum(batch.rewards) < len(batch.rewards)
-    monkeypatch.setattr(trainer, "_sample_and_score", lambda timer: batch)
+    monkeypatch.setattr(trainer.sampler, "sample", lambda step, timer, record=False: batch)
     policy_before = params_of(trainer)
     losses = [trainer.step()["value_loss"] for _ in range(12)]
     assert losses[-1] < 0.3 * losses[0], losses
