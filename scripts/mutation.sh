@@ -26,7 +26,7 @@ case $scope in
   step)  # the update's helpers and GRPO's own part of the step, against the tests that pin the step's numbers
     mutate='"cohortrl/trainers/update.py", "cohortrl/trainers/grpo.py"'
     tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py",
-      "tests/trainers/test_reuse_rollout_forward.py"' ;;
+      "tests/trainers/test_reuse_rollout_forward.py", "tests/trainers/test_micro_batches.py"' ;;
   *) echo "unknown scope $scope: algorithms, grading or step" >&2; exit 2 ;;
 esac
 rm -rf "$dir" && mkdir -p "$dir"
