@@ -154,8 +154,8 @@ def table(root: Path) -> str:
     found = arms(root)
     kinds_seen = {kind(r["prompt"]) for _, rows in found for r in rows}
     columns = [k for k in SHAPES + BEAMS if k in kinds_seen] + sorted(kinds_seen - set(SHAPES + BEAMS) - {"other"})
-    lines = ["| arm | held-out strict accuracy (95% Wilson CI, n) | supported: every required step right too | "
-             + " | ".join(columns) + " |", "|---|---|---|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(["arm", "held-out strict accuracy (95% Wilson CI, n)", "supported: every required step right too",
+                               *columns]) + " |", "|---|---|---|" + "---|" * len(columns)]
     for name, rows in found:
         acc, lo, hi, n = accuracy(rows)
         s_acc, s_lo, s_hi, _ = accuracy(supported_only(rows))
@@ -163,8 +163,8 @@ def table(root: Path) -> str:
         for s in columns:
             sub = [r for r in rows if kind(r["prompt"]) == s]
             by_shape.append(f"{sum(r['correct'] for r in sub)}/{len(sub)}" if sub else "-")
-        lines.append(f"| {name} | {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}) | {s_acc:.3f} ({s_lo:.3f}-{s_hi:.3f}) | "
-                     + " | ".join(by_shape) + " |")
+        lines.append("| " + " | ".join([name, f"{acc:.3f} ({lo:.3f}-{hi:.3f}, n={n})", f"{s_acc:.3f} ({s_lo:.3f}-{s_hi:.3f})",
+                                         *by_shape]) + " |")
     out = ["\n".join(lines)]
     if "solid round" in kinds_seen and any(new_units(r["prompt"]) for _, rows in found for r in rows):
         # axial_stress level 3: the units level 2 never uses (sizes in m, strength in GPa) or not
