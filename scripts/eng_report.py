@@ -212,6 +212,9 @@ def plot(root: Path, out: Path) -> None:
             for (prefix, _), style in zip(GRPO_RUNS, ("-", "--", ":", "-.")) for seed in range(10)
             if (path := root / f"{prefix}_s{seed}" / "metrics.jsonl").is_file()]
     panels = [(key, title) for key, title in panels if any(key in r for *_, rows in runs for r in rows)]  # no tools: 3
+    if not runs:
+        print(f"{root}: no GRPO run yet, so no curves ({out} not written)", file=sys.stderr)
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))
     for prefix, seed, style, rows in runs:
         for ax, (key, title) in zip(axes, panels):
