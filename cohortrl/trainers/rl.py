@@ -129,9 +129,10 @@ class RLTrainer(Trainer):
         n_train_rows = self._build_rewards_and_data(inputs)
         self._build_models(inputs, n_train_rows)
         self.cpu_linear = cpu.linear_kernel(self.cfg.train, self.device, self.model)  # every step's and evaluation's
-        self._build_rollout(inputs)
+        # before the reward workers and the vLLM engine start: a refused prompt leaves no process behind
         guards.check_prompts_fit(self.cfg, self.tokenizer, self.tools,
                                  {"training prompt": self.stream.rows, "held-out prompt": self.eval_rows})
+        self._build_rollout(inputs)
         self.step_count = 0
         self.grader_log = MetricsLog(self.run_dir, grader_errors.FILE)  # built-in graders' failures (a bug report)
         grader_errors.drain()  # failures from before this run (each logged when it happened) are not this run's

@@ -323,6 +323,21 @@ def test_an_overlong_held_out_prompt_stops_the_run_before_training(tmp_path, tra
         cls(cfg, tmp_path / trainer, train_dataset=short, eval_dataset=held_out)
 
 
+def test_a_refused_prompt_starts_no_reward_workers_or_engine(tmp_path, addition_jsonl, monkeypatch):
+    """The prompt check runs before the rollout stage is built: the reward workers' processes and a vLLM engine
+    (GPU memory) would otherwise be started for a run that cannot begin."""
+    import cohortrl.trainers.rl as rl
+
+    built = []
+    monkeypatch.setattr(rl, "reward_pool", lambda *a, **k: built.append("reward workers"))
+    monkeypatch.setattr(rl, "Sampler", lambda *a, **k: built.append("sampler"))
+    cfg = tiny_config(addition_jsonl, data={"max_prompt_tokens": 5}, reward={"workers": 1}, train={"steps": 1},
+                      eval={"n_prompts": 0})
+    with pytest.raises(PromptTooLongError):
+        GRPOTrainer(cfg, tmp_path / "run")
+    assert built == []
+
+
 def test_a_hung_reward_function_stops_the_run_by_name(tmp_path, addition_jsonl):
     from cohortrl.rewards.scoring import RewardTimeoutError
 
