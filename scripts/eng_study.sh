@@ -17,6 +17,7 @@
 # problems, drawn from the same pool as GRPO's prompts: the warm start and the control then repeat them epoch
 # after epoch, as SFT on a finite demonstration set does, while GRPO draws any prompt of the pool (runs land in
 # runs/eng_FAMILYLEVEL_refsN/).
+# SUFFIX names a changed design's study (runs/eng_FAMILYLEVEL_SUFFIX..., e.g. after a change to the references).
 # START (default: the warm start, sft) is the finished supervised run GRPO starts from and the control
 # continues: START=sft_more starts GRPO from the first control (the warm start trained on), naming the runs
 # grpo*_from_sft_more_s* and the new control sft_more_more.
@@ -38,6 +39,7 @@ elif [[ $SFT_LEVEL == "$LEVEL" ]]; then
 else
   OUT=runs/eng_$FAMILY${LEVEL}_from$SFT_LEVEL; SFT=sft
 fi
+if [[ -n ${SUFFIX:-} ]]; then OUT=${OUT}_$SUFFIX; fi  # a new design's runs beside the old ones' (e.g. SUFFIX=sf)
 if [[ -n ${SFT_SIZE:-} ]]; then OUT=${OUT}_refs$SFT_SIZE; SFT_DATA=("data.train_size=$SFT_SIZE"); else SFT_DATA=(); fi
 if [[ -n ${SFT_STEPS:-} ]]; then  # a shorter (or longer) warm start, checkpointed at its end, evaluated by eval_sft only
   OUT=${OUT}_sft$SFT_STEPS; SFT_DATA+=("train.steps=$SFT_STEPS" "train.checkpoint_every=0" "eval.n_prompts=0")

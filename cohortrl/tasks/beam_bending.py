@@ -21,8 +21,10 @@ Formulas:
   delta: P L^3 / (48 E I) + 5 w L^4 / (384 E I) at midspan; P L^3 / (3 E I) + w L^4 / (8 E I) at a tip
   inverse: Z = M_max / sigma_allow,  h = sqrt(6 Z / b)
 Reference solutions show how a simply supported beam's M_max is found when it has several candidates: a line
-x_0 = shear / w per zero-shear point and M_1, M_2, ... per candidate before M_max (lines a response need not
-write), so a solution learned from them chooses from values it wrote, not in its head (docs/engineering.md).
+x_0 = shear / w per zero-shear point and M_1, M_2, ... per candidate, then M_max = max(M_1, M_2, ...); and they
+write the verdict's comparison as SF = sigma_allow / sigma (the smaller with the deflection's at level 4),
+SAFE iff SF >= 1. A response need not write these lines; a solution learned from them chooses from values it
+wrote, not in its head (docs/engineering.md).
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ def max_moment(beam: Beam) -> tuple[float, str, list[tuple[str, float, str, str]
     if len(moments) == 1:
         return best[0], best[1], []
     working += [(f"M_{i + 1}", value, "kN*m", expr) for i, (value, expr) in enumerate(moments)]
-    return best[0], best[1], working
+    # The choice itself goes to the calculator too: a warm start that wrote the candidates right took a
+    # smaller one for M_max about half the time (docs/engineering.md).
+    return best[0], f"max({', '.join(format_sig(value) for value, _ in moments)})", working
 
 
 def max_deflection(beam: Beam, e_gpa: float, inertia: float) -> tuple[float, str]:
@@ -158,9 +162,10 @@ def describe(beam: Beam) -> str:
 
 
 def build(rng: random.Random, level: int, safe: bool):
-    """(statement, givens, steps, working, verdict, extra) for one problem of the level, or None when no
-    depth on the grid puts the verdict clear of its threshold (the caller draws again). ``working``: the
-    reference's extra lines before M_max (`max_moment`), not required of a response."""
+    """(statement, givens, steps, working, checks, verdict, extra) for one problem of the level, or None when
+    no depth on the grid puts the verdict clear of its threshold (the caller draws again). ``working``: the
+    reference's extra lines before M_max (`max_moment`); ``checks``: its safety-factor line before the verdict;
+    neither is required of a response."""
     beam = draw_beam(rng, level)
     steps = [(key, value, "kN", expr) for key, (value, expr) in reactions(beam).items()]
     m, m_expr, working = max_moment(beam)
@@ -169,7 +174,7 @@ def build(rng: random.Random, level: int, safe: bool):
     givens = [f"L = {format_sig(beam.span)} m"] + [f"P_{i + 1} = {format_sig(p)} kN" for i, (p, _) in enumerate(beam.points)]
     givens += [f"w = {format_sig(beam.udl)} kN/m"] if beam.udl else []
     if level == 1:
-        return text, givens, steps, working, None, {}
+        return text, givens, steps, working, [], None, {}
     allow = rng.choice([120, 150, 165, 200])
     width = 10 * rng.randint(5, 20)
     if level == 5:
@@ -179,7 +184,7 @@ def build(rng: random.Random, level: int, safe: bool):
                               ("h", h, "mm", f"sqrt(6*{format_sig(z)}/{width})")]
         text += f" The section is a rectangle {width} mm wide; allowable bending stress {allow} MPa. Find the smallest depth h."
         extra = {"moment_Nmm": m * 1e6, "width_mm": width, "sigma_allow_MPa": allow}
-        return text, givens + [f"b = {width} mm", f"sigma_allow = {allow} MPa"], steps, working, None, extra
+        return text, givens + [f"b = {width} mm", f"sigma_allow = {allow} MPa"], steps, working, [], None, extra
     e_gpa, limit = rng.choice([70, 200, 210]), rng.choice([250, 360])
     deflection_times_inertia = max_deflection(beam, e_gpa, 1.0)[0] if level == 4 else 0.0  # delta ~ 1 / I
 
@@ -203,12 +208,18 @@ def build(rng: random.Random, level: int, safe: bool):
               ("sigma", sigma, "MPa", f"{format_sig(m)}*10^6*({depth}/2)/{format_sig(inertia)}")]
     text += f" The section is a rectangle b = {width} mm wide and h = {depth} mm deep; allowable bending stress {allow} MPa."
     givens += [f"b = {width} mm", f"h = {depth} mm", f"sigma_allow = {allow} MPa"]
+    # The verdict's comparison written as a safety factor (SAFE iff SF >= 1), as axial_stress's references
+    # do: a warm start without this line wrote FAIL for every problem (docs/engineering.md).
+    checks = [("SF", allow / sigma, "", f"{allow}/{format_sig(sigma)}")]
     if level == 4:
         delta, delta_expr = max_deflection(beam, e_gpa, inertia)
         steps.append(("delta", delta, "mm", delta_expr))
         text += f" E = {e_gpa} GPa; deflection limit span/{limit}."
         givens += [f"E = {e_gpa} GPa"]
-    return text, givens, steps, working, "SAFE" if safe else "FAIL", {}
+        allowed_delta = beam.span * 1000 / limit
+        checks = [("SF", min(allow / sigma, allowed_delta / delta), "",
+                   f"min({allow}/{format_sig(sigma)}, {format_sig(allowed_delta)}/{format_sig(delta)})")]
+    return text, givens, steps, working, checks, "SAFE" if safe else "FAIL", {}
 
 
 @register
@@ -221,12 +232,13 @@ class BeamBending(TaskFamily):
         rng = rng_for(self.name, seed, level, index)
         while (built := build(rng, level, wants_safe(seed, index))) is None:
             pass
-        text, givens, steps, working, verdict, extra = built
+        text, givens, steps, working, checks, verdict, extra = built
         answer_key, answer_value, answer_unit, _ = steps[-1]
         keys = [(key, unit) for key, _, unit, _ in steps]
         prompt = f"{text}\n{format_instructions(keys, answer_key, verdict=verdict is not None)}"
         at = next(i for i, (key, *_) in enumerate(steps) if key == "M_max")
-        lines = [f"{key} = {expr} = {format_sig(value)} {unit}" for key, value, unit, expr in steps[:at] + working + steps[at:]]
+        lines = [f"{key} = {expr} = {format_sig(value)} {unit}".rstrip()
+                 for key, value, unit, expr in steps[:at] + working + steps[at:] + checks]
         answer = f"{format_sig(answer_value)} {answer_unit}"
         reference = "\n".join(lines + [f"ANSWER: {answer}"] + ([f"VERDICT: {verdict}"] if verdict else []))
         required = [Step(key, repr(value), unit) for key, value, unit, _ in steps]

@@ -58,3 +58,25 @@ def test_inverse_design_is_checked_by_plugging_back():
     assert family.grade(sample, f"{head}ANSWER: {h * 1.05:.5g} mm").outcome == 0.0  # safe, but not the smallest
     assert family.grade(sample, f"{head}ANSWER: {h:.5g}").outcome == 0.0  # no unit
     assert family.grade(sample, f"{head}ANSWER: {h:.5g} kN").outcome == 0.0
+
+
+def test_references_write_the_choices_as_calculator_expressions():
+    """M_max as max() of the candidates the reference wrote, and the verdict's comparison as SF (SAFE iff
+    SF >= 1): the two decisions a warm start got wrong when the references made them in the head."""
+    from cohortrl.tools.calculator import evaluate
+
+    family = tasks.get("beam_bending")
+    seen_max = 0
+    for level in (2, 3, 4):
+        for sample in family.sample(40, seed=3, level=level):
+            lines = dict(line.split(" = ", 1) for line in sample.reference_solution.splitlines() if " = " in line)
+            expr, value = lines["SF"].rsplit(" = ", 1)
+            assert evaluate(expr) == pytest.approx(float(value), rel=1e-3)
+            assert (float(value) >= 1) == (sample.verdict == "SAFE")
+            m_expr, m_value = lines["M_max"].rsplit(" = ", 1)
+            if m_expr.startswith("max("):
+                seen_max += 1
+                candidates = [lines[k].rsplit(" = ", 1)[1].split()[0] for k in lines if k.startswith("M_") and k != "M_max"]
+                assert m_expr == f"max({', '.join(candidates)})"
+                assert float(m_value.split()[0]) == pytest.approx(max(map(float, candidates)), rel=1e-3)
+    assert seen_max > 5  # level 3's simply supported beams have several candidates
