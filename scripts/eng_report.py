@@ -4,7 +4,7 @@
     .venv/bin/python scripts/eng_report.py runs/eng_beam_bending3 docs/engineering/beam3
 
 writes OUT.md (held-out strict accuracy of every arm with its 95% Wilson interval, the GRPO seeds' mean and
-spread, accuracy by kind of problem (section shape; beam and load case), error categories) and OUT.png (per-seed training curves of the RL phase:
+spread, accuracy by kind of problem (section shape; beam and load case), the verdicts written, error categories) and OUT.png (per-seed training curves of the RL phase:
 sampled accuracy, groups with signal, response length, tool calls). Every number is read from the files."""
 
 from __future__ import annotations
@@ -134,6 +134,12 @@ def kind(prompt) -> str:
     return next((s for s in SHAPES if s in text), "other")
 
 
+def verdict_written(completion: str) -> str | None:
+    """The last ``VERDICT:`` word a response wrote (SAFE or FAIL), or None."""
+    found = re.findall(r"VERDICT:\s*(SAFE|FAIL)\b", completion)
+    return found[-1] if found else None
+
+
 def accuracy(rows: list[dict]) -> tuple[float, float, float, int]:
     hits = sum(r["correct"] for r in rows)
     lo, hi = wilson_interval(hits, len(rows))
@@ -180,6 +186,11 @@ def table(root: Path) -> str:
         out.append("By units, right answers strict (supported) / problems (a level-2 warm start has never seen a size "
                    "in m or a strength in GPa):\n\n"
                    + "\n".join(units))
+    verdicts = {name: collections.Counter(verdict_written(r["completion"]) for r in rows) for name, rows in found}
+    if any(c.keys() - {None} for c in verdicts.values()):
+        # one verdict written for every problem means the comparison was never learned (docs/engineering.md)
+        out.append("Verdicts written (SAFE / FAIL / none):\n\n| arm | SAFE | FAIL | none |\n|---|---|---|---|\n" + "\n".join(
+            f"| {name} | {c['SAFE']} | {c['FAIL']} | {c[None]} |" for name, c in verdicts.items()))
     for _, label in GRPO_RUNS:
         seeds = [rows for name, rows in found if name.startswith(label + ", seed")]
         if seeds:
