@@ -140,6 +140,17 @@ def verdict_written(completion: str) -> str | None:
     return found[-1] if found else None
 
 
+def verdict_follows_own_sigma(row: dict) -> bool | None:
+    """beam_bending: whether the verdict written is the one the response's own sigma line implies (SAFE iff sigma <=
+    the prompt's allowable stress), whatever that sigma's value; None without both or for other families."""
+    allow = re.search(r"allowable bending stress (\d+(?:\.\d+)?) MPa", row["prompt"])
+    sigma = re.search(r"^sigma = .*?(?:<result>)?([\d.]+)(?:</result>)?\s*MPa", row["completion"], re.M)
+    verdict = verdict_written(row["completion"])
+    if not (allow and sigma and verdict):
+        return None
+    return (float(sigma[1]) <= float(allow[1])) == (verdict == "SAFE")
+
+
 def accuracy(rows: list[dict]) -> tuple[float, float, float, int]:
     hits = sum(r["correct"] for r in rows)
     lo, hi = wilson_interval(hits, len(rows))
@@ -188,9 +199,13 @@ def table(root: Path) -> str:
                    + "\n".join(units))
     verdicts = {name: collections.Counter(verdict_written(r["completion"]) for r in rows) for name, rows in found}
     if any(c.keys() - {None} for c in verdicts.values()):
-        # one verdict written for every problem means the comparison was never learned (docs/engineering.md)
-        out.append("Verdicts written (SAFE / FAIL / none):\n\n| arm | SAFE | FAIL | none |\n|---|---|---|---|\n" + "\n".join(
-            f"| {name} | {c['SAFE']} | {c['FAIL']} | {c[None]} |" for name, c in verdicts.items()))
+        # one verdict written for every problem means the comparison was never learned (docs/engineering.md);
+        # for beams, whether the verdict follows from the response's own sigma against the allowable stress
+        own = {name: [v for v in map(verdict_follows_own_sigma, rows) if v is not None] for name, rows in found}
+        out.append("Verdicts written (SAFE / FAIL / none), and for beams how many follow from the response's own sigma "
+                   "against the allowable stress:\n\n| arm | SAFE | FAIL | none | follows its own sigma |\n|---|---|---|---|---|\n"
+                   + "\n".join(f"| {name} | {c['SAFE']} | {c['FAIL']} | {c[None]} | "
+                                f"{f'{sum(own[name])}/{len(own[name])}' if own[name] else '-'} |" for name, c in verdicts.items()))
     for _, label in GRPO_RUNS:
         seeds = [rows for name, rows in found if name.startswith(label + ", seed")]
         if seeds:
