@@ -14,11 +14,14 @@ import json
 import re
 import statistics
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cohortrl.grading.answer_format import parse_response  # noqa: E402
 from cohortrl.rewards.error_categories import CATEGORIES  # noqa: E402
 from cohortrl.stats import wilson_interval  # noqa: E402
+from cohortrl.tools.text import render  # noqa: E402
 
 SHAPES = ("solid round", "hollow round", "rectangular")  # axial_stress's sections
 BEAMS = ("cantilever, two point loads", "cantilever, point load + UDL", "simply supported, two point loads",
@@ -135,8 +138,8 @@ def kind(prompt) -> str:
 
 
 def verdict_written(completion: str) -> str | None:
-    """The last ``VERDICT:`` word a response wrote (SAFE or FAIL), or None."""
-    found = re.findall(r"VERDICT:\s*(SAFE|FAIL)\b", completion)
+    """The last SAFE or FAIL a response wrote on a ``VERDICT:`` line (read as the graders read it), or None."""
+    found = [v.text for v in parse_response(render(completion)).verdicts if v.text in ("SAFE", "FAIL")]
     return found[-1] if found else None
 
 
@@ -144,11 +147,12 @@ def verdict_follows_own_sigma(row: dict) -> bool | None:
     """beam_bending: whether the verdict written is the one the response's own sigma line implies (SAFE iff sigma <=
     the prompt's allowable stress), whatever that sigma's value; None without both or for other families."""
     allow = re.search(r"allowable bending stress (\d+(?:\.\d+)?) MPa", row["prompt"])
-    sigma = re.search(r"^sigma = .*?(?:<result>)?([\d.]+)(?:</result>)?\s*MPa", row["completion"], re.M)
+    parsed = parse_response(render(row["completion"]))
+    sigma = next((s.value for s in parsed.steps if s.key == "sigma" and s.unit == "MPa"), None)
     verdict = verdict_written(row["completion"])
-    if not (allow and sigma and verdict):
+    if not (allow and sigma is not None and verdict):
         return None
-    return (float(sigma[1]) <= float(allow[1])) == (verdict == "SAFE")
+    return (sigma <= Fraction(allow[1])) == (verdict == "SAFE")
 
 
 def accuracy(rows: list[dict]) -> tuple[float, float, float, int]:

@@ -208,17 +208,18 @@ def build(rng: random.Random, level: int, safe: bool):
               ("sigma", sigma, "MPa", f"{format_sig(m)}*10^6*({depth}/2)/{format_sig(inertia)}")]
     text += f" The section is a rectangle b = {width} mm wide and h = {depth} mm deep; allowable bending stress {allow} MPa."
     givens += [f"b = {width} mm", f"h = {depth} mm", f"sigma_allow = {allow} MPa"]
-    # The verdict's comparison written as a safety factor (SAFE iff SF >= 1), as axial_stress's references
-    # do: a warm start without this line wrote FAIL for every problem (docs/engineering.md).
-    checks = [("SF", allow / sigma, "", f"{allow}/{format_sig(sigma)}")]
+    ratios = [(allow / sigma, f"{allow}/{format_sig(sigma)}")]  # capacity / demand, one per criterion
     if level == 4:
         delta, delta_expr = max_deflection(beam, e_gpa, inertia)
         steps.append(("delta", delta, "mm", delta_expr))
         text += f" E = {e_gpa} GPa; deflection limit span/{limit}."
         givens += [f"E = {e_gpa} GPa"]
         allowed_delta = beam.span * 1000 / limit
-        checks = [("SF", min(allow / sigma, allowed_delta / delta), "",
-                   f"min({allow}/{format_sig(sigma)}, {format_sig(allowed_delta)}/{format_sig(delta)})")]
+        ratios.append((allowed_delta / delta, f"{format_sig(allowed_delta)}/{format_sig(delta)}"))
+    # The verdict's comparison written as a safety factor (SAFE iff SF >= 1), as axial_stress's references
+    # do: a warm start without this line wrote FAIL for every problem (docs/engineering.md).
+    sf_expr = ratios[0][1] if len(ratios) == 1 else f"min({', '.join(expr for _, expr in ratios)})"
+    checks = [("SF", min(value for value, _ in ratios), "", sf_expr)]
     return text, givens, steps, working, checks, "SAFE" if safe else "FAIL", {}
 
 
