@@ -315,7 +315,7 @@ def cohortrl_check(job: dict) -> dict:
     from cohortrl.config import Config
     from cohortrl.models import load_model
     from cohortrl.rollout.hf import response_logprobs
-    from cohortrl.trainers.grpo import token_weights
+    from cohortrl.algorithms import token_weights
 
     torch.set_num_threads(job["threads"])
     a = Config.from_dict(cohortrl_config(job)).algorithm

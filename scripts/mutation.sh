@@ -7,12 +7,14 @@
 #   scripts/mutation.sh grading             # grading/units.py and grading/answer_format.py against their tests
 #   scripts/mutation.sh step                # trainers/update.py and trainers/grpo.py against the wiring, golden,
 #                                           # optimiser and rollout-forward-reuse tests
+#   scripts/mutation.sh rl                  # trainers/rl.py (the step's own methods and the trainer's setup) against
+#                                           # the same tests
 #   scripts/mutation.sh algorithms /tmp/m   # copy into /tmp/m instead of /tmp/cohortrl-mutation-<scope>
 #
 # Then, in the copy: `mutmut results` lists the survivors, `mutmut show NAME` prints one as a diff, and
 # `mutmut run NAME...` re-runs some (e.g. after copying a new test into <copy>/tests and <copy>/mutants/tests).
 set -euo pipefail
-scope=${1:?usage: scripts/mutation.sh algorithms|grading|step [copy-dir]}
+scope=${1:?usage: scripts/mutation.sh algorithms|grading|step|rl [copy-dir]}
 root=$(git rev-parse --show-toplevel)
 dir=${2:-/tmp/cohortrl-mutation-$scope}
 case $scope in
@@ -27,7 +29,11 @@ case $scope in
     mutate='"cohortrl/trainers/update.py", "cohortrl/trainers/grpo.py"'
     tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py",
       "tests/trainers/test_reuse_rollout_forward.py", "tests/trainers/test_micro_batches.py"' ;;
-  *) echo "unknown scope $scope: algorithms, grading or step" >&2; exit 2 ;;
+  rl)  # RLTrainer: step, update loop, micro-batch loss, log-probs, and the setup they rely on
+    mutate='"cohortrl/trainers/rl.py"'
+    tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py",
+      "tests/trainers/test_reuse_rollout_forward.py", "tests/trainers/test_micro_batches.py"' ;;
+  *) echo "unknown scope $scope: algorithms, grading, step or rl" >&2; exit 2 ;;
 esac
 rm -rf "$dir" && mkdir -p "$dir"
 git -C "$root" archive HEAD | tar -x -C "$dir"

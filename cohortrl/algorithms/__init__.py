@@ -34,7 +34,7 @@ from cohortrl.algorithms.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from cohortrl.algorithms.aggregate import AGGREGATION_MODES, aggregate
+from cohortrl.algorithms.aggregate import AGGREGATION_MODES, aggregate, token_weights
 from cohortrl.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from cohortrl.algorithms.losses import (
     POLICY_LOSS_LEVELS,
@@ -93,6 +93,7 @@ __all__ = [
     "FixedKLController",
     # aggregation
     "aggregate",
+    "token_weights",
     "AGGREGATION_MODES",
     # reward shaping
     "kl_shaped_rewards",

@@ -9,7 +9,7 @@ import torch
 
 from cohortrl.algorithms.masked import as_bool_mask, masked_fill_padding
 
-__all__ = ["AGGREGATION_MODES", "aggregate"]
+__all__ = ["AGGREGATION_MODES", "aggregate", "token_weights"]
 
 AGGREGATION_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 
@@ -52,3 +52,12 @@ def aggregate(
             f"mode 'seq-mean-token-sum-norm' needs norm_length > 0 (e.g. the max new tokens), got {norm_length}"
         )
     return loss_NT.sum() / (mask.shape[0] * norm_length)
+
+
+def token_weights(response_mask: torch.Tensor, mode: str, norm_length: int | None) -> torch.Tensor:
+    """w_{i,t} = ∂ aggregate(L) / ∂ L_{i,t}, (N, T). Aggregation is linear in L, so Σ w·L over any split of the
+    rows into micro-batches equals ``aggregate`` over all of them: gradient accumulation stays exact for every
+    mode without the trainer knowing which mode it is."""
+    probe = torch.zeros(response_mask.shape, requires_grad=True)
+    (w,) = torch.autograd.grad(aggregate(probe, response_mask, mode, norm_length), probe)
+    return w

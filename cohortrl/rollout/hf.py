@@ -435,6 +435,17 @@ LOGPROB_CHUNK_BYTES = 32 * 2**20
 LOGPROB_KEEP_BYTES = 128 * 2**20
 
 
+def micro_batched_logprobs(model, input_ids, attention_mask, response_ids, *, micro_batch_size: int,
+                           temperature: float) -> torch.Tensor:
+    """``response_logprobs`` of every row, ``micro_batch_size`` rows at a time (0: all at once), gathered on the
+    CPU, where a rollout and its targets live (each micro-batch moves to the model's device): (B, T)."""
+    parts = []
+    for idx in torch.arange(len(input_ids)).split(micro_batch_size or len(input_ids)):
+        logp, _ = response_logprobs(model, input_ids[idx], attention_mask[idx], response_ids[idx], temperature=temperature)
+        parts.append(logp.cpu())
+    return torch.cat(parts)
+
+
 def _logprobs_from_logits(logits_BTV, response_ids, temperature, with_entropy):
     logits_BTV = logits_BTV.float()
     if temperature not in (0, 1):

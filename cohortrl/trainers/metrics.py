@@ -200,11 +200,11 @@ class UpdateTotals:
         }
 
 
-def step_metrics(d, batch, rewards_B, keep_B, targets, process_metrics: dict, update: dict, *, group_size: int,
+def step_metrics(d, batch, rewards_B, keep_B, targets, update: dict, *, group_size: int,
                  correctness: str, lr: float, timer: PhaseTimer, started: float, grader_errors: int) -> dict:
     """A step's row of ``metrics.jsonl``, over the whole batch (every rank's rows under torchrun): rewards
     per function, accuracy, zero-variance groups, lengths, the algorithm's numbers (``targets.metrics``),
-    the process rewards' (``process_metrics``), the update's (``UpdateTotals.result``), LR, timings, memory."""
+    the process rewards' (``batch.process_metrics``), the update's (``UpdateTotals.result``), LR, timings, memory."""
     from cohortrl.rollout.tools import tool_metrics
 
     rollout, response_mask = batch.rollout, batch.rollout.response_mask
@@ -233,7 +233,7 @@ def step_metrics(d, batch, rewards_B, keep_B, targets, process_metrics: dict, up
         "trained_responses": int(counts["kept"]),
         "advantage_abs_mean": counts["advantage_abs"] / max(1.0, counts["tokens"]),
         **targets.metrics,
-        **process_metrics,
+        **batch.process_metrics,
         "response_length_mean": lengths.mean().item(),
         # Split by outcome (correct at >= 1, as evaluation counts it): the length biases of per-sequence
         # normalisation (Dr. GRPO, arXiv 2503.20783) show as incorrect responses growing longer.
@@ -250,6 +250,18 @@ def step_metrics(d, batch, rewards_B, keep_B, targets, process_metrics: dict, up
         "peak_rss_mb": peak_rss_mb(),
         "grader_errors": grader_errors,  # built-in graders that raised: scored 0
     }
+
+
+def log_grader_errors(d, grader_log: MetricsLog, step: int) -> int:
+    """Append every rank's built-in grader failures since the last call to ``grader_log``
+    (``grader_errors.jsonl``), tagged with ``step``; returns how many there were (they were scored 0)."""
+    from cohortrl.rewards import grader_errors
+
+    errors = d.gather_list([{"step": step, **e} for e in grader_errors.drain()])
+    if d.is_main:
+        for entry in errors:
+            grader_log.write(entry)
+    return len(errors)
 
 
 def error_categories(d, rollout) -> dict:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from cohortrl import cpu, distributed
-from cohortrl.algorithms import get_policy_loss, masked_mean, truncated_importance_weights
+from cohortrl.algorithms import get_policy_loss, masked_mean, token_weights, truncated_importance_weights
 from cohortrl.config import Config
 from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory
@@ -44,21 +44,21 @@ from cohortrl.models import load_model
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, resolve
-from cohortrl.rollout.hf import response_logprobs
+from cohortrl.rollout.hf import micro_batched_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.rollout.types import Rollout
 from cohortrl.trainers import faults, guards
 from cohortrl.trainers.evaluate import evaluate_config
 from cohortrl.trainers.inputs import resolve_inputs
 from cohortrl.trainers.loop import Trainer, _check_distributed, _release_run_dir_on_failure, config_hash
-from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, UpdateTotals, step_metrics
+from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, UpdateTotals, log_grader_errors, step_metrics
 from cohortrl.trainers.run_dir import claim as claim_run_dir
 from cohortrl.trainers.sampler import Sampler, ScoredBatch, reward_pool
 from cohortrl.trainers.setup import (
     Optimised, Reference, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler,
 )
 from cohortrl.trainers.update import (
-    PlainForward, ReplayedForward, is_whole_rollout, micro_batches, minibatch_rows, optimizer_step, token_weights,
+    PlainForward, ReplayedForward, is_whole_rollout, micro_batches, minibatch_rows, optimizer_step,
 )
 
 log = logging.getLogger("cohortrl")
@@ -129,6 +129,7 @@ class RLTrainer(Trainer):
         n_train_rows = self._build_rewards_and_data(inputs)
         self._build_models(inputs, n_train_rows)
         self.cpu_linear = cpu.linear_kernel(self.cfg.train, self.device, self.model)  # every step's and evaluation's
+        self.kernel_models = self._kernel_models()  # whose linear layers it computes during a step
         # before the reward workers and the vLLM engine start: a refused prompt leaves no process behind
         guards.check_prompts_fit(self.cfg, self.tokenizer, self.tools,
                                  {"training prompt": self.stream.rows, "held-out prompt": self.eval_rows})
@@ -222,6 +223,7 @@ class RLTrainer(Trainer):
         self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or bool(
             getattr(getattr(self.model, "config", None), "attention_dropout", 0))
         self.norm_length = self.cfg.algorithm.norm_length or cfg.sampling.max_new_tokens
+        self.rollout_forward_reusable = self._reuse_rollout_forward()  # a property of the run: decided once
 
     def close(self) -> None:
         """Stop the reward workers (if any), give the allocator back (``cpu/memory.py``), then let the run go
@@ -278,24 +280,19 @@ class RLTrainer(Trainer):
     # ------------------------------------------------------------------------------------------ the step
     def step(self) -> dict:
         """One training step: rollout → rewards → advantages → loss → update. Returns its metrics."""
-        with linear_kernels(self.cpu_linear, *self._kernel_models()):  # the CPU fast path's kernel, for this step only
+        with linear_kernels(self.cpu_linear, *self.kernel_models):  # the CPU fast path's kernel, for this step only
             timer, started = PhaseTimer(), time.perf_counter()
 
             # 1-2. rollout and rewards (with step rewards under reward.process)
-            batch = self.sampler.sample(self.step_count, timer, record=self._reuse_rollout_forward())
+            batch = self.sampler.sample(self.step_count, timer, record=self.rollout_forward_reusable)
             rollout, rewards_B = batch.rollout, torch.tensor(batch.rewards)
-            process_metrics = {}
-            if self.process is not None:
-                with timer("score_steps"):
-                    process_metrics = self.sampler.score_steps(batch, self.step_count)
             keep_B = self._rows_to_train(batch)
             loss_mask = rollout.response_mask * keep_B.unsqueeze(-1)
 
             # 3. reference and old-policy log-probs, with the same micro-batches as the update
             with timer("reference"), torch.no_grad():
                 ref_logp = self._reference_logprobs(rollout) if self.reference is not None else None
-                old_logp = self._logprobs(self.model, rollout.input_ids(), rollout.attention_mask(),
-                                          rollout.response_ids) if self._needs_old_logp() else None
+                old_logp = self._logprobs(self.model, rollout) if self._needs_old_logp() else None
 
             # 4. advantages: where the algorithms differ
             targets = self._targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
@@ -308,21 +305,22 @@ class RLTrainer(Trainer):
             self.guard.after_step(self.step_count + 1, update_metrics, batch)  # saves skipped steps' samples; may stop the run
 
             # 6. metrics, over the whole batch (every rank's rows, under torchrun)
-            errors = self._log_grader_errors(self.step_count + 1)  # built-in graders that raised: scored 0
-            return step_metrics(self.dist, batch, rewards_B, keep_B, targets, process_metrics, update_metrics,
+            errors = log_grader_errors(self.dist, self.grader_log, self.step_count + 1)  # built-in graders that raised
+            return step_metrics(self.dist, batch, rewards_B, keep_B, targets, update_metrics,
                                 group_size=self.cfg.algorithm.group_size, correctness=self.correctness.name,
                                 lr=self.scheduler.get_last_lr()[0], timer=timer, started=started, grader_errors=errors)
 
     def _reuse_rollout_forward(self) -> bool:
-        """Whether this step's update can differentiate decoding's forward (``train.reuse_rollout_forward``):
-        the rollout is exactly the batch of a single on-policy update, and decoding computes what training
-        would. Then ``generate`` records it (where the lean decoder runs)."""
+        """Whether the run's updates can differentiate decoding's forward (``train.reuse_rollout_forward``):
+        each rollout is exactly the batch of a single on-policy update, and decoding computes what training
+        would. Then ``generate`` records it (where the lean decoder runs); the update uses the recording only
+        while the policy trains."""
         a = self.cfg.algorithm
         return (self.cfg.train.reuse_rollout_forward and self.reuses_rollout_forward and not self._needs_old_logp()
                 and a.epochs == 1 and a.minibatches == 1 and self.dist.world == 1
                 and (a.micro_batch_size == 0 or a.micro_batch_size >= a.prompts_per_step * a.group_size)
                 and a.zero_variance != "resample" and self.sampler.pool is None  # a batch joined from parts drops the recording
-                and self.step_count >= self.policy_frozen_steps and not self._dropout)
+                and not self._dropout)
 
     def _rows_to_train(self, batch: ScoredBatch) -> torch.Tensor:
         """(B,) bool: the responses the loss keeps after the zero-variance and truncation settings."""
@@ -340,7 +338,7 @@ class RLTrainer(Trainer):
             if rollout.replay is not None and rollout.replay.can_score(ref_model):
                 # the CPU fast path: on decoding's recorded rows, every product over all of them at once (cpu/replay.py)
                 return rollout.replay.logprobs_under(ref_model, rollout.response_ids, rollout.response_mask)
-            return self._logprobs(ref_model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids)
+            return self._logprobs(ref_model, rollout)
 
     def _add_importance_weights(self, targets: Targets, rollout: Rollout, old_logp: torch.Tensor) -> None:
         """vLLM sampled the batch: truncated importance weights w_t = min(π_old / π_vLLM, C) per token correct
@@ -353,14 +351,10 @@ class RLTrainer(Trainer):
         """Positions 0..n-1 split into micro-batches of ``algorithm.micro_batch_size`` (0: one batch)."""
         return list(torch.arange(n).split(self.cfg.algorithm.micro_batch_size or n))
 
-    def _logprobs(self, model, input_ids, attention_mask, response_ids) -> torch.Tensor:
-        parts = []
-        for idx in self._micro_batches(len(input_ids)):
-            logp, _ = response_logprobs(
-                model, input_ids[idx], attention_mask[idx], response_ids[idx], temperature=self.sampling.temperature
-            )
-            parts.append(logp.cpu())  # the batch and its targets live on the CPU; micro-batches move to the device
-        return torch.cat(parts)
+    def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+        """log π of the rollout's response tokens under ``model`` (B, T), in the update's micro-batches."""
+        return micro_batched_logprobs(model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids,
+                                      micro_batch_size=self.cfg.algorithm.micro_batch_size, temperature=self.sampling.temperature)
 
     # ------------------------------------------------------------------------------------------ 5. loss, update
     def _update(self, rollout: Rollout, loss_mask, targets: Targets, timer: PhaseTimer) -> dict:
@@ -447,16 +441,7 @@ class RLTrainer(Trainer):
 
     def _eval_metrics(self, responses: list) -> dict:
         metrics = self.evaluate(responses)
-        return {**metrics, "eval/grader_errors": self._log_grader_errors(self.step_count)}
-
-    def _log_grader_errors(self, step: int) -> int:
-        """Append every rank's built-in grader failures since the last call to ``grader_errors.jsonl``, tagged
-        with ``step``; returns how many there were."""
-        errors = self.dist.gather_list([{"step": step, **e} for e in grader_errors.drain()])
-        if self.dist.is_main:
-            for entry in errors:
-                self.grader_log.write(entry)
-        return len(errors)
+        return {**metrics, "eval/grader_errors": log_grader_errors(self.dist, self.grader_log, self.step_count)}
 
     def _extra_state(self) -> dict:
         return {"guard": self.guard.state_dict(), "process": self.process.state_dict() if self.process is not None else {},

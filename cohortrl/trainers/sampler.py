@@ -3,8 +3,8 @@
 ``Sampler.sample`` takes P prompts from the stream, generates G responses to each (transformers, with the run's
 tools, or the vLLM engine), scores them with the weighted reward functions and flags the groups whose G responses
 are equally correct. With ``algorithm.zero_variance: resample`` it draws again until P informative groups are
-found (DAPO's dynamic sampling). ``Sampler.score_steps`` adds the process reward's step rewards
-(``reward.process``). Under torchrun every rank generates its share of the groups, each group seeded by its
+found (DAPO's dynamic sampling). Under ``reward.process`` it then adds the process reward's step rewards
+to the batch the step trains on (``Sampler.score_steps``). Under torchrun every rank generates its share of the groups, each group seeded by its
 global index, and the zero-variance flags are gathered over all ranks.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,7 @@ class ScoredBatch:
     prompts_truncated: int = 0  # prompts cut to data.max_prompt_tokens (overlong_prompts=truncate), all draws
     step_rewards: list[list[float]] | None = None  # (B, S_i) guarded step rewards (reward.process), else None
     step_ends: list[list[int]] | None = None  # (B, S_i) response-token index where each step ends
+    process_metrics: dict = field(default_factory=dict)  # the step detectors' numbers (reward.process)
 
 
 def reward_pool(cfg, in_memory: dict):
@@ -81,12 +82,16 @@ class Sampler:
 
     def sample(self, step: int, timer, record: bool = False) -> ScoredBatch:
         """P groups of G responses, scored, at training step ``step`` (steps done before it); with
-        ``algorithm.zero_variance: resample``, more draws until P informative groups are found. ``record``:
-        the lean decoder keeps its forward for the update to differentiate (``cpu/replay.py``)."""
+        ``algorithm.zero_variance: resample``, more draws until P informative groups are found; then the step
+        rewards under ``reward.process``. ``record``: the lean decoder keeps its forward for the update to
+        differentiate (``cpu/replay.py``)."""
         batch, zero_all = self._draw(step, timer, 0, record)
-        if self.cfg.algorithm.zero_variance != "resample":
-            return batch
-        return self._resample(step, timer, [(batch, zero_all)])
+        if self.cfg.algorithm.zero_variance == "resample":
+            batch = self._resample(step, timer, [(batch, zero_all)])
+        if self.process is not None:
+            with timer("score_steps"):
+                batch.process_metrics = self.score_steps(batch, step)
+        return batch
 
     def _draw(self, step: int, timer, k: int, record: bool, first_frac: float | None = None) -> tuple[ScoredBatch, torch.Tensor]:
         """Draw ``k`` (0 first) of the step's prompt batches: this rank's groups generated and scored, and every

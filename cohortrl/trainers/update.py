@@ -19,19 +19,9 @@ from typing import Iterator
 
 import torch
 
-from cohortrl.algorithms import aggregate
 from cohortrl.rollout.hf import response_logprobs
 from cohortrl.trainers import guards
 from cohortrl.trainers.setup import Optimised
-
-
-def token_weights(response_mask: torch.Tensor, mode: str, norm_length: int | None) -> torch.Tensor:
-    """w_{i,t} = ∂ aggregate(L) / ∂ L_{i,t}. Aggregation is linear in L, so Σ w·L over any split of the rows
-    into micro-batches equals ``aggregate`` over the whole minibatch: gradient accumulation stays exact for
-    every mode without the trainer knowing which mode it is."""
-    probe = torch.zeros(response_mask.shape, requires_grad=True)
-    (w,) = torch.autograd.grad(aggregate(probe, response_mask, mode, norm_length), probe)
-    return w
 
 
 def minibatch_rows(n_groups: int, group_size: int, epochs: int, minibatches: int) -> Iterator[torch.Tensor]:
@@ -50,7 +40,7 @@ class MicroBatch:
     """Rows of the rollout one forward/backward runs on, with their share of the minibatch's aggregate."""
 
     rows: torch.Tensor  # (b,) positions in this process's rollout
-    weights: torch.Tensor  # (b, T) token weights (``token_weights``), 0 on padding
+    weights: torch.Tensor  # (b, T) token weights (``algorithms.token_weights``), 0 on padding
     loss_mask: torch.Tensor  # (b, T) response tokens that carry loss
     response_mask: torch.Tensor  # (b, T) response tokens (the metrics' denominator)
     sync: bool  # the last micro-batch before the optimiser step: gradients are all-reduced here (torchrun)
@@ -96,7 +86,7 @@ class PlainForward:
 class ReplayedForward:
     """The CPU fast path: the log-probs decoding already computed for the whole rollout, differentiated by
     replaying its recorded forward backwards (``cpu/replay.py``). Only for one micro-batch holding every
-    row of the rollout, in order, in a single on-policy update (``RLTrainer._reuse_rollout_forward``)."""
+    row of the rollout, in order, in a single on-policy update (``RLTrainer.rollout_forward_reusable``)."""
 
     replayed = True
 

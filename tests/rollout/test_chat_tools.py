@@ -180,8 +180,7 @@ def test_step_rewards_land_on_the_token_that_ends_the_step_after_tool_turns(tmp_
     )
     trainer = GRPOTrainer(cfg, tmp_path, model=model, tokenizer=tok, reward_funcs=[lambda prompts, completions, **kw: [1.0] * len(completions)],
                           train_dataset=[{"prompt": "two calls please"}])
-    batch = trainer.sampler.sample(trainer.step_count, PhaseTimer())
-    trainer.sampler.score_steps(batch, trainer.step_count)
+    batch = trainer.sampler.sample(trainer.step_count, PhaseTimer())  # with its step rewards (reward.process)
     rollout = batch.rollout
     completion = rollout.completions[0]
     assert completion == TWO_CALLS.replace(

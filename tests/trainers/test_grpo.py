@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cohortrl.algorithms import aggregate
+from cohortrl.algorithms import aggregate, token_weights
 from cohortrl.config import Config, ConfigError
 from cohortrl.rewards.scoring import RewardFunctionError
 from cohortrl.trainers import checkpoint
-from cohortrl.trainers.grpo import GRPOTrainer, RunStateError, token_weights
+from cohortrl.trainers.grpo import GRPOTrainer, RunStateError
 
 FNS = Path(__file__).parent / "reward_fns.py"
 OUTCOME_ESTIMATORS = ["grpo", "grpo_batch", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]

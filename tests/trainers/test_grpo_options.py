@@ -57,9 +57,9 @@ def test_kl_in_reward_moves_the_penalty_from_the_loss_into_the_group_normalised_
     rollout, mask = batch.rollout, batch.rollout.response_mask
     ids, attn = rollout.input_ids(), rollout.attention_mask()
     with torch.no_grad(), trainer.reference() as ref_model:
-        ref_logp = trainer._logprobs(ref_model, ids, attn, rollout.response_ids)
+        ref_logp = trainer._logprobs(ref_model, rollout)
     with torch.no_grad():
-        old_logp = trainer._logprobs(trainer.model, ids, attn, rollout.response_ids)
+        old_logp = trainer._logprobs(trainer.model, rollout)
     rewards = torch.tensor(batch.rewards)
     targets = trainer._targets(batch, rewards, mask, ref_logp, old_logp, PhaseTimer())
 

@@ -57,7 +57,7 @@ def test_grpo_trains_a_gpt2_through_transformers_and_says_once_why(tmp_path, add
     with caplog.at_level(logging.INFO, logger="cohortrl"):
         trainer = GRPOTrainer(tiny_config(addition_jsonl, model=NAME), tmp_path, model=model, tokenizer=tok)
         assert trainer.model is model
-        assert trainer._reuse_rollout_forward()  # the settings allow the replayed backward: only the model rules it out
+        assert trainer.rollout_forward_reusable  # the settings allow the replayed backward: only the model rules it out
         before = params_of(trainer)
         rows = trainer.train()
     steps = [r for r in rows if "loss" in r]

@@ -33,7 +33,7 @@ def test_a_step_on_decodings_forward_matches_a_step_on_its_own(tmp_path, additio
         cfg = tiny_config(addition_jsonl, train={"steps": 1, "reuse_rollout_forward": reuse},
                           model={"lora": {"enabled": lora, "r": 4}}, sampling={"max_new_tokens": 8, "temperature": 0.9})
         trainer = GRPOTrainer(cfg, tmp_path / str(reuse))
-        assert trainer._reuse_rollout_forward() == reuse
+        assert trainer.rollout_forward_reusable == reuse
         before = len(calls)
         rows[reuse] = trainer.step()
         assert len(calls) - before == (1 if reuse else 0)
@@ -58,7 +58,7 @@ def test_a_step_on_decodings_forward_matches_a_step_on_its_own(tmp_path, additio
 def test_settings_where_decodings_forward_is_not_the_updates_turn_it_off(tmp_path, addition_jsonl, monkeypatch, change):
     calls = replays(monkeypatch)
     trainer = GRPOTrainer(tiny_config(addition_jsonl, **{"train": {"steps": 1}, **change}), tmp_path)
-    assert not trainer._reuse_rollout_forward()
+    assert not trainer.rollout_forward_reusable
     row = trainer.step()
     assert calls == [] and row["grad_norm"] > 0 and row["rollout_forward_reused"] == 0
 
@@ -67,6 +67,6 @@ def test_settings_where_decodings_forward_is_not_the_updates_turn_it_off(tmp_pat
 def test_ppo_runs_its_own_forward(tmp_path, addition_jsonl, monkeypatch):
     calls = replays(monkeypatch)
     trainer = PPOTrainer(ppo_config(addition_jsonl, train={"steps": 1}), tmp_path)
-    assert not trainer._reuse_rollout_forward()
+    assert not trainer.rollout_forward_reusable
     trainer.step()
     assert calls == []
