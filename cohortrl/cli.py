@@ -374,6 +374,15 @@ def _demo_summary(sft: Config, rl: Config, warm, rl_evals: list[dict], run_dir: 
     return "\n".join(lines)
 
 
+def _run_arguments(p: argparse.ArgumentParser, steps: str) -> None:
+    """The run-directory options ``train`` and ``sft`` share; ``steps`` names what ``--steps`` counts."""
+    p.add_argument("--run-dir", required=True, help="directory for metrics.jsonl, checkpoints, curves.png, final/")
+    p.add_argument("--steps", type=int, default=None, help=f"stop after N {steps} in total (default: train.steps)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest intact checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--run-dir holds an earlier run: delete its files first and start over (without it such a directory is refused)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cohortrl import __version__
 
@@ -385,11 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train with a YAML config", description="Train a policy with GRPO or PPO (algorithm.name) from a YAML config.")
     p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/tiny_grpo.yaml, configs/tiny_ppo.yaml)")
     p.add_argument("overrides", nargs="*", help="overrides as key.path=value (e.g. algorithm.group_size=4)")
-    p.add_argument("--run-dir", required=True, help="directory for metrics.jsonl, checkpoints, curves.png, final/")
-    p.add_argument("--steps", type=int, default=None, help="stop after N training steps in total (default: train.steps)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest intact checkpoint")
-    p.add_argument("--overwrite", action="store_true",
-                   help="--run-dir holds an earlier run: delete its files first and start over (without it such a directory is refused)")
+    _run_arguments(p, steps="training steps")
     p.add_argument("--strict", action="store_true",
                    help="with --resume: refuse, rather than fall back to an older checkpoint, when the newest is damaged")
     p.set_defaults(func=cmd_train)
@@ -398,11 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         " Its final/ starts an RL run as model.init (docs/python_api.md)."))
     p.add_argument("config", nargs="?", help="YAML config file (model, data, optim, train and sft sections)")
     p.add_argument("overrides", nargs="*", help="overrides as key.path=value (e.g. sft.batch_size=4)")
-    p.add_argument("--run-dir", required=True, help="directory for metrics.jsonl, checkpoints, curves.png, final/")
-    p.add_argument("--steps", type=int, default=None, help="stop after N optimiser steps in total (default: train.steps)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest intact checkpoint")
-    p.add_argument("--overwrite", action="store_true",
-                   help="--run-dir holds an earlier run: delete its files first and start over (without it such a directory is refused)")
+    _run_arguments(p, steps="optimiser steps")
     p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("verify", help="check a run's checkpoints and final/ against their manifests",
