@@ -64,6 +64,14 @@ def test_settings_where_decodings_forward_is_not_the_updates_turn_it_off(tmp_pat
 
 
 @needs_onednn
+def test_one_micro_batch_holding_the_whole_rollout_keeps_it_on(tmp_path, addition_jsonl):
+    cfg = tiny_config(addition_jsonl, train={"steps": 1}, algorithm={"micro_batch_size": 8})  # P·G = 2 × 4
+    trainer = GRPOTrainer(cfg, tmp_path)
+    assert cfg.algorithm.prompts_per_step * cfg.algorithm.group_size == 8
+    assert trainer.rollout_forward_reusable and trainer.step()["rollout_forward_reused"] == 1
+
+
+@needs_onednn
 def test_ppo_runs_its_own_forward(tmp_path, addition_jsonl, monkeypatch):
     calls = replays(monkeypatch)
     trainer = PPOTrainer(ppo_config(addition_jsonl, train={"steps": 1}), tmp_path)

@@ -350,3 +350,75 @@ def test_the_weights_synced_into_vllm_are_the_updated_policys_merged_weights(tmp
         torch.testing.assert_close(synced[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
     assert any(synced[k].abs().max() > 0 for k in moved)
     assert math.isfinite(sum(float(v.float().abs().sum()) for v in synced.values()))
+
+
+# ---------------------------------------------------------------------------------------------- the step's settings
+@pytest.mark.parametrize("setting", ["mask_truncated", "filter"])
+def test_the_loss_mask_keeps_exactly_the_responses_the_settings_train_on(tmp_path, setting):
+    """``mask_truncated``: a response that hit the token budget carries no loss; ``zero_variance: filter``: nor
+    does any response of a group whose responses were all equally correct. Every other token of the response
+    mask does, with weight 1. The responses stop at a space or at 3 tokens, so both kinds occur."""
+    algorithm = {"mask_truncated": True} if setting == "mask_truncated" else {"zero_variance": "filter"}
+    trainer = build(tmp_path, algorithm=algorithm, sampling={"max_new_tokens": 3}, train={"steps": 2})
+    seen = record_targets(trainer)
+    rows = [r for r in trainer.train() if "loss" in r]
+    dropped = 0
+    for step, row in zip(seen, rows):
+        batch = step["batch"]
+        drop_B = batch.rollout.truncated if setting == "mask_truncated" else batch.zero_variance.repeat_interleave(4)
+        expected = batch.rollout.response_mask * (~drop_B).unsqueeze(-1)
+        assert torch.equal(step["loss_mask"], expected.to(step["loss_mask"].dtype))
+        assert row["skipped_nonfinite"] == 0 and math.isfinite(row["loss"])
+        assert row["trained_responses"] == int((~drop_B).sum())
+        dropped += int(drop_B.sum())
+    assert 0 < dropped < 2 * 8  # some rows dropped, some kept
+
+
+def test_a_step_times_each_phase_under_its_name(tmp_path):
+    row = build(tmp_path, train={"steps": 1}).step()
+    for phase in ("generate", "score", "reference", "train", "optimizer"):
+        assert row[f"time/{phase}"] >= 0, phase
+    assert row["time/optimizer"] <= row["time/train"] <= row["time/step"]  # the optimiser step is part of training
+
+
+def test_vllm_importance_weights_multiply_the_policy_loss_token_by_token(tmp_path, monkeypatch):
+    """Sampled by (a stand-in) vLLM, whose log-probs differ from the policy's: the loss is the clipped surrogate
+    times w_t = min(π_old / π_vLLM, C), recomputed here from the rollout's sampling log-probs."""
+    fake = FakeVLLM()
+    monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    trainer = build(tmp_path, reward_funcs=[sample_index_is_even], reward_weights=[1.0], algorithm={"beta": 0.0},
+                    sampling={"backend": "vllm", "max_new_tokens": 3, "is_cap": 2.0}, train={"steps": 1})
+    seen, losses = record_targets(trainer), record_policy_loss(trainer)
+    row = trainer.step()
+    step, call = seen[0], losses[0]
+    rollout, mask = step["batch"].rollout, step["loss_mask"]
+    w_BT = torch.clamp(torch.exp(step["old_logp"] - rollout.sampling_logp), max=2.0) * rollout.response_mask
+    assert not torch.allclose(w_BT[mask.bool()], torch.ones(())), "weights of 1 would not tell × from ÷"
+    policy_BT = -call["advantages"] * torch.exp(call["logp"] - call["old_logp"])  # ratio ~1: one on-policy update
+    expected = aggregate_by_hand(policy_BT * w_BT, mask, "seq-mean-token-mean", 3)
+    assert row["policy_loss"] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+    assert row["is_weight_mean"] == pytest.approx(float(w_BT.sum() / rollout.response_mask.sum()), rel=1e-5)
+
+
+@pytest.mark.parametrize("epochs, minibatches, off_policy", [(1, 1, False), (2, 1, True), (1, 2, True)])
+def test_old_logprobs_are_computed_exactly_when_an_update_can_be_off_policy(tmp_path, epochs, minibatches, off_policy):
+    """A second epoch or minibatch updates a policy that no longer sampled the batch: the clipped ratio needs
+    log π_old, computed before the first update (on-policy with one update it is the policy's own, ratio 1)."""
+    trainer = build(tmp_path, algorithm={"epochs": epochs, "minibatches": minibatches}, train={"steps": 1})
+    seen = record_targets(trainer)
+    row = trainer.step()
+    assert (seen[0]["old_logp"] is not None) == off_policy
+    assert row["time/reference"] >= 0  # the phase that computes them (and π_ref's) is timed under its name
+
+
+def test_reward_functions_see_how_many_steps_are_done(tmp_path):
+    """TRL's ``trainer_state.global_step``: 0 while the first step samples, 1 during the second."""
+    steps = []
+
+    def letter(prompts, completions, trainer_state=None, **_):
+        steps.append(trainer_state.global_step)
+        return [float(c[:1].isalpha()) for c in completions]
+
+    trainer = build(tmp_path, reward_funcs=(letter,), reward_weights=(1.0,), train={"steps": 2})
+    trainer.train()
+    assert steps == [0, 1]
