@@ -8,7 +8,7 @@
 #   scripts/mutation.sh step                # trainers/update.py and trainers/grpo.py against the wiring, golden,
 #                                           # optimiser and rollout-forward-reuse tests
 #   scripts/mutation.sh rl                  # trainers/rl.py (the step's own methods and the trainer's setup) against
-#                                           # the same tests
+#                                           # the same tests and the vLLM, grader-error, options and reliability ones
 #   scripts/mutation.sh algorithms /tmp/m   # copy into /tmp/m instead of /tmp/cohortrl-mutation-<scope>
 #
 # Then, in the copy: `mutmut results` lists the survivors, `mutmut show NAME` prints one as a diff, and
@@ -29,16 +29,20 @@ case $scope in
     mutate='"cohortrl/trainers/update.py", "cohortrl/trainers/grpo.py"'
     tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py",
       "tests/trainers/test_reuse_rollout_forward.py", "tests/trainers/test_micro_batches.py"' ;;
-  rl)  # RLTrainer: step, update loop, micro-batch loss, log-probs, and the setup they rely on
+  rl)  # RLTrainer: step, update loop, micro-batch loss, log-probs, and the setup they rely on; the step's own
+       # settings, vLLM, grader-error logging and the non-finite guard are pinned in the last four files
     mutate='"cohortrl/trainers/rl.py"'
     tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py",
-      "tests/trainers/test_reuse_rollout_forward.py", "tests/trainers/test_micro_batches.py"' ;;
+      "tests/trainers/test_reuse_rollout_forward.py", "tests/trainers/test_micro_batches.py",
+      "tests/trainers/test_backends.py", "tests/trainers/test_grader_errors.py", "tests/trainers/test_grpo_options.py",
+      "tests/trainers/test_reliability.py"' ;;
   *) echo "unknown scope $scope: algorithms, grading, step or rl" >&2; exit 2 ;;
 esac
 rm -rf "$dir" && mkdir -p "$dir"
 git -C "$root" archive HEAD | tar -x -C "$dir"
 # mutmut reads its settings from the copy's pyproject.toml. source_paths is the whole package so that the
-# mutated copy imports; only_mutate picks the scope. docs/ is copied because a registry test reads it.
+# mutated copy imports; only_mutate picks the scope. docs/ is copied because a registry test reads it, configs/ because the
+# kill-and-resume tests start the CLI on one of them.
 # forkserver: workers are not forked from a process that has already imported torch and run the tests.
 # timeout_multiplier: mutmut gives a mutant 15 x (its tests' time + 1 s) x 2 CPU seconds and half that in wall
 # time, i.e. 15 s for these fast tests; a niced worker on a busy machine runs past that without hanging (the
@@ -48,7 +52,7 @@ cat >> "$dir/pyproject.toml" <<TOML
 [tool.mutmut]
 source_paths = ["cohortrl"]
 only_mutate = [$mutate]
-also_copy = ["docs/"]
+also_copy = ["docs/", "configs/"]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
 pytest_add_cli_args_test_selection = [$tests]
 process_isolation = "forkserver"

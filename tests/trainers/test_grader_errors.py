@@ -3,6 +3,7 @@
 A user's own reward function that raises still stops the run (tests/trainers/test_grpo*.py)."""
 
 import json
+from collections import Counter
 
 from cohortrl import tasks
 from cohortrl.config import Config
@@ -41,6 +42,11 @@ def test_a_broken_builtin_grader_case_scores_zero_is_counted_and_saved(tmp_path,
     first = saved[0]
     assert len(first["completion"]) % 2 == 1 and first["prompt"].startswith("What is")
     assert first["step"] in (1, 2) and first["reward"] == "task"
+    # each saved failure is tagged with the step whose row counted it (a step's, or an evaluation's after that step)
+    expected = Counter()
+    for r in rows:
+        expected[r["step"]] += r.get("grader_errors", 0) + r.get("eval/grader_errors", 0)
+    assert Counter(e["step"] for e in saved) == +expected
     assert "ZeroDivisionError: a grader bug" in first["error"] and "raise ZeroDivisionError" in first["traceback"]
     # The failing samples scored 0: every step's mean task reward is at most the share that did not fail.
     for r in steps:

@@ -353,19 +353,23 @@ def test_the_weights_synced_into_vllm_are_the_updated_policys_merged_weights(tmp
 
 
 # ---------------------------------------------------------------------------------------------- the step's settings
-@pytest.mark.parametrize("setting", ["mask_truncated", "filter"])
+@pytest.mark.parametrize("setting", ["mask_truncated", "filter", "both"])
 def test_the_loss_mask_keeps_exactly_the_responses_the_settings_train_on(tmp_path, setting):
     """``mask_truncated``: a response that hit the token budget carries no loss; ``zero_variance: filter``: nor
-    does any response of a group whose responses were all equally correct. Every other token of the response
-    mask does, with weight 1. The responses stop at a space or at 3 tokens, so both kinds occur."""
-    algorithm = {"mask_truncated": True} if setting == "mask_truncated" else {"zero_variance": "filter"}
+    does any response of a group whose responses were all equally correct; with both, neither. Every other token
+    of the response mask does, with weight 1. The responses stop at a space or at 3 tokens, so both kinds occur."""
+    algorithm = {"mask_truncated": setting != "filter", "zero_variance": "keep" if setting == "mask_truncated" else "filter"}
     trainer = build(tmp_path, algorithm=algorithm, sampling={"max_new_tokens": 3}, train={"steps": 2})
     seen = record_targets(trainer)
     rows = [r for r in trainer.train() if "loss" in r]
     dropped = 0
     for step, row in zip(seen, rows):
         batch = step["batch"]
-        drop_B = batch.rollout.truncated if setting == "mask_truncated" else batch.zero_variance.repeat_interleave(4)
+        drop_B = torch.zeros(8, dtype=torch.bool)
+        if algorithm["mask_truncated"]:
+            drop_B |= batch.rollout.truncated
+        if algorithm["zero_variance"] == "filter":
+            drop_B |= batch.zero_variance.repeat_interleave(4)
         expected = batch.rollout.response_mask * (~drop_B).unsqueeze(-1)
         assert torch.equal(step["loss_mask"], expected.to(step["loss_mask"].dtype))
         assert row["skipped_nonfinite"] == 0 and math.isfinite(row["loss"])
@@ -422,3 +426,11 @@ def test_reward_functions_see_how_many_steps_are_done(tmp_path):
     trainer = build(tmp_path, reward_funcs=(letter,), reward_weights=(1.0,), train={"steps": 2})
     trainer.train()
     assert steps == [0, 1]
+
+
+def test_the_policy_loss_gets_the_configured_clip_range_and_dual_clip(tmp_path):
+    trainer = build(tmp_path, algorithm={"clip_low": 0.1, "clip_high": 0.3, "dual_clip": 3.0}, train={"steps": 1})
+    calls = record_policy_loss(trainer)
+    trainer.step()
+    assert [(c["clip_low"], c["clip_high"], c["dual_clip"]) for c in calls] == [(0.1, 0.3, 3.0)]
+
