@@ -435,12 +435,12 @@ LOGPROB_CHUNK_BYTES = 32 * 2**20
 LOGPROB_KEEP_BYTES = 128 * 2**20
 
 
-def micro_batched_logprobs(model, input_ids, attention_mask, response_ids, *, micro_batch_size: int,
+def micro_batched_logprobs(model, input_ids, attention_mask, response_ids, micro_batches: list[torch.Tensor], *,
                            temperature: float) -> torch.Tensor:
-    """``response_logprobs`` of every row, ``micro_batch_size`` rows at a time (0: all at once), gathered on the
-    CPU, where a rollout and its targets live (each micro-batch moves to the model's device): (B, T)."""
+    """``response_logprobs`` of every row, one micro-batch of row positions at a time, gathered on the CPU, where
+    a rollout and its targets live (each micro-batch moves to the model's device): (B, T)."""
     parts = []
-    for idx in torch.arange(len(input_ids)).split(micro_batch_size or len(input_ids)):
+    for idx in micro_batches:
         logp, _ = response_logprobs(model, input_ids[idx], attention_mask[idx], response_ids[idx], temperature=temperature)
         parts.append(logp.cpu())
     return torch.cat(parts)

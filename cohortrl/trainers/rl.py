@@ -354,7 +354,7 @@ class RLTrainer(Trainer):
     def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """log π of the rollout's response tokens under ``model`` (B, T), in the update's micro-batches."""
         return micro_batched_logprobs(model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids,
-                                      micro_batch_size=self.cfg.algorithm.micro_batch_size, temperature=self.sampling.temperature)
+                                      self._micro_batches(rollout.batch_size), temperature=self.sampling.temperature)
 
     # ------------------------------------------------------------------------------------------ 5. loss, update
     def _update(self, rollout: Rollout, loss_mask, targets: Targets, timer: PhaseTimer) -> dict:
