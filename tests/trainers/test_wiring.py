@@ -434,3 +434,27 @@ def test_the_policy_loss_gets_the_configured_clip_range_and_dual_clip(tmp_path):
     trainer.step()
     assert [(c["clip_low"], c["clip_high"], c["dual_clip"]) for c in calls] == [(0.1, 0.3, 3.0)]
 
+
+
+def first_row_right(prompts, completions, **columns):
+    """Row 0 scores 1, the others 0."""
+    return [float(i == 0) for i in range(len(completions))]
+
+
+def test_a_minibatch_of_one_token_trains_on_it(tmp_path):
+    """The edge where a token's aggregation weight is exactly 1: two prompts with one one-token response each,
+    one per minibatch (each minibatch's aggregate is its single token, in every aggregation mode), REINFORCE++'s
+    batch-normalised advantages ±1/√2. The logged loss is the backpropagated one: it must equal the policy loss
+    recomputed from the step's tensors, and have a gradient."""
+    trainer = build(tmp_path, reward_funcs=(first_row_right,), reward_weights=(1.0,),
+                    sampling={"max_new_tokens": 1}, train={"steps": 1},
+                    algorithm={"estimator": "reinforce_pp", "group_size": 1, "prompts_per_step": 2, "minibatches": 2,
+                               "beta": 0.0})
+    calls = record_policy_loss(trainer)
+    row = trainer.step()
+    assert len(calls) == 2 and all(int(c["response_mask"].sum()) == 1 for c in calls)
+    per_minibatch = [float((-c["advantages"] * torch.exp(c["logp"] - c["old_logp"]) * c["response_mask"]).sum())
+                     for c in calls]
+    assert abs(per_minibatch[0]) == pytest.approx(2 ** -0.5, rel=1e-5)  # on-policy (ratio 1), |A| = 1/√2
+    assert row["loss"] == pytest.approx(sum(per_minibatch) / 2, rel=1e-4, abs=1e-6)
+    assert row["grad_norm"] > 1e-3
