@@ -197,7 +197,7 @@ def test_registered_estimator_loss_and_reward_selected_from_yaml(tmp_path, addit
         "import torch\n"
         "from cohortrl.algorithms import register_advantage_estimator, register_policy_loss, get_policy_loss\n"
         "from cohortrl.rewards import register_reward_function\n"
-        "CALLS = []\n"
+        "CALLS, BONUSES = [], []\n"
         "@register_advantage_estimator('sign_test')\n"
         "def sign(*, rewards, response_mask, group_size, **unused):\n"
         "    CALLS.append('estimator')\n"
@@ -208,6 +208,7 @@ def test_registered_estimator_loss_and_reward_selected_from_yaml(tmp_path, addit
         "    return get_policy_loss('clip')(**kwargs)\n"
         "@register_reward_function('letter_test')\n"
         "def letter(prompts, completions, bonus=0.0, **columns):\n"
+        "    BONUSES.append(bonus)\n"
         "    return [float(c[:1].isalpha()) + bonus for c in completions]\n"
     )
     data = sections(f"jsonl:{addition_jsonl}", algorithm={"estimator": "sign_test", "policy_loss": "clip_test"},
@@ -221,6 +222,7 @@ def test_registered_estimator_loss_and_reward_selected_from_yaml(tmp_path, addit
         module = sys.modules[next(m for m in sys.modules if m.endswith("plugin") and m.startswith("cohortrl_user."))]
         assert module.CALLS[:2] == ["estimator", "loss"]
         assert read_metrics(tmp_path / "run")[0]["reward_mean"] >= 0.5  # the kwargs reached the function
+        assert module.BONUSES and set(module.BONUSES) == {0.5}
         with pytest.raises(TypeError, match=r"^advantage estimator 'bad' \(<lambda>\) does not accept response_mask, group_size"):
             register_advantage_estimator("bad")(lambda *, rewards, token_rewards=None, step_rewards=None, step_ends=None, eps=1e-6: rewards)
         with pytest.raises(ValueError, match="advantage estimator 'sign_test' is already registered"):

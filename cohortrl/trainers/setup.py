@@ -89,7 +89,7 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     second step then reuses the first's freed memory instead of faulting in fresh pages: see
     ``cpu/memory.py``). Done by torch's own code: one step with zero gradients at learning rate 0 (the moments
     stay 0 and the weights unchanged, weight decay included), then the step counters back to 0. The state is
-    the one a first step would have started from; ``tests/trainers/test_setup.py`` checks that the first real
+    the one a first step would have started from; ``tests/trainers/test_optimizer.py`` checks that the first real
     step gives bit-identical weights and state."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
     if not params:

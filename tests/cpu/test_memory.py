@@ -98,6 +98,9 @@ def test_a_trainer_gives_the_allocator_back_when_it_closes(tmp_path, monkeypatch
     assert cpu_memory._holders == 1 and libc.calls[0] == (cpu_memory.M_MMAP_THRESHOLD, cpu_memory.MMAP_THRESHOLD_MAX)
     trainer.close()
     assert cpu_memory._holders == 0 and libc.calls[-1] == ("trim", 0)
+    assert cpu_memory.retain_freed_memory() and cpu_memory._holders == 1  # another holder, e.g. a second trainer
+    trainer.close()  # closing again gives back nothing: the other holder keeps the setting
+    assert cpu_memory._holders == 1
 
 
 def test_resolution():

@@ -3,6 +3,7 @@ instead of running another. The step's numbers are those of the update's own for
 every setting under which decoding's forward is not the update's forward turns it off."""
 
 import pytest
+import torch
 
 from cohortrl.cpu import kernels
 from cohortrl.cpu.replay import Recording
@@ -78,3 +79,26 @@ def test_ppo_runs_its_own_forward(tmp_path, addition_jsonl, monkeypatch):
     assert not trainer.rollout_forward_reusable
     trainer.step()
     assert calls == []
+
+
+@pytest.mark.parametrize("attention_dropout, reusable", [(0.1, False), (0.0, True)])
+def test_attention_dropout_set_in_the_models_config_turns_it_off(tmp_path, addition_jsonl, attention_dropout, reusable):
+    """Llama's attention dropout is a config value, not an ``nn.Dropout`` module: it too makes training's
+    forward differ from decoding's. (The tiny Llama has no dropout modules, so 0.0 leaves the reuse on.)"""
+    from cohortrl.models import load_model
+
+    model, tokenizer = load_model("tiny-llama", seed=0)
+    assert not any(isinstance(m, torch.nn.Dropout) for m in model.modules())
+    model.config.attention_dropout = attention_dropout
+    trainer = GRPOTrainer(tiny_config(addition_jsonl, train={"steps": 1}), tmp_path, model=model, tokenizer=tokenizer)
+    assert trainer.rollout_forward_reusable == (reusable and kernels.onednn_available())
+
+
+def test_a_dropout_module_with_p_0_leaves_it_on(tmp_path, addition_jsonl):
+    """An ``nn.Dropout(p=0)`` (GPT-2's with its dropout set to 0, a LoRA adapter's) is the identity in training."""
+    from cohortrl.models import load_model
+
+    model, tokenizer = load_model("tiny-llama", seed=0)
+    model.model.layers[0].mlp.down_proj = torch.nn.Sequential(model.model.layers[0].mlp.down_proj, torch.nn.Dropout(0.0))
+    trainer = GRPOTrainer(tiny_config(addition_jsonl, train={"steps": 1}), tmp_path, model=model, tokenizer=tokenizer)
+    assert trainer.rollout_forward_reusable == kernels.onednn_available()

@@ -42,6 +42,21 @@ def test_a_directory_holding_a_run_is_refused_then_overwritten(tmp_path):
     assert (run / "notes.txt").read_text() == "mine"
 
 
+def test_without_a_run_dir_a_run_goes_to_runs_name_and_start_time(tmp_path, monkeypatch):
+    """TRL's default output_dir is relative to the working directory; ours is runs/<trainer>-<start time>."""
+    monkeypatch.chdir(tmp_path)
+    before = time.strftime("%Y%m%d-%H%M%S")
+    trainer = GRPOTrainer(config(), train_dataset=ROWS)
+    after = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        assert trainer.run_dir.parent == Path("runs") and (tmp_path / trainer.run_dir).is_dir()
+        name, date, clock = trainer.run_dir.name.split("-")
+        assert name == "grpo" and len(date) == 8 and len(clock) == 6
+        assert before <= f"{date}-{clock}" <= after  # %Y%m%d-%H%M%S sorts as the time it spells
+    finally:
+        trainer.close()
+
+
 def test_resume_and_overwrite_together_are_refused(tmp_path):
     with pytest.raises(RunDirectoryError, match="give one of them"):
         claim(tmp_path / "x", resume=True, overwrite=True)

@@ -1,0 +1,80 @@
+"""What a trainer is built from reaches what it builds: the model section reaches ``load_model``, functions
+given in Python (tools) reach the rollout, the policy's seed decides a random model's weights. The step's own
+wiring is in ``test_wiring.py``; the optimiser and LR schedule in ``test_optimizer.py``."""
+
+import pytest
+import torch
+
+from cohortrl.trainers import rl
+from cohortrl.trainers.grpo import GRPOTrainer
+from tests.trainers.test_grpo import tiny_config
+
+
+def test_the_model_section_reaches_load_model(tmp_path, addition_jsonl, monkeypatch):
+    calls, real = [], rl.load_model
+
+    def spy(name, **kwargs):
+        calls.append((name, kwargs))
+        return real(name, **{**kwargs, "init": None})  # no such directory: only that it is passed on matters
+
+    monkeypatch.setattr(rl, "load_model", spy)
+    init = tmp_path / "sft" / "final"
+    init.mkdir(parents=True)
+    (init / "config.json").write_text("{}")  # what the config's check looks for; never loaded here
+    cfg = tiny_config(addition_jsonl, model={"dtype": "bfloat16", "init": str(init)}, train={"seed": 3, "steps": 1})
+    trainer = GRPOTrainer(cfg, tmp_path / "run")
+    assert calls == [("tiny-llama", {"dtype": "bfloat16", "seed": 3, "init": str(init)})]
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("seed, same", [(0, True), (1, False)])
+def test_train_seed_decides_a_random_models_initial_weights(tmp_path, addition_jsonl, seed, same):
+    first = GRPOTrainer(tiny_config(addition_jsonl, train={"seed": 0}), tmp_path / "a")
+    second = GRPOTrainer(tiny_config(addition_jsonl, train={"seed": seed}), tmp_path / "b")
+    pairs = zip(first.model.state_dict().values(), second.model.state_dict().values())
+    assert all(torch.equal(x, y) for x, y in pairs) == same
+
+
+def test_a_tool_given_in_python_reaches_the_rollout(tmp_path, addition_jsonl):
+    """A function defined in a test has no importable name: it is found only through what was passed in."""
+
+    def shout(text: str) -> str:
+        """Upper-case the text.
+
+        Args:
+            text: what to upper-case
+        """
+        return text.upper()
+
+    trainer = GRPOTrainer(tiny_config(addition_jsonl, train={"steps": 1}), tmp_path, tools=[shout])
+    assert [t.name for t in trainer.tools.tools] == ["shout"]
+    assert trainer.sampler.tools is trainer.tools
+
+
+def test_a_process_reward_function_gets_the_reward_timeout(tmp_path, addition_jsonl):
+    from tests.golden.runs import PROCESS_REWARD
+
+    cfg = tiny_config(addition_jsonl, reward={"process": PROCESS_REWARD, "timeout_s": 7.0},
+                      algorithm={"estimator": "grpo_process"}, train={"steps": 1})
+    trainer = GRPOTrainer(cfg, tmp_path)
+    assert trainer.process.name == PROCESS_REWARD["name"] and trainer.process.timeout_s == 7.0
+    assert trainer.sampler.process is trainer.process
+
+
+def test_the_vllm_engine_gets_the_configured_memory_share_and_seed(tmp_path, addition_jsonl, monkeypatch):
+    """With the stand-in engine of ``tests/rollout/test_vllm_backend.py`` in place of vllm."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from tests.rollout.test_vllm_backend import FakeVLLM
+
+    fake = FakeVLLM()
+    module = types.ModuleType("vllm")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # found by importlib.util.find_spec
+    module.LLM, module.SamplingParams = fake.module.LLM, fake.module.SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    cfg = tiny_config(addition_jsonl, sampling={"backend": "vllm", "vllm_gpu_memory_utilization": 0.55},
+                      train={"seed": 5, "steps": 1})
+    GRPOTrainer(cfg, tmp_path)
+    assert fake.init_kwargs["gpu_memory_utilization"] == 0.55 and fake.init_kwargs["seed"] == 5
