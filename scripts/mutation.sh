@@ -9,12 +9,16 @@
 #                                           # optimiser and rollout-forward-reuse tests
 #   scripts/mutation.sh rl                  # trainers/rl.py (the step's own methods and the trainer's setup) against
 #                                           # the same tests and the vLLM, grader-error, options and reliability ones
+#   scripts/mutation.sh setup               # trainers/setup.py (policy, reference, optimiser, LR schedule)
+#   scripts/mutation.sh checkpoint          # trainers/checkpoint.py against the integrity, resume and run-directory tests
+#   scripts/mutation.sh sandbox             # the sandbox's limit handling, mutants applied to the source (below)
 #   scripts/mutation.sh algorithms /tmp/m   # copy into /tmp/m instead of /tmp/cohortrl-mutation-<scope>
+#   MUTATION_ONLY='*x_cpu_limit*' scripts/mutation.sh sandbox   # only the mutants matching these globs
 #
 # Then, in the copy: `mutmut results` lists the survivors, `mutmut show NAME` prints one as a diff, and
 # `mutmut run NAME...` re-runs some (e.g. after copying a new test into <copy>/tests and <copy>/mutants/tests).
 set -euo pipefail
-scope=${1:?usage: scripts/mutation.sh algorithms|grading|step|rl [copy-dir]}
+scope=${1:?usage: scripts/mutation.sh algorithms|grading|step|rl|setup|checkpoint|sandbox [copy-dir]}
 root=$(git rev-parse --show-toplevel)
 dir=${2:-/tmp/cohortrl-mutation-$scope}
 case $scope in
@@ -36,13 +40,26 @@ case $scope in
       "tests/trainers/test_reuse_rollout_forward.py", "tests/trainers/test_micro_batches.py",
       "tests/trainers/test_backends.py", "tests/trainers/test_grader_errors.py", "tests/trainers/test_grpo_options.py",
       "tests/trainers/test_reliability.py"' ;;
-  *) echo "unknown scope $scope: algorithms, grading, step or rl" >&2; exit 2 ;;
+  setup)  # the policy and reference, the optimiser and its state, the LR schedule
+    mutate='"cohortrl/trainers/setup.py"'
+    tests='"tests/trainers/test_wiring.py", "tests/trainers/test_optimizer.py", "tests/trainers/test_golden.py",
+      "tests/trainers/test_setup.py", "tests/test_python_api.py", "tests/trainers/test_other_architectures.py"' ;;
+  checkpoint)  # atomic writes, the manifest and its checks, finding the last intact checkpoint, resuming
+    mutate='"cohortrl/trainers/checkpoint.py"'
+    tests='"tests/trainers/test_checkpoint_integrity.py", "tests/trainers/test_reliability.py",
+      "tests/trainers/test_run_dir.py", "tests/trainers/test_grpo.py"' ;;
+  sandbox)  # the server runs as `python -I -S` with an empty environment: mutmut's trampolines cannot reach it,
+            # so mutmut only generates the mutants here (against a test that starts no sandbox) and
+            # scripts/mutation_applied.py writes each limit-handling mutant into the copy's source in turn
+    mutate='"cohortrl/grading/sandbox_server.py", "cohortrl/grading/sandbox.py"'
+    tests='"tests/tasks/test_units.py"' ;;
+  *) echo "unknown scope $scope: algorithms, grading, step, rl, setup, checkpoint or sandbox" >&2; exit 2 ;;
 esac
 rm -rf "$dir" && mkdir -p "$dir"
 git -C "$root" archive HEAD | tar -x -C "$dir"
 # mutmut reads its settings from the copy's pyproject.toml. source_paths is the whole package so that the
 # mutated copy imports; only_mutate picks the scope. docs/ is copied because a registry test reads it, configs/ because the
-# kill-and-resume tests start the CLI on one of them.
+# kill-and-resume tests start the CLI on one of them, examples/ because the Python API's tests run them.
 # forkserver: workers are not forked from a process that has already imported torch and run the tests.
 # timeout_multiplier: mutmut gives a mutant 15 x (its tests' time + 1 s) x 2 CPU seconds and half that in wall
 # time, i.e. 15 s for these fast tests; a niced worker on a busy machine runs past that without hanging (the
@@ -52,7 +69,7 @@ cat >> "$dir/pyproject.toml" <<TOML
 [tool.mutmut]
 source_paths = ["cohortrl"]
 only_mutate = [$mutate]
-also_copy = ["docs/", "configs/"]
+also_copy = ["docs/", "configs/", "examples/"]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
 pytest_add_cli_args_test_selection = [$tests]
 process_isolation = "forkserver"
@@ -60,6 +77,22 @@ timeout_multiplier = ${MUTATION_TIMEOUT_MULTIPLIER:-60}
 TOML
 cd "$dir"
 # PYTHONPATH: the copy, not the editable install of the checkout, must be what the tests import.
-PYTHONPATH="$dir" nice -n 19 timeout "${MUTATION_TIMEOUT_S:-7200}" "$root/.venv/bin/mutmut" run --max-children 1 \
+# MUTATION_ONLY: space-separated globs over mutant names (mutmut's own matching), e.g. one function's mutants.
+read -r -a only <<< "${MUTATION_ONLY:-}"
+if [ "$scope" = sandbox ]; then
+  PYTHONPATH="$dir" nice -n 19 "$root/.venv/bin/mutmut" run --max-children 1 | tail -n 1 || true  # generate only
+  # The limit handling: the CPU-time rlimit, the wall-clock timers and kills, the output and result limits,
+  # the verdict's reasons, and the client's wait for an answer. (Child.deadline and Sandbox._refuse are
+  # decorated, which mutmut 3.8.1 does not mutate.) Their tests: the limits at their edges, the hostile
+  # payloads, and the server's robustness.
+  default='*sandbox_server.x_cpu_limit__* *sandbox_server.x_child_main__* *ǁServerǁnext_timer__* *ǁServerǁenforce_timers__* *ǁServerǁkill__* *ǁServerǁread_child__* *ǁServerǁverdict__* *ǁSandboxǁ_wait__*'
+  read -r -a globs <<< "${MUTATION_ONLY:-$default}"
+  nice -n 19 timeout "${MUTATION_TIMEOUT_S:-7200}" "$root/.venv/bin/python" "$root/scripts/mutation_applied.py" "$dir" \
+    --mutants "${globs[@]}" --tests tests/rewards/test_sandbox_limits.py tests/rewards/test_sandbox.py \
+    tests/rewards/test_sandbox_robustness.py || true
+  awk -F '\t' '{n[$2]++} END {for (s in n) print s, n[s]}' "$dir/applied-results.tsv"
+  exit 0
+fi
+PYTHONPATH="$dir" nice -n 19 timeout "${MUTATION_TIMEOUT_S:-7200}" "$root/.venv/bin/mutmut" run --max-children 1 "${only[@]}" \
   | tr '\r' '\n' | grep -v '^\s*$' | tail -n 3 || true
 "$root/.venv/bin/mutmut" results

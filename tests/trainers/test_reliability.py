@@ -187,6 +187,19 @@ def test_a_nonfinite_gradient_alone_is_skipped_and_the_next_step_trains(tmp_path
     assert any(not torch.equal(before[n], p) for n, p in params_of(trainer).items())
 
 
+def test_a_resumed_run_keeps_counting_the_nonfinite_steps_in_a_row(tmp_path, addition_jsonl):
+    """The count lives in the checkpoint: skipped steps before a restart and after it add up toward the limit."""
+    cfg = tiny_config(addition_jsonl, train={"steps": 1, "max_nonfinite_steps": 3}, eval={"n_prompts": 0})
+    trainer = GRPOTrainer(cfg, tmp_path)
+    trainer.train()
+    trainer.guard.in_a_row = 2  # as after two skipped steps
+    trainer.save_checkpoint()
+    trainer.close()
+    resumed = GRPOTrainer(cfg, tmp_path, resume=True)
+    assert resumed.guard.in_a_row == 2
+    resumed.close()
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def enospc(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")

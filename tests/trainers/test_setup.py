@@ -78,3 +78,22 @@ def test_the_vllm_engine_gets_the_configured_memory_share_and_seed(tmp_path, add
                       train={"seed": 5, "steps": 1})
     GRPOTrainer(cfg, tmp_path)
     assert fake.init_kwargs["gpu_memory_utilization"] == 0.55 and fake.init_kwargs["seed"] == 5
+
+
+def test_reward_workers_score_the_functions_loaded_by_name(tmp_path, addition_jsonl):
+    """``reward.workers``: the functions named in the config run in worker processes; a function given in
+    Python stays in the trainer (it may not be importable by name)."""
+    from tests.trainers.reward_fns import starts_with_vowel
+
+    by_name = GRPOTrainer(tiny_config(addition_jsonl, reward={"workers": 1}, train={"steps": 1}), tmp_path / "a")
+    try:
+        assert [s[0] for s in by_name.sampler.pool.specs] == [by_name.cfg.reward.functions[0].name]
+        assert by_name.sampler.pool.workers == 1
+    finally:
+        by_name.close()
+    in_memory = GRPOTrainer(tiny_config(addition_jsonl, reward={"workers": 1}, train={"steps": 1}), tmp_path / "b",
+                            reward_funcs=[starts_with_vowel])
+    try:
+        assert in_memory.sampler.pool is None
+    finally:
+        in_memory.close()
