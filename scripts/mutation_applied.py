@@ -59,6 +59,10 @@ def main() -> None:
             shutil.copyfile(source, pristine)
     pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:warnings", *args.tests]
     print(f"{len(chosen)} mutants, {len(done & set(chosen))} done before", flush=True)
+    if not done:  # the unmutated copy must pass, or every mutant would count as killed
+        clean = subprocess.run(pytest, cwd=copy, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if clean.returncode != 0:
+            sys.exit(f"the unmutated copy fails its tests:\n{clean.stdout[-3000:]}")
     for name, source in chosen.items():
         if name in done:
             continue

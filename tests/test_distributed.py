@@ -18,22 +18,37 @@ from cohortrl.trainers.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 VOLATILE = ("time/", "tokens_per_s", "peak_rss_mb")
+RUN_TIMEOUT_S = 600  # a run hung in a collective fails its test after this
 
 
 def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "cohortrl", "train", str(config), "--run-dir", str(run_dir), *extra]
-    # Its own session, so that a run hung in a collective (one rank failed, the other waiting) is killed with
-    # its workers at the time limit instead of leaving them behind.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=600)
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        # A run hung in a collective (one rank failed, the other waiting): kill torchrun and its workers, which
+        # torchrun starts in sessions of their own (they would hold the pipes open and hang communicate()).
         os.killpg(proc.pid, signal.SIGKILL)
+        for pid in workers_of(run_dir):
+            os.kill(pid, signal.SIGKILL)
         proc.communicate()
         raise
     assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+
+
+def workers_of(run_dir: Path) -> list[int]:
+    """The processes whose command line names ``run_dir`` (Linux's /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(run_dir).encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:
+            pass  # gone meanwhile
+    return pids
 
 
 def weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ class Job:
     code: str
     func_name: str
     calls: Sequence[Sequence[Any]]  # each a list of JSON-serialisable positional arguments
-    timeout_s: float = 2.0  # wall clock for the whole job; CPU time is limited to ceil(timeout_s) s
+    timeout_s: float = 2.0  # wall clock for the whole job; CPU time to the next whole second (sandbox_server.cpu_limit)
     memory_mb: int = 256  # address space the job may add to the interpreter's own
 
 

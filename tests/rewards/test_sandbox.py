@@ -10,11 +10,13 @@ process-level protections (seccomp, rlimits, own uid), not just the missing buil
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
 
-from cohortrl.grading.sandbox import Job, Sandbox
+from cohortrl.grading.sandbox import MAX_CODE_CHARS, Job, Sandbox
+from cohortrl.grading.sandbox_server import MAX_RESULT_BYTES
 
 LIMIT = 1.0  # seconds, for every job here
 SLACK = 0.75  # a loaded 2-core machine may reap a killed child late
@@ -132,6 +134,38 @@ def test_hostile_code_fails_with_a_clear_reason_within_its_limit(box, name):
     assert box.server_pid == server  # the server survived (and so, plainly, did this process)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The output and result limits at their edges, with what arrives in many pieces kept whole.
+def printing(lines: int) -> str:
+    """Prints ``lines`` lines of 1,024 bytes, flushing each, so the server reads them in many pieces."""
+    return f"import time\ndef f():\n    for _ in range({lines}):\n        print('x' * 1023, flush=True)\n        time.sleep(0.001)\n"
+
+
+def test_output_up_to_the_limit_arrives_whole_and_one_byte_more_is_killed(box):
+    full = run(box, printing(64))  # exactly the default output_limit, 65,536 bytes
+    assert full.ok and full.output == ("x" * 1023 + "\n") * 64, (full.reason, len(full.output))
+    over = run(box, printing(64) + "    print('', end='y', flush=True)\n")
+    assert not over.ok and over.reason == "output too large: more than 65536 bytes on stdout/stderr", over.reason
+
+
+def test_a_result_near_the_result_limit_arrives_whole(box):
+    """1 MiB minus 2,000 bytes of JSON, which reaches the server through the pipe in many reads."""
+    n = MAX_RESULT_BYTES - 2000
+    result = run(box, f"def f():\n    return 'r' * {n}\n")
+    assert result.ok and result.calls[0].value == "r" * n, result.reason
+
+
+@pytest.mark.parametrize("extra, reason", [(0, "the job's result was malformed"),
+                                           (1, f"result too large: more than {MAX_RESULT_BYTES} bytes")])
+def test_bytes_written_to_the_result_pipe_directly_are_capped(box, extra, reason):
+    """Code that writes to the result pipe itself: the server's own cap is the limit plus 4,096 bytes (room for
+    the JSON around a result the child has already capped at the limit); one byte more is killed."""
+    n = MAX_RESULT_BYTES + 4096 + extra
+    code = ESCAPE + f"def f():\n    _os['write'](3, b'x' * {n})\n    _os['_exit'](0)\n"
+    result = run(box, code, timeout_s=5.0)
+    assert not result.ok and result.reason.startswith(reason), result.reason
+
+
 def test_files_outside_the_temp_dir_are_neither_written_nor_deleted(box, tmp_path):
     victim = tmp_path / "keep.txt"
     victim.write_text("precious")
@@ -213,10 +247,28 @@ def test_a_server_that_dies_twice_fails_the_pending_job_and_is_restarted():
             killed.append(sandbox.server_pid)
             os.kill(killed[-1], 9)  # a server this test started
         worker.join(timeout=10)
-        assert results and not results[0].ok and "sandbox server exited" in results[0].reason
+        assert results and results[0].ok is False and "sandbox server exited" in results[0].reason
         assert "2 times" in results[0].reason
         again = sandbox.run(HONEST, "f", [[1.0]], timeout_s=LIMIT)
         assert again.ok and sandbox.server_pid not in (None, *killed)
+    finally:
+        sandbox.close()
+
+
+def test_a_server_that_stops_answering_fails_the_job_at_the_guard_and_is_replaced():
+    """The guard against a wedged server, never reached in normal operation: 10 s plus twice the jobs' limits
+    per start slot. A stopped server is given up then, closed (killed after 5 s), and the next job gets a new one."""
+    sandbox = Sandbox(max_workers=1).start()
+    try:
+        stopped = sandbox.server_pid
+        os.kill(stopped, signal.SIGSTOP)  # a server this test started
+        start = time.monotonic()
+        result = sandbox.run(HONEST, "f", [[1.0]], timeout_s=0.5)  # guard: 10 + 2 × 0.5 / 1 = 11 s
+        elapsed = time.monotonic() - start
+        assert result.ok is False and result.reason == "the sandbox server did not answer within 11 s"
+        assert 11 <= elapsed < 11 + 5 + 2 and sandbox.server_pid is None
+        again = sandbox.run(HONEST, "f", [[4.0]], timeout_s=LIMIT)
+        assert again.ok and again.calls[0].value == 3.0 and sandbox.server_pid not in (None, stopped)
     finally:
         sandbox.close()
 
@@ -226,6 +278,16 @@ def test_oversized_code_and_bad_limits_are_refused_before_the_server():
     assert "longer than" in sandbox.run("x = 1\n" * 30000, "f", [[]]).reason
     assert "timeout_s" in sandbox.run(HONEST, "f", [[1.0]], timeout_s=0).reason
     sandbox.close()
+
+
+def test_the_limits_on_code_length_and_timeout_include_their_bounds():
+    def refused(code_chars: int, timeout_s: float) -> str:
+        return Sandbox._refuse(Job("#" * code_chars, "f", [[]], timeout_s=timeout_s))
+
+    assert refused(MAX_CODE_CHARS, 600) == "" and refused(1, 1e-3) == ""
+    assert refused(MAX_CODE_CHARS + 1, 1.0) == f"the code is longer than {MAX_CODE_CHARS} characters"
+    for bad in (0, -1, 600.001, float("inf"), float("nan")):
+        assert refused(1, bad) == f"timeout_s must be in (0, 600], not {bad}"
 
 
 def test_without_seccomp_the_other_layers_still_contain_the_attacks(caplog, tmp_path):

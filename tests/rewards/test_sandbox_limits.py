@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from cohortrl.grading.sandbox import Sandbox
+from cohortrl.grading.sandbox import Job, Sandbox
 from cohortrl.grading.sandbox_server import cpu_limit
 
 LATE = 0.2  # seconds after the limit by which a hostile job must be dead
@@ -77,3 +77,19 @@ def test_a_hostile_job_is_killed_at_its_limit_and_not_later_than_0_2_s_after(box
 def test_the_cpu_time_backstop_lies_above_the_wall_clock_limit():
     """Whole seconds above the limit, never equal to it: the CPU rlimit must not end a job the wall clock allows."""
     assert [cpu_limit(t) for t in (0.2, 0.999, 1.0, 1.5, 2.0, 2.9)] == [1, 1, 2, 2, 3, 3]
+
+
+def test_a_job_gives_its_start_slot_up_after_fast_s_or_when_it_ends():
+    """``max_workers`` jobs start at once; one still running after ``fast_s`` gives up its start slot (and is
+    re-niced), so the next queued job starts then rather than when it ends; one that ends sooner frees it then.
+    Lower bounds are exact (a job never starts before its slot is free); upper bounds allow 0.4 s of scheduling."""
+    sandbox = Sandbox(max_workers=1, fast_s=0.5).start()
+    sleep = "import time\ndef f(s):\n    time.sleep(s)\n    return s\n"
+    try:
+        held, queued = sandbox.run_many([Job(sleep, "f", [[1.5]], timeout_s=3.0), Job(sleep, "f", [[0.1]], timeout_s=3.0)])
+        assert held.ok and queued.ok and held.queued_s < 0.4
+        assert 0.5 <= queued.queued_s < 0.5 + 0.4, queued.queued_s
+        ended, queued = sandbox.run_many([Job(sleep, "f", [[0.2]], timeout_s=3.0), Job(sleep, "f", [[0.1]], timeout_s=3.0)])
+        assert ended.ok and queued.ok and 0.2 <= queued.queued_s < 0.5, queued.queued_s
+    finally:
+        sandbox.close()

@@ -148,7 +148,7 @@ def test_a_malformed_reply_is_a_failed_job_not_an_exception():
         assert not result.ok and "reply was malformed" in result.reason
 
 
-def test_an_honest_job_in_flight_when_the_server_crashes_runs_again_once():
+def test_an_honest_job_in_flight_when_the_server_crashes_runs_again_once(caplog):
     sandbox = Sandbox().start()
     try:
         pid = sandbox.server_pid
@@ -161,6 +161,8 @@ def test_an_honest_job_in_flight_when_the_server_crashes_runs_again_once():
         worker.join(timeout=15)
         assert results and results[0].ok and results[0].calls[0].value == 42, results
         assert sandbox.server_pid not in (None, pid)
+        said = [r.getMessage() for r in caplog.records if r.name == "cohortrl.grading.sandbox"]
+        assert said == ["sandbox: the sandbox server exited (code -9) with a job in flight; running it again on a new server"]
     finally:
         sandbox.close()
 
