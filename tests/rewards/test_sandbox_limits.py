@@ -15,6 +15,7 @@ same every time; one caused by a preempted server is not, so the upper bound tak
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -79,16 +80,26 @@ def test_the_cpu_time_backstop_lies_above_the_wall_clock_limit():
     assert [cpu_limit(t) for t in (0.2, 0.999, 1.0, 1.5, 2.0, 2.9)] == [1, 1, 2, 2, 3, 3]
 
 
+def server_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux's /proc/PID/stat, fields 14 and 15)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_a_job_gives_its_start_slot_up_after_fast_s_or_when_it_ends():
     """``max_workers`` jobs start at once; one still running after ``fast_s`` gives up its start slot (and is
     re-niced), so the next queued job starts then rather than when it ends; one that ends sooner frees it then.
     Lower bounds are exact (a job never starts before its slot is free); upper bounds allow 0.4 s of scheduling."""
     sandbox = Sandbox(max_workers=1, fast_s=0.5).start()
-    sleep = "import time\ndef f(s):\n    time.sleep(s)\n    return s\n"
+    # It prints first: the server wakes up for the output well before fast_s and must not give the slot away then.
+    sleep = "import time\ndef f(s):\n    print('started', flush=True)\n    time.sleep(s)\n    return s\n"
     try:
+        cpu_before = server_cpu_s(sandbox.server_pid)
         held, queued = sandbox.run_many([Job(sleep, "f", [[1.5]], timeout_s=3.0), Job(sleep, "f", [[0.1]], timeout_s=3.0)])
         assert held.ok and queued.ok and held.queued_s < 0.4
         assert 0.5 <= queued.queued_s < 0.5 + 0.4, queued.queued_s
+        # The server sleeps in select() until the next deadline: a wrong timer would spin it for those 1.5 s.
+        assert server_cpu_s(sandbox.server_pid) - cpu_before < 0.25
         ended, queued = sandbox.run_many([Job(sleep, "f", [[0.2]], timeout_s=3.0), Job(sleep, "f", [[0.1]], timeout_s=3.0)])
         assert ended.ok and queued.ok and 0.2 <= queued.queued_s < 0.5, queued.queued_s
     finally:
