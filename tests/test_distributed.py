@@ -2,6 +2,7 @@
 the same config (batch-level statistics gathered, token weights global, DDP gradients), and a run
 checkpointed under 2 processes resumes under 2 or 1 and ends where the uninterrupted run ends."""
 
+import contextlib
 import json
 import os
 import signal
@@ -33,7 +34,8 @@ def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str) -> None:
         # torchrun starts in sessions of their own (they would hold the pipes open and hang communicate()).
         os.killpg(proc.pid, signal.SIGKILL)
         for pid in workers_of(run_dir):
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(pid, signal.SIGKILL)
         proc.communicate()
         raise
     assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
