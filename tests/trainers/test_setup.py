@@ -63,17 +63,12 @@ def test_a_process_reward_function_gets_the_reward_timeout(tmp_path, addition_js
 
 def test_the_vllm_engine_gets_the_configured_memory_share_and_seed(tmp_path, addition_jsonl, monkeypatch):
     """With the stand-in engine of ``tests/rollout/test_vllm_backend.py`` in place of vllm."""
-    import importlib.machinery
     import sys
-    import types
 
     from tests.rollout.test_vllm_backend import FakeVLLM
 
     fake = FakeVLLM()
-    module = types.ModuleType("vllm")
-    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # found by importlib.util.find_spec
-    module.LLM, module.SamplingParams = fake.module.LLM, fake.module.SamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm", fake.module)
     cfg = tiny_config(addition_jsonl, sampling={"backend": "vllm", "vllm_gpu_memory_utilization": 0.55},
                       train={"seed": 5, "steps": 1})
     GRPOTrainer(cfg, tmp_path)

@@ -14,10 +14,8 @@ The step's tensors are read by wrapping the trainer's own methods on the instanc
 """
 
 import copy
-import importlib.machinery
 import math
 import sys
-import types
 
 import pytest
 import torch
@@ -325,11 +323,7 @@ def merged_by_peft(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_weights_synced_into_vllm_are_the_updated_policys_merged_weights(tmp_path, monkeypatch, lora):
     fake = FakeVLLM()
-    # A real module object with a spec, so that checks for an installed vllm (importlib.util.find_spec) see one.
-    module = types.ModuleType("vllm")
-    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
-    module.LLM, module.SamplingParams = fake.module.LLM, fake.module.SamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm", fake.module)
     trainer = build(tmp_path, reward_funcs=[sample_index_is_even], reward_weights=[1.0],
                     sampling={"backend": "vllm", "max_new_tokens": 3},
                     model={"lora": {"enabled": lora, "r": 4, "alpha": 8}}, optim={"lr": 5e-2})
