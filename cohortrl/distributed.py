@@ -254,6 +254,16 @@ def shard(model) -> None:
     fully_shard(base)
 
 
+def held_elements(model) -> tuple[int, int]:
+    """(parameter elements this rank holds, elements in the whole model): equal unless FSDP2 sharded it, when
+    each parameter is a DTensor whose local shard is this rank's part."""
+    held = total = 0
+    for p in model.parameters():
+        total += p.numel()
+        held += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    return held, total
+
+
 def _fsdp_modules(model) -> list:
     from torch.distributed.fsdp import FSDPModule
 

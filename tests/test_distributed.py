@@ -5,6 +5,7 @@ checkpointed under 2 processes resumes under 2 or 1 and ends where the uninterru
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,10 +23,11 @@ VOLATILE = ("time/", "tokens_per_s", "peak_rss_mb")
 RUN_TIMEOUT_S = 600  # a run hung in a collective fails its test after this
 
 
-def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str) -> None:
+def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str) -> str:
+    """Run ``cohortrl train`` under torchrun; returns its log (stderr, at INFO level)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "cohortrl", "train", str(config), "--run-dir", str(run_dir), *extra]
+           "-m", "cohortrl", "-v", "train", str(config), "--run-dir", str(run_dir), *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
@@ -39,6 +41,7 @@ def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str) -> None:
         proc.communicate()
         raise
     assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    return stderr
 
 
 def workers_of(run_dir: Path) -> list[int]:
@@ -96,9 +99,18 @@ def runs(tmp_path_factory, config_path):
     """The config run under one process, two, and two with FSDP2."""
     root, path = tmp_path_factory.mktemp("ddp"), config_path
     torchrun(1, path, root / "one")
-    torchrun(2, path, root / "two", "--steps", "2")
-    torchrun(2, path, root / "fsdp", "--steps", "2", "train.strategy=fsdp")
+    (root / "two.log").write_text(torchrun(2, path, root / "two", "--steps", "2"))
+    (root / "fsdp.log").write_text(torchrun(2, path, root / "fsdp", "--steps", "2", "train.strategy=fsdp"))
     return root, path
+
+
+def held_elements(log: str) -> dict[tuple[int, str], tuple[int, int]]:
+    """{(rank, model): (parameter elements the rank holds, in total)} from the trainer's line per rank."""
+    held = {}
+    for rank, strategy, models in re.findall(r"rank (\d) of 2 \((\w+)\): (.*)", log):
+        for name, h, total in re.findall(r"(\w+) (\d+) of (\d+) parameter elements", models):
+            held[int(rank), f"{strategy} {name}"] = int(h), int(total)
+    return held
 
 
 def assert_same_metrics(one: Path, other: Path, steps=(1, 2)) -> None:
@@ -118,6 +130,18 @@ def test_two_processes_compute_the_same_update_as_one(runs):
     one, two = root / "one" / "checkpoints", root / "two" / "checkpoints"
     assert_same_weights(one / "step_000002", two / "step_000002")
     assert_same_metrics(root / "one", root / "two")
+
+
+def test_ddp_gives_each_rank_the_whole_model_and_fsdp2_a_share(runs):
+    root, _ = runs
+    ddp, fsdp = held_elements((root / "two.log").read_text()), held_elements((root / "fsdp.log").read_text())
+    assert sorted(ddp) == [(r, f"ddp {m}") for r in (0, 1) for m in ("policy", "reference")]
+    assert all(h == t for h, t in ddp.values())
+    assert sorted(fsdp) == [(r, f"fsdp {m}") for r in (0, 1) for m in ("policy", "reference")]
+    for model in ("policy", "reference"):  # dim-0 shards: each rank about half, together all of it
+        (h0, t0), (h1, t1) = fsdp[0, f"fsdp {model}"], fsdp[1, f"fsdp {model}"]
+        assert t0 == t1 == ddp[0, f"ddp {model}"][1] and h0 + h1 == t0
+        assert max(h0, h1) < 0.6 * t0, (model, h0, h1, t0)
 
 
 def test_fsdp2_sharded_over_two_processes_computes_the_same_update(runs, tmp_path):

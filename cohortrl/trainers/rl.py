@@ -192,6 +192,12 @@ class RLTrainer(Trainer):
         self.train_model = self.dist.wrap(self.model)
         if self.dist.sharded and self.reference is not None and self.reference.model is not None:
             distributed.shard(self.reference.model)
+        if self.dist.launched:  # what this rank holds shows whether the strategy asked for is the one that ran
+            held = {"policy": distributed.held_elements(self.model)}
+            if self.reference is not None and self.reference.model is not None:
+                held["reference"] = distributed.held_elements(self.reference.model)
+            log.info("rank %d of %d (%s): %s", self.dist.rank, self.dist.world, self.dist.strategy,
+                     ", ".join(f"{name} {h} of {t} parameter elements" for name, (h, t) in held.items()))
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.updates_per_step = a.epochs * a.minibatches
         policy_updates = max(0, cfg.train.steps - self.policy_frozen_steps) * self.updates_per_step
