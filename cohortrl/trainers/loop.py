@@ -146,6 +146,13 @@ class Trainer:
         total = steps if steps is not None else self.cfg.train.steps
         if self.step_count >= total:
             return self._finish_or_refuse(total)
+        schedule = self.cfg.optim.schedule
+        if total > self.cfg.train.steps and schedule != "constant":  # the schedules span train.steps (setup.py)
+            raise ConfigError(
+                f"training to step {total} (--steps) goes past train.steps={self.cfg.train.steps}, where optim.schedule={schedule} has "
+                f"brought the learning rate to 0: the steps after it would not train. Set train.steps={total} instead "
+                f"(a resume may change it; the {schedule} decay is then spread over {total} steps)"
+            )
         if self.dist.is_main:  # before the first checkpoint, not when one fails hours in
             warning = checkpoint.space_warning(self.run_dir, self._checkpoint_bytes())
             if warning:
@@ -209,10 +216,12 @@ class Trainer:
             return []
         if self.dist.is_main and not (self.run_dir / "curves.png").is_file():  # killed between final/ and the plot
             plot_curves(self.run_dir)
+        # a decayed LR schedule spans train.steps: --steps past it would train at LR 0 (see _train)
+        further = "--steps N" if self.cfg.optim.schedule == "constant" else "train.steps=N"
         raise RunCompleteError(
             f"run in {self.run_dir} has already done {self.step_count} step(s) and saved final/, nothing is left up "
-            f"to {total} step(s); to train further pass a larger total with --steps N, N > {self.step_count} "
-            f"(cohortrl {self.command} --run-dir {self.run_dir} --resume --steps N)"
+            f"to {total} step(s); to train further pass a larger total with {further}, N > {self.step_count} "
+            f"(cohortrl {self.command} --run-dir {self.run_dir} --resume {further})"
         )
 
     def _log_eval(self) -> dict:
@@ -332,6 +341,12 @@ class Trainer:
             else:
                 o.optimizer.load_state_dict(state[f"{name}_optimizer"])
             o.scheduler.load_state_dict(state[f"{name}_scheduler"])
+            # The next update's LR from this run's schedule, not the saved one: the same number unless a resume
+            # changed train.steps, whose schedule (stretched or shortened) must then apply from this update on.
+            s = o.scheduler
+            s._last_lr = [base * factor(s.last_epoch) for base, factor in zip(s.base_lrs, s.lr_lambdas)]
+            for group, lr in zip(o.optimizer.param_groups, s._last_lr):
+                group["lr"] = lr
         self.stream.load_state_dict(state["data"])
         self._load_extra_state(state)
         checkpoint.set_rng_state(state["rng"])

@@ -106,12 +106,8 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             g["lr"] = lr
         for p in params:
             p.grad = None
-    for p in params:
-        step = optimizer.state[p].get("step")
-        if torch.is_tensor(step):
-            step.zero_()
-        elif step is not None:
-            optimizer.state[p]["step"] = 0
+    for p in params:  # AdamW counts its steps in a tensor
+        optimizer.state[p]["step"].zero_()
 
 
 def build_scheduler(optimizer, optim_cfg, total_updates: int):

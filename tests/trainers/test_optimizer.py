@@ -99,3 +99,71 @@ def test_the_optimiser_step_frees_the_gradients_and_clips_only_when_asked(max_gr
     exp_avg = torch.cat([optimizer.state[p]["exp_avg"].flatten() for p in model.parameters()])
     seen = (exp_avg / 0.1).norm().item()  # AdamW's first moment after one step: (1 − β1)·g, β1 = 0.9
     assert seen == pytest.approx(norm if max_grad_norm is None else 1.0, rel=1e-4)
+
+
+def test_the_optim_section_reaches_adamw_over_the_trainable_parameters_only():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    optimizer = build_optimizer(model, OptimConfig(lr=3e-3, betas=[0.8, 0.95], weight_decay=0.05))
+    (group,) = optimizer.param_groups
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-3, (0.8, 0.95), 0.05)
+    assert [id(p) for p in group["params"]] == [id(p) for p in model[1].parameters()]
+
+
+def test_allocating_again_leaves_a_stepped_optimisers_state_alone():
+    """A second call (a trainer whose optimiser already has state) must not take a zero-gradient step with it:
+    AdamW would decay its moments and the step counter would go back to 0."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+    allocate_optimizer_state(optimizer)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    before = copy.deepcopy(optimizer.state_dict()["state"])
+    weights = [p.detach().clone() for p in model.parameters()]
+    allocate_optimizer_state(optimizer)
+    after = optimizer.state_dict()["state"]
+    for i in before:
+        for key in before[i]:
+            assert torch.equal(before[i][key], after[i][key]), (i, key)
+    assert after[0]["step"].item() == 1
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
+def test_allocating_with_a_tensor_learning_rate_keeps_it():
+    """torch lets AdamW's learning rate be a tensor (``lr=torch.tensor(...)``): it is set to 0 in place of the
+    same kind for the allocating step, then put back."""
+    model = torch.nn.Linear(4, 2)
+    lr = torch.tensor(1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    weights = [p.detach().clone() for p in model.parameters()]
+    allocate_optimizer_state(optimizer)
+    assert optimizer.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(1e-2)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(s["step"].item() == 0 and not s["exp_avg"].any() for s in optimizer.state.values())
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_a_decayed_schedule_stays_at_zero_past_its_last_update(schedule):
+    """Progress is capped at 1: past ``total_updates`` linear decay would turn negative and cosine rise again."""
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    scheduler = build_scheduler(optimizer, OptimConfig(lr=1.0, warmup_steps=1, schedule=schedule), total_updates=3)
+    factors = []
+    for _ in range(6):
+        factors.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert factors == pytest.approx([1.0, 1.0, 0.5, 0.0, 0.0, 0.0], abs=1e-12)
+
+
+def test_a_decay_over_one_update_reaches_zero_after_it():
+    """total_updates − warmup = 1: the one decaying update runs at the full LR, the next would run at 0."""
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    scheduler = build_scheduler(optimizer, OptimConfig(lr=1.0, warmup_steps=2, schedule="linear"), total_updates=3)
+    factors = []
+    for _ in range(4):
+        factors.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert factors == pytest.approx([0.5, 1.0, 1.0, 0.0], abs=1e-12)

@@ -5,7 +5,7 @@ wiring is in ``test_wiring.py``; the optimiser and LR schedule in ``test_optimiz
 import pytest
 import torch
 
-from cohortrl.trainers import rl
+from cohortrl.trainers import rl, setup
 from cohortrl.trainers.grpo import GRPOTrainer
 from tests.trainers.test_grpo import tiny_config
 
@@ -92,3 +92,67 @@ def test_reward_workers_score_the_functions_loaded_by_name(tmp_path, addition_js
         assert in_memory.sampler.pool is None
     finally:
         in_memory.close()
+
+
+def test_build_policy_loads_what_the_model_section_names(tmp_path, addition_jsonl, monkeypatch):
+    """The SFT trainer's path: no model given, so ``build_policy`` loads it."""
+    calls, real = [], setup.load_model
+
+    def spy(name, **kwargs):
+        calls.append((name, kwargs))
+        return real(name, **{**kwargs, "init": None})
+
+    monkeypatch.setattr(setup, "load_model", spy)
+    init = tmp_path / "sft" / "final"
+    init.mkdir(parents=True)
+    (init / "config.json").write_text("{}")
+    cfg = tiny_config(addition_jsonl, model={"dtype": "bfloat16", "init": str(init)})
+    model, _ = setup.build_policy(cfg.model, seed=3)
+    assert calls == [("tiny-llama", {"dtype": "bfloat16", "seed": 3, "init": str(init)})]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.training
+
+
+def lora_policy(addition_jsonl):
+    lora = {"enabled": True, "r": 4, "alpha": 12, "dropout": 0.25, "target_modules": ["o_proj", "up_proj"]}
+    return setup.build_policy(tiny_config(addition_jsonl, model={"lora": lora}).model, seed=0)[0]
+
+
+def test_the_lora_section_reaches_the_adapter(addition_jsonl):
+    from peft import PeftModelForCausalLM
+    from peft.tuners.lora import LoraLayer
+
+    model = lora_policy(addition_jsonl)
+    assert isinstance(model, PeftModelForCausalLM)  # task_type CAUSAL_LM: generate() and the LM head's loss
+    adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    # not PEFT's default for a Llama (q_proj, v_proj): the configured modules, in every layer
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == {"o_proj", "up_proj"}
+    assert len(adapted) == 2 * model.config.num_hidden_layers
+    for m in adapted.values():
+        assert m.r["default"] == 4 and m.lora_A["default"].weight.shape[0] == 4
+        assert m.scaling["default"] == 12 / 4  # alpha / r
+        assert m.lora_dropout["default"].p == 0.25
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_the_reference_is_a_frozen_copy_or_with_lora_the_policy_without_its_adapter(addition_jsonl):
+    from peft.tuners.lora import LoraLayer
+
+    from cohortrl.models import load_model
+
+    policy, _ = load_model("tiny-llama")
+    reference = setup.Reference(policy, lora=False)
+    with reference() as model:
+        assert model is reference.model and model is not policy and not model.training
+    own = {p.data_ptr() for p in policy.parameters()}
+    assert all(not p.requires_grad and p.data_ptr() not in own for p in reference.model.parameters())
+    for p, q in zip(policy.parameters(), reference.model.parameters()):
+        assert torch.equal(p, q)
+
+    policy = lora_policy(addition_jsonl)
+    reference = setup.Reference(policy, lora=True)
+    assert reference.model is None  # no second copy: the base weights never change
+    layer = next(m for m in policy.modules() if isinstance(m, LoraLayer))
+    with reference() as model:
+        assert model is policy and layer.disable_adapters
+    assert not layer.disable_adapters

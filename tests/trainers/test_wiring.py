@@ -308,6 +308,32 @@ def test_ppo_policy_and_critic_lrs_follow_their_schedules(tmp_path):
     assert critic_lrs == pytest.approx([1e-3 * f for f in (1.0, 1.0, 0.8, 0.6, 0.4, 0.2)], rel=1e-12)
 
 
+def test_steps_past_a_decayed_schedule_are_refused_and_a_longer_train_steps_stretches_it(tmp_path):
+    """Linear and cosine decay reach LR 0 at train.steps: steps past it would not train, so asking for them is
+    refused with the fix (a larger train.steps, over which the decay is then spread)."""
+    from cohortrl.config import ConfigError
+    from cohortrl.trainers.loop import RunCompleteError
+
+    trainer = build(tmp_path, **lr_config("linear", steps=2))
+    trainer.train()
+    with pytest.raises(RunCompleteError, match=r"larger total with train\.steps=N, N > 2 .*--resume train\.steps=N\)"):
+        trainer.train()
+    with pytest.raises(ConfigError, match=r"^training to step 3 \(--steps\) goes past train\.steps=2, where "
+                                          r"optim\.schedule=linear has brought the learning rate to 0.* Set train\.steps=3"):
+        trainer.train(steps=3)
+    assert trainer.step_count == 2
+
+    longer = copy.deepcopy(trainer.cfg)
+    longer.train.steps = 4
+    resumed = make_trainer(longer, tmp_path, resume=True, reward_funcs=[starts_with_letter, starts_with_vowel],
+                           reward_weights=list(WEIGHTS), train_dataset=ROWS)
+    lrs = record_lrs(resumed.optimizer)
+    resumed.train()
+    # updates 4-7 follow the new schedule from the first on (not the 0 the checkpoint's last LR was): 8 updates,
+    # 2 warm-up, progress (u − 2)/6
+    assert lrs == pytest.approx([LR * f for f in (4 / 6, 3 / 6, 2 / 6, 1 / 6)], rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------- vLLM sync
 def sample_index_is_even(prompts, completions, **columns):
     """The stand-in engine names its samples "p<prompt>s<sample>": half of every group is right."""
