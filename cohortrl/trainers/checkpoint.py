@@ -403,13 +403,20 @@ def load(path: Path) -> dict:
     try:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        # torch's own reason follows a general paragraph about weights_only, before a pointer to its docs
+        lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        reason = next((line.removeprefix("WeightsUnpickler error:").strip() for line in lines
+                       if not line.startswith(("Please file an issue", "Check the documentation"))), str(e).splitlines()[0])
+        if "GLOBAL" not in str(e):  # no object refused: bytes that are not a pickle at all, i.e. damage
+            raise CheckpointError(f"could not read {path / 'state.pt'}: not a file torch.save wrote ({reason})") from None
         raise CheckpointError(
             f"refusing to load {path / 'state.pt'}: it holds pickled Python objects other than tensors and plain "
-            f"data, which could run code when loaded (torch.load weights_only=True said: {str(e).splitlines()[0]}). "
+            f"data, which could run code when loaded (torch.load weights_only=True said: {reason}). "
             "Only resume from checkpoints cohortrl wrote"
         ) from None
-    except (OSError, RuntimeError) as e:  # a file that passed no verification (or changed since)
-        raise CheckpointError(f"could not read {path / 'state.pt'}: {str(e).splitlines()[0]}") from None
+    except (OSError, RuntimeError, EOFError) as e:  # a file that passed no verification (or changed since)
+        reason = str(e).splitlines()[0] if str(e) else f"{type(e).__name__}: the file ends too early"
+        raise CheckpointError(f"could not read {path / 'state.pt'}: {reason}") from None
     for key in WEIGHT_KEYS:
         file = path / f"{key}.safetensors"
         if file.is_file():

@@ -1,0 +1,272 @@
+"""The checkpoint module's functions on small hand-made checkpoints: every way a checkpoint can fail to verify
+is named in its own line, damaged checkpoints set aside keep distinct names, a crash while deleting an old one
+leaves only what the next save removes, and the messages of a failed write give the sizes a user needs. The
+trainer-level cases (resume falls back, a full disk mid-run, kills) are in ``test_checkpoint_integrity.py``."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cohortrl.trainers import checkpoint
+
+MANIFEST = checkpoint.MANIFEST
+
+
+def saved(run: Path, step: int = 1, **save) -> Path:
+    return checkpoint.save(run, step, {"model": {"w": torch.arange(4.0) * step}, "note": "x"}, **save)
+
+
+# ---------------------------------------------------------------------------------------------- deleting
+def test_a_crash_while_deleting_an_old_checkpoint_leaves_only_what_the_next_save_removes(tmp_path, monkeypatch):
+    """The old checkpoint is renamed into a ``.tmp-old-*`` directory beside it before its files go: a crash
+    before they are gone (here: the removal does nothing) leaves no ``step_*`` directory with some of its files,
+    and the next save clears it."""
+    saved(tmp_path, 1)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda *args, **kwargs: None)
+    saved(tmp_path, 2, keep=1)
+    left = sorted(p.name for p in checkpoint.checkpoint_dir(tmp_path).iterdir())
+    assert left[1:] == ["step_000002"] and left[0].startswith(".tmp-old-"), left
+    assert (checkpoint.checkpoint_dir(tmp_path) / left[0] / "step_000001" / MANIFEST).is_file()
+    monkeypatch.undo()
+    saved(tmp_path, 3, keep=1)
+    assert [p.name for p in checkpoint.checkpoint_dir(tmp_path).iterdir()] == ["step_000003"]
+
+
+# ---------------------------------------------------------------------------------------------- setting aside
+def test_damaged_checkpoints_set_aside_keep_distinct_names(tmp_path):
+    """The same step damaged again after an earlier resume gets ``.1``, ``.2``: nothing set aside is overwritten."""
+    moved = []
+    for step in (1, 1, 1):
+        path = saved(tmp_path, step)
+        moved += checkpoint.set_aside([path])
+    rejected = checkpoint.checkpoint_dir(tmp_path) / checkpoint.REJECTED
+    assert moved == [rejected / "step_000001", rejected / "step_000001.1", rejected / "step_000001.2"]
+    assert all((p / MANIFEST).is_file() for p in moved) and checkpoint.step_dirs(tmp_path) == []
+
+
+def test_a_damaged_checkpoint_that_cannot_be_moved_is_named_with_the_fix(tmp_path):
+    path = saved(tmp_path, 2)
+    (checkpoint.checkpoint_dir(tmp_path) / checkpoint.REJECTED).write_text("a file where the directory goes")
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.set_aside([path])
+    target = checkpoint.checkpoint_dir(tmp_path) / "rejected" / "step_000002"
+    assert str(err.value) == (f"could not move the damaged checkpoint {path} to {target} (File exists); "
+                              "move or delete it by hand, then resume again")
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert checkpoint.verify(path) is None  # left where it was
+
+
+# ---------------------------------------------------------------------------------------------- verifying
+def rewrite_manifest(path: Path, change) -> None:
+    manifest = json.loads((path / MANIFEST).read_text())
+    change(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_an_intact_checkpoint_verifies_with_and_without_its_config_hash(tmp_path):
+    path = saved(tmp_path, 3, config_hash="abc123")
+    assert checkpoint.verify(path) is None and checkpoint.verify(path, "abc123") is None
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert sorted(manifest["files"]) == ["model.safetensors", "state.pt"]
+    for name, entry in manifest["files"].items():
+        assert entry["size"] == (path / name).stat().st_size and len(entry["sha256"]) == 64
+    assert checkpoint.load(path)["note"] == "x" and checkpoint.load(path)["step"] == 3
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda m: m.pop("step"), "'step' missing or not a int"),
+    (lambda m: m.update(step="3"), "'step' missing or not a int"),
+    (lambda m: m.pop("cohortrl_version"), "'cohortrl_version' missing or not a str"),
+    (lambda m: m.update(config_hash=None), "'config_hash' missing or not a str"),
+    (lambda m: m.update(files=[]), "'files' missing or not a dict"),
+    (lambda m: m["files"].update({"/etc/passwd": {"size": 1, "sha256": "0"}}), "bad entry for '/etc/passwd'"),
+    (lambda m: m["files"].update({"../x": {"size": 1, "sha256": "0"}}), "bad entry for '../x'"),
+    (lambda m: m["files"].update({"x": "0"}), "bad entry for 'x'"),
+    (lambda m: m["files"].update({"x": {"size": "1", "sha256": "0"}}), "bad entry for 'x'"),
+    (lambda m: m["files"].update({"x": {"size": 1, "sha256": 0}}), "bad entry for 'x'"),
+    (lambda m: m["files"].update({"x": {"sha256": "0"}}), "bad entry for 'x'"),
+])
+def test_an_incomplete_manifest_is_named_with_what_is_wrong(tmp_path, change, problem):
+    path = saved(tmp_path, 3)
+    rewrite_manifest(path, change)
+    assert checkpoint.verify(path) == f"{path / MANIFEST}: incomplete ({problem})"
+
+
+def test_each_other_problem_is_named_in_one_line(tmp_path):
+    path = saved(tmp_path, 3, config_hash="abc123def456xyz")
+    manifest = path / MANIFEST
+    assert checkpoint.verify(path, "0123456789abcdef") == (
+        f"{manifest}: written under another config (hash abc123def456, this run's is 0123456789ab): copied from "
+        "another run?")
+
+    moved = path.parent / "step_000004"
+    path.rename(moved)
+    assert checkpoint.verify(moved) == (
+        f"{moved / MANIFEST}: says step 3, the directory is step 4 (renamed or copied into place)")
+    assert checkpoint.verify(moved.rename(tmp_path / "final")) is None  # a directory not named by step: any step
+
+    path = saved(tmp_path / "b", 3)
+    (path / "extra.txt").write_text("added")
+    assert checkpoint.verify(path) == f"{path / 'extra.txt'}: not in the manifest (added after the checkpoint was written)"
+    (path / "extra.txt").unlink()
+    (path / "sub").mkdir()
+    (path / "sub" / MANIFEST).write_text("{}")  # only the top-level manifest is the manifest
+    assert checkpoint.verify(path) == f"{path / 'sub' / MANIFEST}: not in the manifest (added after the checkpoint was written)"
+    shutil.rmtree(path / "sub")
+
+    data = (path / "state.pt").read_bytes()
+    (path / "state.pt").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert checkpoint.verify(path) == (f"{path / 'state.pt'}: SHA-256 differs from the manifest (changed after it was "
+                                       "written: bit rot, a bad copy or an edit)")
+    (path / "state.pt").write_bytes(data + b"\0")
+    assert checkpoint.verify(path) == (f"{path / 'state.pt'}: {len(data) + 1} bytes, the manifest says {len(data)} "
+                                       "(truncated or overwritten)")
+    (path / "state.pt").unlink()
+    assert checkpoint.verify(path) == f"{path / 'state.pt'}: missing (listed in the manifest)"
+    (path / "state.pt").mkdir()  # the size the manifest expects, but no file to read
+    rewrite_manifest(path, lambda m: m["files"]["state.pt"].update(size=(path / "state.pt").stat().st_size))
+    assert checkpoint.verify(path).startswith(f"{path / 'state.pt'}: unreadable (Is a directory")
+
+    manifest = path / MANIFEST
+    manifest.write_text("[1, 2")
+    assert checkpoint.verify(path).startswith(f"{manifest}: unreadable (Expecting")
+    manifest.write_text("[1, 2]")
+    assert checkpoint.verify(path) == f"{manifest}: incomplete (not a JSON object)"
+    manifest.unlink()
+    assert checkpoint.verify(path) == f"{path}: no {MANIFEST}, which is written last: the write or a copy of it did not finish"
+
+
+def test_the_newest_intact_checkpoint_is_found_past_damaged_newer_ones(tmp_path):
+    for step in (1, 2, 3, 4):
+        saved(tmp_path, step, keep=0, config_hash="mine")
+    (checkpoint.checkpoint_dir(tmp_path) / "step_000004" / MANIFEST).unlink()
+    rewrite_manifest(checkpoint.checkpoint_dir(tmp_path) / "step_000003", lambda m: m.update(config_hash="other"))
+    (checkpoint.checkpoint_dir(tmp_path) / "step_10").mkdir()  # step 10 by number, newest, sorted after step_000004
+    found = checkpoint.find_intact(tmp_path, config_hash="")
+    assert found.path == checkpoint.checkpoint_dir(tmp_path) / "step_000003"  # no hash asked: any config
+    found = checkpoint.find_intact(tmp_path, config_hash="mine")
+    assert found.path == checkpoint.checkpoint_dir(tmp_path) / "step_000002"
+    assert [p.name for p, _ in found.rejected] == ["step_10", "step_000004", "step_000003"]
+    assert checkpoint.latest(tmp_path) == checkpoint.checkpoint_dir(tmp_path) / "step_000003"
+    assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step_000001", "step_000002", "step_000003",
+                                                                "step_000004", "step_10"]
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def test_a_checkpoint_gets_an_ordinary_directorys_mode_and_a_rewrite_replaces_it_whole(tmp_path):
+    old = os.umask(0o027)
+    try:
+        path = saved(tmp_path, 1)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o750  # not mkdtemp's 0700
+    (path / "stale.txt").write_text("from before")
+    checkpoint.write_dir(path, lambda tmp: (tmp / "new.txt").write_text("new"), step=1)
+    assert sorted(p.name for p in path.iterdir()) == [MANIFEST, "new.txt"] and checkpoint.verify(path) is None
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_000001"]  # the old contents' .tmp-old-* gone
+
+
+def test_a_failed_rename_puts_the_old_contents_back(tmp_path, monkeypatch):
+    path = saved(tmp_path, 1)
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-step_000001-"):
+            raise OSError(18, "Invalid cross-device link")
+        return real(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(checkpoint.CheckpointError, match=r"could not write .*step_000001: \[Errno 18\] Invalid cross-device link"):
+        checkpoint.write_dir(path, lambda tmp: (tmp / "new.txt").write_text("new"), step=1)
+    monkeypatch.undo()
+    assert checkpoint.verify(path) is None and (path / "model.safetensors").is_file()
+
+
+def test_leftovers_of_an_interrupted_write_are_removed_by_the_next(tmp_path):
+    path = saved(tmp_path, 1)
+    for name in (".tmp-step_000002-abc", ".tmp-old-step_000002-def", ".tmp-old-xyz"):
+        (path.parent / name).mkdir()
+        (path.parent / name / "half.bin").write_bytes(b"\0")
+    other = path.parent.parent / "final"
+    (path.parent.parent / ".tmp-final-abc").mkdir()  # another directory's leftover: a write of final/ removes it
+    saved(tmp_path, 2)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_000001", "step_000002"]
+    checkpoint.write_dir(other, lambda tmp: None, step=2)
+    assert not (path.parent.parent / ".tmp-final-abc").exists() and checkpoint.verify(other) is None
+
+
+def test_a_file_named_as_the_manifest_in_the_contents_is_refused(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.write_dir(tmp_path / "final", lambda tmp: (tmp / MANIFEST).write_text("{}"), step=1)
+    assert str(err.value).startswith(f"{tmp_path}/.tmp-final-") and str(err.value).endswith(
+        f"/{MANIFEST}: written by the checkpoint's contents; that name is the manifest's")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_is_warned_about_and_the_new_one_kept(tmp_path, monkeypatch, caplog):
+    saved(tmp_path, 1)
+
+    def discard(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint, "_discard", discard)
+    with caplog.at_level("WARNING", logger="cohortrl"):
+        saved(tmp_path, 2, keep=1)
+    old = checkpoint.checkpoint_dir(tmp_path) / "step_000001"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"could not delete the old checkpoint {old} (Permission denied); delete it by hand"]
+    assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step_000001", "step_000002"]
+
+
+@pytest.mark.parametrize("free, per_copy, said", [
+    (2 * 1536, 1536, None),  # exactly room for two
+    (2 * 1536 - 1, 1536, "3.0 KB free, less than 2 checkpoints need (about 1.5 KB each)"),
+    (1023, 5 * 2**20, "1023 B free, less than 2 checkpoints need (about 5.0 MB each)"),
+    (3 * 2**30 + 2**29, 2**31, "3.5 GB free, less than 2 checkpoints need (about 2.0 GB each)"),
+    (1024, 3 * 2**40, "1.0 KB free, less than 2 checkpoints need (about 3072.0 GB each)"),
+])
+def test_the_space_warning_gives_free_and_needed_space_in_readable_units(tmp_path, monkeypatch, free, per_copy, said):
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**13, 0, free))
+    warning = checkpoint.space_warning(tmp_path, per_copy)
+    assert warning == (None if said is None else f"{tmp_path} has {said}: a checkpoint write may fail with a full "
+                       "disk; free space or use another --run-dir")
+
+
+def test_a_failed_write_without_an_estimate_or_free_space_says_so(tmp_path, monkeypatch):
+    def write(tmp):
+        raise OSError(5, "Input/output error", str(tmp / "model.safetensors"))
+
+    def no_usage(path):
+        raise OSError(2, "No such file or directory")
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", no_usage)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.write_dir(tmp_path / "final", write, step=1)
+    assert str(err.value) == (f"could not write {tmp_path / 'final' / 'model.safetensors'}: [Errno 5] Input/output "
+                              "error (free space unknown on that filesystem); nothing partial was left behind")
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def test_unreadable_files_are_named_not_loaded(tmp_path):
+    path = saved(tmp_path, 1)
+    (path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(checkpoint.CheckpointError, match=rf"^could not read {path / 'model.safetensors'}: ") as err:
+        checkpoint.load(path)
+    assert "\n" not in str(err.value) and err.value.__suppress_context__
+    for data, reason in [(b"not a torch file", "not a file torch.save wrote (Unsupported operand 110)"),
+                         (b"", "EOFError: the file ends too early"),
+                         (b"PK\x03\x04" + bytes(100), "PytorchStreamReader failed reading zip archive: ")]:
+        (path / "state.pt").write_bytes(data)  # damaged after verification, or never verified
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            checkpoint.load(path)
+        assert str(err.value).startswith(f"could not read {path / 'state.pt'}: {reason}"), data
+        assert "\n" not in str(err.value) and err.value.__suppress_context__
+
+
+def test_the_size_estimate_counts_every_tensor_in_the_nest():
+    state = {"a": [torch.ones(2), (torch.ones(3, dtype=torch.float64), "text")], "b": 5, "c": {"d": torch.ones(1, dtype=torch.int8)}}
+    assert checkpoint.tensor_bytes(state) == 2 * 4 + 3 * 8 + 1
