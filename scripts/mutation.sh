@@ -48,7 +48,7 @@ case $scope in
     mutate='"cohortrl/trainers/checkpoint.py"'
     # (less the one test that starts the CLI in another working directory, where mutmut's trampolines cannot
     # find the copy's settings and every run fails; it checks the run directory's claims, not checkpoints)
-    tests='"tests/trainers/test_checkpoint_integrity.py", "tests/trainers/test_reliability.py",
+    tests='"tests/trainers/test_checkpoint_files.py", "tests/trainers/test_checkpoint_integrity.py", "tests/trainers/test_reliability.py",
       "tests/trainers/test_run_dir.py", "tests/trainers/test_grpo.py",
       "--deselect", "tests/trainers/test_run_dir.py::test_cli_train_refuses_names_the_flags_and_overwrites"' ;;
   sandbox)  # the server runs as `python -I -S` with an empty environment: mutmut's trampolines cannot reach it,

@@ -87,11 +87,7 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(tuple(_tuplify(state["python"])))
-
-
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+    random.setstate(state["python"])  # torch.load gives back the tuples random.getstate() made
 
 
 def tensor_bytes(obj) -> int:
@@ -253,11 +249,13 @@ def _write_failure(path: Path, tmp: Path | None, error: OSError, needed_bytes: i
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KB", "MB"):
         n /= 1024
-    return ""
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GB"
 
 
 def space_warning(directory: Path, per_copy_bytes: int, copies: int = 2) -> str | None:

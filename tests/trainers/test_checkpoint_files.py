@@ -228,6 +228,7 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_warned_about_and_the_new_on
     (1023, 5 * 2**20, "1023 B free, less than 2 checkpoints need (about 5.0 MB each)"),
     (3 * 2**30 + 2**29, 2**31, "3.5 GB free, less than 2 checkpoints need (about 2.0 GB each)"),
     (1024, 3 * 2**40, "1.0 KB free, less than 2 checkpoints need (about 3072.0 GB each)"),
+    (2**20 - 1, 2**20, "1024.0 KB free, less than 2 checkpoints need (about 1.0 MB each)"),
 ])
 def test_the_space_warning_gives_free_and_needed_space_in_readable_units(tmp_path, monkeypatch, free, per_copy, said):
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**13, 0, free))
@@ -250,7 +251,29 @@ def test_a_failed_write_without_an_estimate_or_free_space_says_so(tmp_path, monk
                               "error (free space unknown on that filesystem); nothing partial was left behind")
 
 
+def test_an_os_error_without_a_number_is_given_in_its_own_words(tmp_path):
+    def write(tmp):
+        raise OSError("quota exceeded for user 1000")
+
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.write_dir(tmp_path / "final", write, step=1, needed_bytes=2048)
+    assert str(err.value).startswith(f"could not write {tmp_path / 'final'}: quota exceeded for user 1000 (needs about 2.0 KB, ")
+
+
 # ---------------------------------------------------------------------------------------------- reading
+def test_a_manifest_the_os_cannot_read_is_named_with_the_reason(tmp_path, monkeypatch):
+    path = saved(tmp_path, 1)
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self.name == MANIFEST:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert checkpoint.verify(path) == f"{path / MANIFEST}: unreadable (Permission denied)"
+
+
 def test_unreadable_files_are_named_not_loaded(tmp_path):
     path = saved(tmp_path, 1)
     (path / "model.safetensors").write_bytes(b"not safetensors")
