@@ -69,8 +69,11 @@ def rewrite_manifest(path: Path, change) -> None:
 
 def test_an_intact_checkpoint_verifies_with_and_without_its_config_hash(tmp_path):
     path = saved(tmp_path, 3, config_hash="abc123")
+    assert path == tmp_path / "checkpoints" / "step_000003"  # the layout users and docs/reliability.md rely on
     assert checkpoint.verify(path) is None and checkpoint.verify(path, "abc123") is None
     manifest = json.loads((path / MANIFEST).read_text())
+    assert (manifest["format"], manifest["step"], manifest["config_hash"]) == (1, 3, "abc123")
+    assert json.loads((saved(tmp_path / "b", 1) / MANIFEST).read_text())["config_hash"] == ""  # none given
     assert sorted(manifest["files"]) == ["model.safetensors", "state.pt"]
     for name, entry in manifest["files"].items():
         assert entry["size"] == (path / name).stat().st_size and len(entry["sha256"]) == 64
@@ -107,7 +110,7 @@ def test_each_other_problem_is_named_in_one_line(tmp_path):
     path.rename(moved)
     assert checkpoint.verify(moved) == (
         f"{moved / MANIFEST}: says step 3, the directory is step 4 (renamed or copied into place)")
-    assert checkpoint.verify(moved.rename(tmp_path / "final")) is None  # a directory not named by step: any step
+    assert checkpoint.verify(moved.rename(tmp_path / "copy_00004")) is None  # not named step_*: any step
 
     path = saved(tmp_path / "b", 3)
     (path / "extra.txt").write_text("added")
@@ -145,15 +148,17 @@ def test_the_newest_intact_checkpoint_is_found_past_damaged_newer_ones(tmp_path)
         saved(tmp_path, step, keep=0, config_hash="mine")
     (checkpoint.checkpoint_dir(tmp_path) / "step_000004" / MANIFEST).unlink()
     rewrite_manifest(checkpoint.checkpoint_dir(tmp_path) / "step_000003", lambda m: m.update(config_hash="other"))
-    (checkpoint.checkpoint_dir(tmp_path) / "step_10").mkdir()  # step 10 by number, newest, sorted after step_000004
+    for name in ("step_9", "step_10", "step_x1"):  # by number 9 and 10 are the newest; "step_x1" is no step
+        (checkpoint.checkpoint_dir(tmp_path) / name).mkdir()
+    (checkpoint.checkpoint_dir(tmp_path) / "step_000011").write_text("a file, not a checkpoint")
     found = checkpoint.find_intact(tmp_path, config_hash="")
     assert found.path == checkpoint.checkpoint_dir(tmp_path) / "step_000003"  # no hash asked: any config
     found = checkpoint.find_intact(tmp_path, config_hash="mine")
     assert found.path == checkpoint.checkpoint_dir(tmp_path) / "step_000002"
-    assert [p.name for p, _ in found.rejected] == ["step_10", "step_000004", "step_000003"]
+    assert [p.name for p, _ in found.rejected] == ["step_10", "step_9", "step_000004", "step_000003"]
     assert checkpoint.latest(tmp_path) == checkpoint.checkpoint_dir(tmp_path) / "step_000003"
     assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step_000001", "step_000002", "step_000003",
-                                                                "step_000004", "step_10"]
+                                                                "step_000004", "step_9", "step_10"]
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -184,6 +189,29 @@ def test_a_failed_rename_puts_the_old_contents_back(tmp_path, monkeypatch):
         checkpoint.write_dir(path, lambda tmp: (tmp / "new.txt").write_text("new"), step=1)
     monkeypatch.undo()
     assert checkpoint.verify(path) is None and (path / "model.safetensors").is_file()
+    left = sorted(p.name for p in path.parent.iterdir())  # the emptied holder of the old contents, beside them
+    assert left[1:] == ["step_000001"] and left[0].startswith(".tmp-old-step_000001-"), left
+    checkpoint.write_dir(path, lambda tmp: None, step=1)  # the next write of that directory removes it
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_000001"]
+
+
+def test_a_crash_between_the_two_renames_leaves_the_old_contents_where_the_next_write_removes_them(tmp_path, monkeypatch):
+    path = saved(tmp_path, 1)
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-step_000001-"):
+            raise SystemExit("killed")  # not an OSError: nothing puts the old contents back
+        return real(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(SystemExit):
+        checkpoint.write_dir(path, lambda tmp: None, step=1)
+    monkeypatch.undo()
+    (left,) = path.parent.iterdir()  # no step_000001 at all, never a mix
+    assert left.name.startswith(".tmp-old-step_000001-") and checkpoint.verify(left / "step_000001") is None
+    checkpoint.write_dir(path, lambda tmp: None, step=1)
+    assert [p.name for p in path.parent.iterdir()] == ["step_000001"]
 
 
 def test_leftovers_of_an_interrupted_write_are_removed_by_the_next(tmp_path):
@@ -237,6 +265,11 @@ def test_the_space_warning_gives_free_and_needed_space_in_readable_units(tmp_pat
                        "disk; free space or use another --run-dir")
 
 
+def test_the_space_warning_reads_the_real_filesystem(tmp_path):
+    assert checkpoint.space_warning(tmp_path, 1) is None  # two bytes are free here
+    assert checkpoint.space_warning(tmp_path, 2**62).startswith(f"{tmp_path} has ")
+
+
 def test_a_failed_write_without_an_estimate_or_free_space_says_so(tmp_path, monkeypatch):
     def write(tmp):
         raise OSError(5, "Input/output error", str(tmp / "model.safetensors"))
@@ -251,13 +284,18 @@ def test_a_failed_write_without_an_estimate_or_free_space_says_so(tmp_path, monk
                               "error (free space unknown on that filesystem); nothing partial was left behind")
 
 
-def test_an_os_error_without_a_number_is_given_in_its_own_words(tmp_path):
-    def write(tmp):
-        raise OSError("quota exceeded for user 1000")
+@pytest.mark.parametrize("own_writer", [True, False])
+def test_an_os_error_without_a_number_is_given_in_its_own_words(tmp_path, own_writer):
+    def fail(path):
+        raise OSError("quota exceeded")
+
+    def write(tmp):  # through the module's own writer, which names the file, or a library's
+        checkpoint._write_file(tmp / "model.safetensors", fail) if own_writer else fail(tmp / "model.safetensors")
 
     with pytest.raises(checkpoint.CheckpointError) as err:
         checkpoint.write_dir(tmp_path / "final", write, step=1, needed_bytes=2048)
-    assert str(err.value).startswith(f"could not write {tmp_path / 'final'}: quota exceeded for user 1000 (needs about 2.0 KB, ")
+    what = tmp_path / "final" / ("model.safetensors" if own_writer else "")
+    assert str(err.value).startswith(f"could not write {what}: quota exceeded (needs about 2.0 KB, ")
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -274,22 +312,47 @@ def test_a_manifest_the_os_cannot_read_is_named_with_the_reason(tmp_path, monkey
     assert checkpoint.verify(path) == f"{path / MANIFEST}: unreadable (Permission denied)"
 
 
-def test_unreadable_files_are_named_not_loaded(tmp_path):
+def test_an_unreadable_weights_file_is_named_not_loaded(tmp_path):
     path = saved(tmp_path, 1)
-    (path / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(checkpoint.CheckpointError, match=rf"^could not read {path / 'model.safetensors'}: ") as err:
+    (path / "model.safetensors").write_bytes(b"not safetensors")  # damaged after verification, or never verified
+    with pytest.raises(checkpoint.CheckpointError) as err:
         checkpoint.load(path)
+    assert str(err.value) == f"could not read {path / 'model.safetensors'}: Error while deserializing header: header too large"
+    assert err.value.__suppress_context__
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"not a torch file", "not a file torch.save wrote (Unsupported operand 110)"),  # no pickle, no refused object
+    (b"", "EOFError: the file ends too early"),
+    (b"PK\x03\x04" + bytes(100), "PytorchStreamReader failed reading zip archive: "),
+])
+def test_an_unreadable_state_file_is_named_not_loaded(tmp_path, data, reason):
+    path = saved(tmp_path, 1)
+    (path / "state.pt").write_bytes(data)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.load(path)
+    assert str(err.value).startswith(f"could not read {path / 'state.pt'}: {reason}")
     assert "\n" not in str(err.value) and err.value.__suppress_context__
-    for data, reason in [(b"not a torch file", "not a file torch.save wrote (Unsupported operand 110)"),
-                         (b"", "EOFError: the file ends too early"),
-                         (b"PK\x03\x04" + bytes(100), "PytorchStreamReader failed reading zip archive: ")]:
-        (path / "state.pt").write_bytes(data)  # damaged after verification, or never verified
-        with pytest.raises(checkpoint.CheckpointError) as err:
-            checkpoint.load(path)
-        assert str(err.value).startswith(f"could not read {path / 'state.pt'}: {reason}"), data
-        assert "\n" not in str(err.value) and err.value.__suppress_context__
 
 
 def test_the_size_estimate_counts_every_tensor_in_the_nest():
     state = {"a": [torch.ones(2), (torch.ones(3, dtype=torch.float64), "text")], "b": 5, "c": {"d": torch.ones(1, dtype=torch.int8)}}
     assert checkpoint.tensor_bytes(state) == 2 * 4 + 3 * 8 + 1
+
+
+def test_files_a_library_wrote_reach_the_disk_before_the_manifest_and_verifying_syncs_nothing(tmp_path, monkeypatch):
+    """final/ is written by save_pretrained, not through the module's own writer: the manifest's hashing syncs
+    each file it vouches for. Reading a checkpoint back writes nothing, so it syncs nothing."""
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    path = checkpoint.write_dir(tmp_path / "final", lambda tmp: (tmp / "weights.bin").write_bytes(b"w"), step=1)
+    written = [Path(p).name for p in synced]
+    assert written.index("weights.bin") < written.index(MANIFEST)
+    assert json.loads((path / MANIFEST).read_text())["config_hash"] == ""  # none given
+    synced.clear()
+    assert checkpoint.verify(path) is None and synced == []
