@@ -149,9 +149,10 @@ class Trainer:
         schedule = self.cfg.optim.schedule
         if total > self.cfg.train.steps and schedule != "constant":  # the schedules span train.steps (setup.py)
             raise ConfigError(
-                f"training to step {total} (--steps) goes past train.steps={self.cfg.train.steps}, where optim.schedule={schedule} has "
-                f"brought the learning rate to 0: the steps after it would not train. Set train.steps={total} instead "
-                f"(a resume may change it; the {schedule} decay is then spread over {total} steps)"
+                f"training to step {total} (--steps) goes past train.steps={self.cfg.train.steps}, where "
+                f"optim.schedule={schedule} has brought the learning rate to 0: the steps after it would not train. "
+                f"Set train.steps={total} instead (a resume may change it; the {schedule} decay is then spread over "
+                f"{total} steps)"
             )
         if self.dist.is_main:  # before the first checkpoint, not when one fails hours in
             warning = checkpoint.space_warning(self.run_dir, self._checkpoint_bytes())
@@ -343,6 +344,7 @@ class Trainer:
             o.scheduler.load_state_dict(state[f"{name}_scheduler"])
             # The next update's LR from this run's schedule, not the saved one: the same number unless a resume
             # changed train.steps, whose schedule (stretched or shortened) must then apply from this update on.
+            # (_last_lr is what the scheduler's get_last_lr() reports, and the logged "lr".)
             s = o.scheduler
             s._last_lr = [base * factor(s.last_epoch) for base, factor in zip(s.base_lrs, s.lr_lambdas)]
             for group, lr in zip(o.optimizer.param_groups, s._last_lr):
