@@ -6,6 +6,7 @@ trainer-level cases (resume falls back, a full disk mid-run, kills) are in ``tes
 import json
 import os
 import shutil
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from cohortrl.trainers import checkpoint
 
 MANIFEST = checkpoint.MANIFEST
+DiskUsage = namedtuple("DiskUsage", "total used free")  # what shutil.disk_usage returns
 
 
 def saved(run: Path, step: int = 1, **save) -> Path:
@@ -259,7 +261,7 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_warned_about_and_the_new_on
     (2**20 - 1, 2**20, "1024.0 KB free, less than 2 checkpoints need (about 1.0 MB each)"),
 ])
 def test_the_space_warning_gives_free_and_needed_space_in_readable_units(tmp_path, monkeypatch, free, per_copy, said):
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**13, 0, free))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**13, 0, free))
     warning = checkpoint.space_warning(tmp_path, per_copy)
     assert warning == (None if said is None else f"{tmp_path} has {said}: a checkpoint write may fail with a full "
                        "disk; free space or use another --run-dir")
