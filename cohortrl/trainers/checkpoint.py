@@ -401,10 +401,12 @@ def load(path: Path) -> dict:
     try:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's own reason follows a general paragraph about weights_only, before a pointer to its docs
-        lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
-        reason = next((line.removeprefix("WeightsUnpickler error:").strip() for line in lines
-                       if not line.startswith(("Please file an issue", "Check the documentation"))), str(e).splitlines()[0])
+        # torch's own reason: after "WeightsUnpickler error:" where it says so, else the first line after its
+        # general paragraph about weights_only (and before its pointer to the docs)
+        text = str(e)
+        found = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+        lines = [line.strip() for line in text.splitlines()[1:] if line.strip() and "Check the documentation" not in line]
+        reason = found.group(1).strip() if found else (lines[0] if lines else text.splitlines()[0])
         if "GLOBAL" not in str(e):  # no object refused: bytes that are not a pickle at all, i.e. damage
             raise CheckpointError(f"could not read {path / 'state.pt'}: not a file torch.save wrote ({reason})") from None
         raise CheckpointError(

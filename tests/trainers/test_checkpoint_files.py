@@ -358,3 +358,19 @@ def test_files_a_library_wrote_reach_the_disk_before_the_manifest_and_verifying_
     assert json.loads((path / MANIFEST).read_text())["config_hash"] == ""  # none given
     synced.clear()
     assert checkpoint.verify(path) is None and synced == []
+
+
+def test_a_pickled_object_torch_does_not_allow_is_refused_quoting_torchs_reason(tmp_path):
+    """Not code, but not tensors or plain data either: refused, with torch's own line on it rather than its
+    general paragraph about ``weights_only`` (the hostile-pickle case is in ``test_reliability.py``)."""
+    from fractions import Fraction
+
+    path = saved(tmp_path, 1)
+    torch.save({"step": 1, "x": Fraction(1, 3)}, path / "state.pt")
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.load(path)
+    assert str(err.value).startswith(
+        f"refusing to load {path / 'state.pt'}: it holds pickled Python objects other than tensors and plain data, "
+        "which could run code when loaded (torch.load weights_only=True said: Unsupported global: GLOBAL "
+        "fractions.Fraction was not an allowed global by default.")
+    assert "\n" not in str(err.value)
