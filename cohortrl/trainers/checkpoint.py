@@ -407,7 +407,7 @@ def load(path: Path) -> dict:
         found = re.search(r"WeightsUnpickler error:\s*(.+)", text)
         lines = [line.strip() for line in text.splitlines()[1:] if line.strip() and "Check the documentation" not in line]
         reason = found.group(1).strip() if found else (lines[0] if lines else text.splitlines()[0])
-        if "GLOBAL" not in str(e):  # no object refused: bytes that are not a pickle at all, i.e. damage
+        if "GLOBAL" not in text:  # no object refused: bytes that are not a pickle at all, i.e. damage
             raise CheckpointError(f"could not read {path / 'state.pt'}: not a file torch.save wrote ({reason})") from None
         raise CheckpointError(
             f"refusing to load {path / 'state.pt'}: it holds pickled Python objects other than tensors and plain "

@@ -190,12 +190,13 @@ class RLTrainer(Trainer):
         self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
         # Under torchrun: DDP around the policy, or FSDP2 sharding it in place (and the reference's own copy).
         self.train_model = self.dist.wrap(self.model)
-        if self.dist.sharded and self.reference is not None and self.reference.model is not None:
-            distributed.shard(self.reference.model)
+        reference_copy = self.reference.model if self.reference is not None else None  # None with LoRA or beta 0
+        if self.dist.sharded and reference_copy is not None:
+            distributed.shard(reference_copy)
         if self.dist.launched:  # what this rank holds shows whether the strategy asked for is the one that ran
             held = {"policy": distributed.held_elements(self.model)}
-            if self.reference is not None and self.reference.model is not None:
-                held["reference"] = distributed.held_elements(self.reference.model)
+            if reference_copy is not None:
+                held["reference"] = distributed.held_elements(reference_copy)
             log.info("rank %d of %d (%s): %s", self.dist.rank, self.dist.world, self.dist.strategy,
                      ", ".join(f"{name} {h} of {t} parameter elements" for name, (h, t) in held.items()))
         self.optimizer = build_optimizer(self.model, cfg.optim)

@@ -10,17 +10,24 @@ from cohortrl.trainers.grpo import GRPOTrainer
 from tests.trainers.test_grpo import tiny_config
 
 
-def test_the_model_section_reaches_load_model(tmp_path, addition_jsonl, monkeypatch):
-    calls, real = [], rl.load_model
+def spy_on_load_model(module, monkeypatch, tmp_path) -> tuple[list, str]:
+    """Record ``module.load_model``'s calls; returns them and a ``model.init`` directory the config accepts
+    (the spy loads without it: only that it is passed on matters)."""
+    calls, real = [], module.load_model
 
     def spy(name, **kwargs):
         calls.append((name, kwargs))
-        return real(name, **{**kwargs, "init": None})  # no such directory: only that it is passed on matters
+        return real(name, **{**kwargs, "init": None})
 
-    monkeypatch.setattr(rl, "load_model", spy)
+    monkeypatch.setattr(module, "load_model", spy)
     init = tmp_path / "sft" / "final"
     init.mkdir(parents=True)
     (init / "config.json").write_text("{}")  # what the config's check looks for; never loaded here
+    return calls, str(init)
+
+
+def test_the_model_section_reaches_load_model(tmp_path, addition_jsonl, monkeypatch):
+    calls, init = spy_on_load_model(rl, monkeypatch, tmp_path)
     cfg = tiny_config(addition_jsonl, model={"dtype": "bfloat16", "init": str(init)}, train={"seed": 3, "steps": 1})
     trainer = GRPOTrainer(cfg, tmp_path / "run")
     assert calls == [("tiny-llama", {"dtype": "bfloat16", "seed": 3, "init": str(init)})]
@@ -96,16 +103,7 @@ def test_reward_workers_score_the_functions_loaded_by_name(tmp_path, addition_js
 
 def test_build_policy_loads_what_the_model_section_names(tmp_path, addition_jsonl, monkeypatch):
     """The SFT trainer's path: no model given, so ``build_policy`` loads it."""
-    calls, real = [], setup.load_model
-
-    def spy(name, **kwargs):
-        calls.append((name, kwargs))
-        return real(name, **{**kwargs, "init": None})
-
-    monkeypatch.setattr(setup, "load_model", spy)
-    init = tmp_path / "sft" / "final"
-    init.mkdir(parents=True)
-    (init / "config.json").write_text("{}")
+    calls, init = spy_on_load_model(setup, monkeypatch, tmp_path)
     cfg = tiny_config(addition_jsonl, model={"dtype": "bfloat16", "init": str(init)})
     model, _ = setup.build_policy(cfg.model, seed=3)
     assert calls == [("tiny-llama", {"dtype": "bfloat16", "seed": 3, "init": str(init)})]
