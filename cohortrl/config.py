@@ -318,6 +318,11 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Gradient-norm clipping (0 disables)."""
 
+    @property
+    def decays(self) -> bool:
+        """The schedule brings the LR to 0 at train.steps (linear, cosine): steps past it would not train."""
+        return self.schedule != "constant"
+
 
 @dataclass
 class EvalConfig:

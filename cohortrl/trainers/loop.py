@@ -147,7 +147,7 @@ class Trainer:
         if self.step_count >= total:
             return self._finish_or_refuse(total)
         schedule = self.cfg.optim.schedule
-        if total > self.cfg.train.steps and schedule != "constant":  # the schedules span train.steps (setup.py)
+        if total > self.cfg.train.steps and self.cfg.optim.decays:
             raise ConfigError(
                 f"training to step {total} (--steps) goes past train.steps={self.cfg.train.steps}, where "
                 f"optim.schedule={schedule} has brought the learning rate to 0: the steps after it would not train. "
@@ -217,8 +217,7 @@ class Trainer:
             return []
         if self.dist.is_main and not (self.run_dir / "curves.png").is_file():  # killed between final/ and the plot
             plot_curves(self.run_dir)
-        # a decayed LR schedule spans train.steps: --steps past it would train at LR 0 (see _train)
-        further = "--steps N" if self.cfg.optim.schedule == "constant" else "train.steps=N"
+        further = "train.steps=N" if self.cfg.optim.decays else "--steps N"  # --steps past a decay is refused (_train)
         raise RunCompleteError(
             f"run in {self.run_dir} has already done {self.step_count} step(s) and saved final/, nothing is left up "
             f"to {total} step(s); to train further pass a larger total with {further}, N > {self.step_count} "

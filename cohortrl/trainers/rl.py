@@ -190,13 +190,14 @@ class RLTrainer(Trainer):
         self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
         # Under torchrun: DDP around the policy, or FSDP2 sharding it in place (and the reference's own copy).
         self.train_model = self.dist.wrap(self.model)
-        reference_copy = self.reference.model if self.reference is not None else None  # None with LoRA or beta 0
-        if self.dist.sharded and reference_copy is not None:
-            distributed.shard(reference_copy)
+        # π_ref's own frozen weights; None with LoRA (the policy with its adapter off) or at β = 0 (no KL term)
+        self.reference_copy = self.reference.model if self.reference is not None else None
+        if self.dist.sharded and self.reference_copy is not None:
+            distributed.shard(self.reference_copy)
         if self.dist.launched:  # what this rank holds shows whether the strategy asked for is the one that ran
             held = {"policy": distributed.held_elements(self.model)}
-            if reference_copy is not None:
-                held["reference"] = distributed.held_elements(reference_copy)
+            if self.reference_copy is not None:
+                held["reference"] = distributed.held_elements(self.reference_copy)
             log.info("rank %d of %d (%s): %s", self.dist.rank, self.dist.world, self.dist.strategy,
                      ", ".join(f"{name} {h} of {t} parameter elements" for name, (h, t) in held.items()))
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -216,7 +217,7 @@ class RLTrainer(Trainer):
         p = cfg.reward.process
         self.process = None if p is None else build_step_source(  # the implicit PRM starts from the initial policy
             p.name, p.kwargs, timeout_s=cfg.reward.timeout_s, policy=self.model, tokenizer=self.tokenizer,
-            reference=self.reference.model if self.reference is not None else None,
+            reference=self.reference_copy,
         )
         self.generator = None  # the vLLM engine, when sampling.backend is vllm
         if cfg.sampling.backend == "vllm":
@@ -282,7 +283,7 @@ class RLTrainer(Trainer):
     def _kernel_models(self) -> list:
         """The models a step runs forward passes of, whose linear layers the CPU fast path's kernel computes
         (the algorithm may add its own, e.g. PPO's critic)."""
-        return [self.model, self.reference.model if self.reference is not None else None]
+        return [self.model, self.reference_copy]
 
     # ------------------------------------------------------------------------------------------ the step
     def step(self) -> dict:

@@ -117,7 +117,7 @@ def build_scheduler(optimizer, optim_cfg, total_updates: int):
     def factor(update: int) -> float:
         if update < warmup:
             return (update + 1) / warmup
-        if optim_cfg.schedule == "constant":
+        if not optim_cfg.decays:
             return 1.0
         progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
         return 1.0 - progress if optim_cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
