@@ -401,12 +401,12 @@ def load(path: Path) -> dict:
     try:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's own reason: after "WeightsUnpickler error:" where it says so, else the first line after its
-        # general paragraph about weights_only (and before its pointer to the docs)
+        # torch's own reason: after "WeightsUnpickler error:" where it says so; for a blocked module (os.system)
+        # the first line after its general paragraph about weights_only; a message of one line is the reason
         text = str(e)
         found = re.search(r"WeightsUnpickler error:\s*(.+)", text)
-        lines = [line.strip() for line in text.splitlines()[1:] if line.strip() and "Check the documentation" not in line]
-        reason = found.group(1).strip() if found else (lines[0] if lines else text.splitlines()[0])
+        later = [line.strip() for line in text.splitlines()[1:] if line.strip()]
+        reason = found.group(1).strip() if found else (later[0] if later else text)
         if "GLOBAL" not in text:  # no object refused: bytes that are not a pickle at all, i.e. damage
             raise CheckpointError(f"could not read {path / 'state.pt'}: not a file torch.save wrote ({reason})") from None
         raise CheckpointError(

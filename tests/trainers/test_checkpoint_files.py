@@ -5,6 +5,7 @@ trainer-level cases (resume falls back, a full disk mid-run, kills) are in ``tes
 
 import json
 import os
+import pickle
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -335,6 +336,20 @@ def test_an_unreadable_state_file_is_named_not_loaded(tmp_path, data, reason):
         checkpoint.load(path)
     assert str(err.value).startswith(f"could not read {path / 'state.pt'}: {reason}")
     assert "\n" not in str(err.value) and err.value.__suppress_context__
+
+
+def test_an_unpickling_error_of_one_line_is_its_own_reason(tmp_path, monkeypatch):
+    """torch 2.4-2.13 wrap every unpickling error in a paragraph about ``weights_only``; an error that comes
+    unwrapped (plain pickle's, as another torch might pass on) is quoted whole."""
+    path = saved(tmp_path, 1)
+
+    def unwrapped(*args, **kwargs):
+        raise pickle.UnpicklingError("invalid load key, 'x'.")
+
+    monkeypatch.setattr(checkpoint.torch, "load", unwrapped)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.load(path)
+    assert str(err.value) == f"could not read {path / 'state.pt'}: not a file torch.save wrote (invalid load key, 'x'.)"
 
 
 def test_the_size_estimate_counts_every_tensor_in_the_nest():
