@@ -401,17 +401,13 @@ def load(path: Path) -> dict:
     try:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's own reason: after "WeightsUnpickler error:" where it says so; for a blocked module (os.system)
-        # the first line after its general paragraph about weights_only; a message of one line is the reason
         text = str(e)
-        found = re.search(r"WeightsUnpickler error:\s*(.+)", text)
-        later = [line.strip() for line in text.splitlines()[1:] if line.strip()]
-        reason = found.group(1).strip() if found else (later[0] if later else text)
-        if "GLOBAL" not in text:  # no object refused: bytes that are not a pickle at all, i.e. damage
-            raise CheckpointError(f"could not read {path / 'state.pt'}: not a file torch.save wrote ({reason})") from None
+        if "GLOBAL" not in text:  # no object refused: damaged bytes, or a type that needs a module imported first
+            raise CheckpointError(f"could not read {path / 'state.pt'}: torch.load could not unpickle it "
+                                  f"({_unpickling_reason(text)})") from None
         raise CheckpointError(
             f"refusing to load {path / 'state.pt'}: it holds pickled Python objects other than tensors and plain "
-            f"data, which could run code when loaded (torch.load weights_only=True said: {reason}). "
+            f"data, which could run code when loaded (torch.load weights_only=True said: {_unpickling_reason(text)}). "
             "Only resume from checkpoints cohortrl wrote"
         ) from None
     except (OSError, RuntimeError, EOFError) as e:  # a file that passed no verification (or changed since)
@@ -425,3 +421,15 @@ def load(path: Path) -> dict:
             except Exception as e:  # SafetensorError has no public base class to name
                 raise CheckpointError(f"could not read {file}: {str(e).splitlines()[0]}") from None
     return state
+
+
+def _unpickling_reason(text: str) -> str:
+    """torch's own reason in a ``weights_only`` load's error: the text after "WeightsUnpickler error:" where
+    it gives one, else its first line that is not its general advice (which names ``weights_only``), less the
+    "Weights only load failed." that opens it (a blocked module such as os.system, a type that needs an
+    import); an error of one line that did not come through torch's wrapper is its own reason."""
+    found = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    if found:
+        return found.group(1).strip()
+    lines = [line.strip() for line in text.replace("Weights only load failed.", "", 1).splitlines()]
+    return next((line for line in lines if line and "weights_only" not in line), text)

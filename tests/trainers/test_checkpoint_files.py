@@ -7,6 +7,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -325,7 +327,7 @@ def test_an_unreadable_weights_file_is_named_not_loaded(tmp_path):
 
 
 @pytest.mark.parametrize("data, reason", [
-    (b"not a torch file", "not a file torch.save wrote (Unsupported operand 110)"),  # no pickle, no refused object
+    (b"not a torch file", "torch.load could not unpickle it (Unsupported operand 110)"),  # no pickle, no refused object
     (b"", "EOFError: the file ends too early"),
     (b"PK\x03\x04" + bytes(100), "PytorchStreamReader failed reading zip archive: "),
 ])
@@ -349,7 +351,18 @@ def test_an_unpickling_error_of_one_line_is_its_own_reason(tmp_path, monkeypatch
     monkeypatch.setattr(checkpoint.torch, "load", unwrapped)
     with pytest.raises(checkpoint.CheckpointError) as err:
         checkpoint.load(path)
-    assert str(err.value) == f"could not read {path / 'state.pt'}: not a file torch.save wrote (invalid load key, 'x'.)"
+    assert str(err.value) == f"could not read {path / 'state.pt'}: torch.load could not unpickle it (invalid load key, 'x'.)"
+
+
+def test_a_state_file_that_needs_a_module_imported_first_is_named_with_torchs_reason(tmp_path):
+    """torch puts this reason on the first line, before its advice about ``weights_only``. A fresh process,
+    because a nested jagged tensor loads once ``torch._dynamo`` has been imported by anything."""
+    path = saved(tmp_path, 1)
+    torch.save({"x": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)}, path / "state.pt")
+    code = "import sys; from cohortrl.trainers import checkpoint\ntry: checkpoint.load(sys.argv[1])\nexcept checkpoint.CheckpointError as e: print(e)"
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True).stdout
+    assert out == (f"could not read {path / 'state.pt'}: torch.load could not unpickle it (``torch.nested`` and "
+                   "``torch._dynamo`` must be imported to load nested jagged tensors (NJTs))\n")
 
 
 def test_the_size_estimate_counts_every_tensor_in_the_nest():
