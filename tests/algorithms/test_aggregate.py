@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cohortrl.algorithms import AGGREGATION_MODES, aggregate
+from cohortrl.algorithms import AGGREGATION_MODES, aggregate, token_weights
 
 from .helpers import FAST, GARBAGE, masks, right_padded_mask, t, tensor_like, with_garbage
 
@@ -23,6 +23,23 @@ def test_aggregation_modes_hand_worked():
     assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
     assert aggregate(loss, mask, "token-mean").item() == pytest.approx(2.5)
     assert aggregate(loss, mask, "seq-mean-token-sum-norm", norm_length=4).item() == pytest.approx(1.25)
+
+
+def test_token_weights_are_each_tokens_share_of_the_aggregate_hand_worked():
+    # mask [[1, 1, 1], [1, pad, pad], [pad, pad, pad]] (the last a filler row):
+    #   seq-mean-token-mean: 1/(2 rows · 3) = 1/6 on row 0, 1/(2 · 1) = 1/2 on row 1 (the filler row is no sequence)
+    #   token-mean: 1/4 on each of the 4 tokens
+    #   seq-mean-token-sum-norm, norm_length 4: 1/(3 rows · 4) = 1/12 on every token (N counts every row)
+    mask = right_padded_mask([3, 1, 0], 3)
+    expected = {
+        "seq-mean-token-mean": [[1 / 6, 1 / 6, 1 / 6], [1 / 2, 0, 0], [0, 0, 0]],
+        "token-mean": [[1 / 4, 1 / 4, 1 / 4], [1 / 4, 0, 0], [0, 0, 0]],
+        "seq-mean-token-sum-norm": [[1 / 12, 1 / 12, 1 / 12], [1 / 12, 0, 0], [0, 0, 0]],
+    }
+    for mode, weights in expected.items():
+        torch.testing.assert_close(token_weights(mask, mode, norm_length=4), torch.tensor(weights))
+    with pytest.raises(ValueError, match="needs norm_length > 0"):
+        token_weights(mask, "seq-mean-token-sum-norm", norm_length=None)
 
 
 def test_empty_rows_do_not_count_as_sequences():

@@ -15,11 +15,17 @@ from hypothesis import strategies as st
 import cohortrl.algorithms as algorithms
 from cohortrl.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_NEEDS,
     POLICY_LOSSES,
     AdvantageEstimator,
+    EstimatorNeeds,
     PolicyLoss,
+    estimator_needs,
     get_advantage_estimator,
     get_policy_loss,
+    needs_sequence_advantages,
+    register_advantage_estimator,
+    register_policy_loss,
 )
 
 from .helpers import FAST, GARBAGE, right_padded_mask, t, with_garbage
@@ -184,3 +190,67 @@ def test_docs_cover_every_registered_name_and_cite_real_tests():
     assert cited <= defined, f"docs cite tests that do not exist: {sorted(cited - defined)}"
     for path in set(re.findall(r"(tests/algorithms/test_\w+\.py)", doc)):
         assert (ROOT / path).exists(), path
+
+
+# What each built-in entry declares, by its formula: the group estimators compare a response with its group
+# (G >= 2); the outcome ones give every token of a response one advantage; REINFORCE++'s return-to-go varies
+# along the response once token rewards (KL in the reward) are present; the process ones read step rewards.
+BUILT_IN_NEEDS = {
+    "grpo": EstimatorNeeds(groups=True, per_sequence=True),
+    "grpo_batch": EstimatorNeeds(groups=True, per_sequence=True),
+    "dr_grpo": EstimatorNeeds(groups=True, per_sequence=True),
+    "rloo": EstimatorNeeds(groups=True, per_sequence=True),
+    "reinforce_pp": EstimatorNeeds(),
+    "reinforce_pp_baseline": EstimatorNeeds(groups=True),
+    "grpo_process": EstimatorNeeds(groups=True, steps=True),
+    "grpo_combined": EstimatorNeeds(groups=True, steps=True),
+}
+
+
+def test_each_built_in_estimator_declares_what_its_formula_needs():
+    assert {name: estimator_needs(name) for name in ADVANTAGE_ESTIMATORS} == BUILT_IN_NEEDS
+    with pytest.raises(ValueError, match=r"^unknown advantage estimator 'grop'; did you mean 'grpo'\?"):
+        estimator_needs("grop")
+
+
+def test_a_registered_estimator_needs_what_its_keywords_declare_and_nothing_by_default():
+    def mine(**kwargs):
+        return kwargs["rewards"]
+
+    try:
+        register_advantage_estimator("needs_nothing_test")(mine)
+        register_advantage_estimator("needs_groups_test", groups=True)(mine)
+        register_advantage_estimator("needs_steps_test", steps=True)(mine)
+        register_advantage_estimator("needs_one_per_response_test", per_sequence=True)(mine)
+        ADVANTAGE_ESTIMATORS["put_in_by_hand_test"] = mine  # not through the decorator: declares nothing
+        assert estimator_needs("needs_nothing_test") == EstimatorNeeds()
+        assert estimator_needs("needs_groups_test") == EstimatorNeeds(groups=True)
+        assert estimator_needs("needs_steps_test") == EstimatorNeeds(steps=True)
+        assert estimator_needs("needs_one_per_response_test") == EstimatorNeeds(per_sequence=True)
+        assert estimator_needs("put_in_by_hand_test") == EstimatorNeeds()
+    finally:
+        for name in ("needs_nothing_test", "needs_groups_test", "needs_steps_test", "needs_one_per_response_test",
+                     "put_in_by_hand_test"):
+            ADVANTAGE_ESTIMATORS.pop(name, None)
+            ESTIMATOR_NEEDS.pop(name, None)
+
+
+def test_a_policy_loss_needs_one_advantage_per_response_only_when_it_says_so():
+    assert {name: needs_sequence_advantages(name) for name in POLICY_LOSSES} == {"clip": False, "gspo": True}
+    with pytest.raises(ValueError, match=r"^unknown policy loss 'gspp'; did you mean 'gspo'\?"):
+        needs_sequence_advantages("gspp")
+
+    def mine(**kwargs):
+        return kwargs["logp"], {}
+
+    try:
+        register_policy_loss("per_token_test")(mine)
+        assert needs_sequence_advantages("per_token_test") is False
+        register_policy_loss("per_response_test", sequence_advantages=True)(mine)
+        assert needs_sequence_advantages("per_response_test") is True
+        register_policy_loss("per_response_test")(mine)  # the same function again, now declaring nothing
+        assert needs_sequence_advantages("per_response_test") is False
+    finally:
+        for name in ("per_token_test", "per_response_test"):
+            POLICY_LOSSES.pop(name, None)
+            algorithms.SEQUENCE_ADVANTAGE_LOSSES.discard(name)
