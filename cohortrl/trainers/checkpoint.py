@@ -432,4 +432,4 @@ def _unpickling_reason(text: str) -> str:
     if found:
         return found.group(1).strip()
     lines = [line.strip() for line in text.replace("Weights only load failed.", "", 1).splitlines()]
-    return next((line for line in lines if line and "weights_only" not in line), text)
+    return next((line for line in lines if line and "weights_only" not in line), "torch gave no reason")

@@ -255,6 +255,34 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_warned_about_and_the_new_on
     assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step_000001", "step_000002"]
 
 
+def test_a_leftover_that_cannot_be_removed_is_left_for_a_later_write_without_a_word(tmp_path, monkeypatch, caplog):
+    """Removing a ``.tmp-*`` directory can fail (files of another user, a read-only mount). Each leftover is
+    only space, retried by the next write: no save fails or warns over one. The stand-in for ``rmtree`` fails
+    as the real one does on such a tree: it raises unless told to ignore errors, and removes nothing."""
+    def cannot_remove(path, ignore_errors=False, **kwargs):
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", str(path))
+
+    saved(tmp_path, 1)
+    checkpoints = checkpoint.checkpoint_dir(tmp_path)
+    (checkpoints / ".tmp-crashed").mkdir()  # swept by save
+    (checkpoints / ".tmp-step_000002-crashed").mkdir()  # swept by write_dir
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", cannot_remove)
+    with caplog.at_level("WARNING", logger="cohortrl"):
+        saved(tmp_path, 2, keep=1)  # the sweeps, then step 1 discarded: renamed aside, its removal fails
+        saved(tmp_path, 2, keep=1)  # step 2 again: swap_in sets the old step 2 aside, its removal fails
+        with pytest.raises(checkpoint.CheckpointError, match="No space left on device"):  # the failed write's own error
+            checkpoint.write_dir(tmp_path / "final", lambda tmp: _raise(OSError(28, "No space left on device")), step=2)
+    assert caplog.records == []
+    assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step_000002"]
+    assert checkpoint.verify(checkpoints / "step_000002") is None
+    assert len(list(checkpoints.glob(".tmp-*"))) == 4 and len(list(tmp_path.glob(".tmp-final-*"))) == 1
+
+
+def _raise(error: BaseException):
+    raise error
+
+
 @pytest.mark.parametrize("free, per_copy, said", [
     (2 * 1536, 1536, None),  # exactly room for two
     (2 * 1536 - 1, 1536, "3.0 KB free, less than 2 checkpoints need (about 1.5 KB each)"),
@@ -342,7 +370,7 @@ def test_an_unreadable_state_file_is_named_not_loaded(tmp_path, data, reason):
 
 def test_an_unpickling_error_of_one_line_is_its_own_reason(tmp_path, monkeypatch):
     """torch 2.4-2.13 wrap every unpickling error in a paragraph about ``weights_only``; an error that comes
-    unwrapped (plain pickle's, as another torch might pass on) is quoted whole."""
+    unwrapped (plain pickle's, as another torch might pass on) is quoted whole, and an empty one said so."""
     path = saved(tmp_path, 1)
 
     def unwrapped(*args, **kwargs):
@@ -352,6 +380,10 @@ def test_an_unpickling_error_of_one_line_is_its_own_reason(tmp_path, monkeypatch
     with pytest.raises(checkpoint.CheckpointError) as err:
         checkpoint.load(path)
     assert str(err.value) == f"could not read {path / 'state.pt'}: torch.load could not unpickle it (invalid load key, 'x'.)"
+    monkeypatch.setattr(checkpoint.torch, "load", lambda *args, **kwargs: _raise(pickle.UnpicklingError()))
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.load(path)
+    assert str(err.value) == f"could not read {path / 'state.pt'}: torch.load could not unpickle it (torch gave no reason)"
 
 
 def test_a_state_file_that_needs_a_module_imported_first_is_named_with_torchs_reason(tmp_path):
