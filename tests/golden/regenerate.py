@@ -3,7 +3,8 @@
 Runs every golden run (``runs.py``) in two fresh processes, the second in the opposite order, and pins the
 numbers only if the two agree bit for bit (so what is pinned does not depend on the process or on which runs
 went before). Prints every number that moved beyond the test's tolerance against what is pinned for the
-installed torch version, then writes ``golden_runs.json`` (entries of other torch versions are kept).
+installed torch version and this CPU's vendor (``runs.golden_key``), then writes ``golden_runs.json``
+(entries of other torch versions and vendors are kept).
 
     python -m tests.golden.regenerate            # regenerate, print the diff, write
     python -m tests.golden.regenerate --check    # print the diff only; exit 1 if anything moved
@@ -62,16 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     if unstable:
         print("not bit-repeatable across two processes; nothing written:\n  " + "\n  ".join(unstable))
         return 1
-    version = first["torch"]
+    version = first["key"]
     wall = sum(first["seconds"].values())
-    print(f"torch {version}: {len(names)} run(s), bit-identical in two processes ({wall:.1f} s of runs in the first)")
+    print(f"{version}: {len(names)} run(s), bit-identical in two processes ({wall:.1f} s of runs in the first)")
 
     pinned_all = json.loads(GOLDEN_FILE.read_text()) if GOLDEN_FILE.exists() else {}
     pinned = pinned_all.get(version, {})
     moved = 0
     for name in names:
         if name not in pinned:
-            print(f"{name}: new (nothing pinned for torch {version})")
+            print(f"{name}: new (nothing pinned for {version})")
             continue
         lines = compare(pinned[name], first["runs"][name])
         new_keys = sorted(set(first["runs"][name][0]) - set(pinned[name][0]))

@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import math
+import platform
 import sys
 import tempfile
 import time
@@ -41,6 +42,19 @@ import torch
 from tests.golden.rewards import starts_with_letter, starts_with_vowel
 
 GOLDEN_FILE = Path(__file__).with_name("golden_runs.json")
+
+
+def golden_key() -> str:
+    """Whose numbers apply here: the torch version and the CPU's vendor. The same torch rounds differently on
+    another vendor's CPU (oneDNN and MKL pick kernels by it): differences of 1e-5-4e-4 relative were measured
+    between an Intel Xeon and an AMD EPYC, so each vendor has its own pinned numbers."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        vendor = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id"))
+    except (OSError, StopIteration):
+        vendor = platform.machine() or "unknown"
+    return f"{torch.__version__} {vendor}"
+
 REGENERATE = "python -m tests.golden.regenerate"
 # Relative tolerance of the comparison. The absolute floor only matters for values that are rounding noise
 # around 0 (e.g. the KL of step 1, where policy and reference are the same weights but the policy's log-probs
@@ -206,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = run(name, Path(tmp) / name)
             seconds[name] = time.perf_counter() - start
             print(f"{name}: {seconds[name]:.1f} s wall, {time.process_time() - cpu:.1f} s CPU", file=sys.stderr)
-    Path(args.out).write_text(json.dumps({"torch": torch.__version__, "runs": {n: results[n] for n in names},
+    Path(args.out).write_text(json.dumps({"key": golden_key(), "runs": {n: results[n] for n in names},
                                           "seconds": seconds}, indent=1))
     return 0
 

@@ -4,7 +4,8 @@ reproduce the per-step loss, KL, grad norm, reward, advantage statistics and the
 pinned in ``tests/golden/golden_runs.json`` to a relative 1e-5. A silent numerical change anywhere in
 rollout -> reward -> advantage -> loss -> update fails here, naming the run, the step and the metric.
 
-The numbers are pinned per torch version: with another version these tests skip, saying how to pin them.
+The numbers are pinned per torch version and CPU vendor (``golden_key``): with another, these tests skip,
+saying how to pin them.
 After an intended change: ``python -m tests.golden.regenerate`` (prints what moved, then writes)."""
 
 import json
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES
-from tests.golden.runs import GOLDEN_FILE, REGENERATE, RUNS, THREADS, compare, config, is_sft, run
+from tests.golden.runs import GOLDEN_FILE, REGENERATE, RUNS, THREADS, compare, config, golden_key, is_sft, run
 
-PINNED = json.loads(GOLDEN_FILE.read_text()).get(torch.__version__)
+KEY = golden_key()
+PINNED = json.loads(GOLDEN_FILE.read_text()).get(KEY)
 
 
 @pytest.fixture
@@ -30,9 +32,9 @@ def golden_threads():
 @pytest.mark.parametrize("name", list(RUNS))
 def test_golden_run_reproduces_its_pinned_numbers(tmp_path, golden_threads, name):
     if PINNED is None:
-        pytest.skip(f"no golden numbers for torch {torch.__version__} (pinned: {', '.join(json.loads(GOLDEN_FILE.read_text()))}); "
+        pytest.skip(f"no golden numbers for {KEY} (pinned: {', '.join(json.loads(GOLDEN_FILE.read_text()))}); "
                     f"pin them with `{REGENERATE}`")
-    assert name in PINNED, f"golden run {name!r} has no pinned numbers for torch {torch.__version__}; run `{REGENERATE} {name}`"
+    assert name in PINNED, f"golden run {name!r} has no pinned numbers for {KEY}; run `{REGENERATE} {name}`"
     got = run(name, tmp_path)
     differences = compare(PINNED[name], got)
     assert not differences, (
@@ -57,7 +59,7 @@ def test_the_runs_are_distinguishable():
     """Every run's pinned numbers differ from every other's: a setting swapped for another (an estimator run
     as grpo, an aggregation mode ignored) cannot reproduce the run it replaced."""
     if PINNED is None:
-        pytest.skip(f"no golden numbers for torch {torch.__version__}; pin them with `{REGENERATE}`")
+        pytest.skip(f"no golden numbers for {KEY}; pin them with `{REGENERATE}`")
     names = [n for n in RUNS if n in PINNED]
     for i, a in enumerate(names):
         for b in names[i + 1:]:
