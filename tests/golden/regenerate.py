@@ -63,16 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     if unstable:
         print("not bit-repeatable across two processes; nothing written:\n  " + "\n  ".join(unstable))
         return 1
-    version = first["key"]
+    key = first["key"]
     wall = sum(first["seconds"].values())
-    print(f"{version}: {len(names)} run(s), bit-identical in two processes ({wall:.1f} s of runs in the first)")
+    print(f"{key}: {len(names)} run(s), bit-identical in two processes ({wall:.1f} s of runs in the first)")
 
     pinned_all = json.loads(GOLDEN_FILE.read_text()) if GOLDEN_FILE.exists() else {}
-    pinned = pinned_all.get(version, {})
+    pinned = pinned_all.get(key, {})
     moved = 0
     for name in names:
         if name not in pinned:
-            print(f"{name}: new (nothing pinned for {version})")
+            print(f"{name}: new (nothing pinned for {key})")
             continue
         lines = compare(pinned[name], first["runs"][name])
         new_keys = sorted(set(first["runs"][name][0]) - set(pinned[name][0]))
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if moved or dropped or any(n not in pinned for n in names) else 0
     runs = {n: v for n, v in pinned.items() if n in RUNS}
     runs.update(first["runs"])
-    pinned_all[version] = {n: runs[n] for n in RUNS if n in runs}
+    pinned_all[key] = {n: runs[n] for n in RUNS if n in runs}
     GOLDEN_FILE.write_text(json.dumps(pinned_all, indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN_FILE}")
     return 0

@@ -42,19 +42,6 @@ import torch
 from tests.golden.rewards import starts_with_letter, starts_with_vowel
 
 GOLDEN_FILE = Path(__file__).with_name("golden_runs.json")
-
-
-def golden_key() -> str:
-    """Whose numbers apply here: the torch version and the CPU's vendor. The same torch rounds differently on
-    another vendor's CPU (oneDNN and MKL pick kernels by it): differences of 1e-5-4e-4 relative were measured
-    between an Intel Xeon and an AMD EPYC, so each vendor has its own pinned numbers."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        vendor = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id"))
-    except (OSError, StopIteration):
-        vendor = platform.machine() or "unknown"
-    return f"{torch.__version__} {vendor}"
-
 REGENERATE = "python -m tests.golden.regenerate"
 # Relative tolerance of the comparison. The absolute floor only matters for values that are rounding noise
 # around 0 (e.g. the KL of step 1, where policy and reference are the same weights but the policy's log-probs
@@ -113,6 +100,18 @@ ROWS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(5
 # numbers of loss tokens (a loss averaged per micro-batch then differs from the step's mean).
 SFT_ROWS = [{"prompt": f"What is {a} + {b}?", "completion": str(a + b) if b % 2 == 0 else f"{a} + {b} = {a + b}"}
             for a in range(5) for b in range(8)]
+
+
+def golden_key() -> str:
+    """Whose numbers apply here: the torch version and the CPU's vendor. The same torch rounds differently on
+    another vendor's CPU (oneDNN and MKL pick kernels by it; docs/testing.md, "Golden runs"), so each vendor
+    has its own pinned numbers."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        vendor = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id"))
+    except (OSError, StopIteration):
+        vendor = platform.machine() or "unknown"
+    return f"{torch.__version__} {vendor}"
 
 
 def is_sft(name: str) -> bool:
