@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
@@ -520,15 +521,25 @@ def _user_errors() -> tuple[type[Exception], ...]:
     )
 
 
-def _show_progress() -> None:
+@contextlib.contextmanager
+def _progress_on_stderr():
     """Progress lines (model loading, the GGUF conversion, evaluation batches) on stderr, for people watching;
-    the library logs them at INFO on the ``cohortrl.progress`` logger and prints nothing by itself."""
+    the library logs them at INFO on the ``cohortrl.progress`` logger and prints nothing by itself. The logger is
+    put back as it was on the way out: ``main`` may be called in a running process (tests, notebooks), where a
+    handler left behind would print each line again on the next call, or write to a stream closed since."""
     progress = logging.getLogger("cohortrl.progress")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = progress.level, progress.propagate
     progress.addHandler(handler)
     progress.setLevel(logging.INFO)
     progress.propagate = False  # with -v the root logger would print each line a second time
+    try:
+        yield
+    finally:
+        progress.removeHandler(handler)
+        progress.setLevel(level)
+        progress.propagate = propagate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -542,16 +553,16 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides or []) + extra
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _show_progress()
     # The `tasks` commands report an unknown family (KeyError) or level (ValueError) by raising; there those are
     # the user's input, elsewhere they would be bugs and keep their traceback.
     task_errors = (KeyError, ValueError) if args.command == "tasks" else ()
-    try:
-        return args.func(args)
-    except ConfigError as e:
-        return _fail(f"config error: {e}", args.verbose)
-    except (*_user_errors(), *task_errors) as e:  # problems with the user's input: one line, not a traceback
-        return _fail(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", args.verbose)
+    with _progress_on_stderr():
+        try:
+            return args.func(args)
+        except ConfigError as e:
+            return _fail(f"config error: {e}", args.verbose)
+        except (*_user_errors(), *task_errors) as e:  # problems with the user's input: one line, not a traceback
+            return _fail(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", args.verbose)
 
 
 def _fail(message: str, verbose: bool) -> int:

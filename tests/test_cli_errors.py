@@ -115,3 +115,19 @@ def test_each_evaluation_is_printed_when_it_finishes(tmp_path, capsys):
     # the evaluation before training is on screen by the end of step 1, step 1's by the end of step 2
     assert seen_at_step[1].startswith("step    0: held-out greedy accuracy")
     assert seen_at_step[2].startswith("step    1: held-out greedy accuracy")
+
+
+def test_main_in_a_running_process_prints_progress_once_and_leaves_the_logger_as_it_was(monkeypatch, capsys):
+    """A handler left on the progress logger printed each line once more per earlier call, and later wrote to the
+    stderr of a test that had ended ("I/O operation on closed file")."""
+    import logging
+
+    from cohortrl import cli
+
+    progress = logging.getLogger("cohortrl.progress")
+    before = (list(progress.handlers), progress.level, progress.propagate)
+    monkeypatch.setattr(cli, "cmd_models", lambda args: progress.info("loading model x") or 0)
+    for _ in range(2):
+        assert cli.main(["models"]) == 0
+        assert capsys.readouterr().err == "loading model x\n"
+    assert (list(progress.handlers), progress.level, progress.propagate) == before

@@ -12,7 +12,7 @@ from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.rollout.tools import toolset
 from cohortrl.stats import wilson_interval
 
-progress = logging.getLogger("cohortrl.progress")  # printed by the command line (cli._show_progress)
+progress = logging.getLogger("cohortrl.progress")  # printed by the command line (cli._progress_on_stderr)
 
 # Each evaluation's greedy responses, one row each with its step, prompt, completion, correctness and error
 # category: what the model gets wrong, readable after the run.

@@ -41,15 +41,6 @@ def train(cfg, run_dir: Path, **kwargs) -> list[dict]:
         return trainer.train()
 
 
-@pytest.fixture(autouse=True)
-def progress_handlers():
-    """cli.main adds a handler on the progress logger writing to this test's captured stderr; it goes with it."""
-    progress = logging.getLogger("cohortrl.progress")
-    before = list(progress.handlers)
-    yield
-    progress.handlers[:] = before
-
-
 def by_step(run_dir: Path) -> dict[int, dict]:
     """Training rows of metrics.jsonl by step, without the timing keys; fails on a duplicated step."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
