@@ -107,8 +107,11 @@ def runs(tmp_path_factory, config_path):
 def held_elements(log: str) -> dict[tuple[int, str], tuple[int, int]]:
     """{(rank, model): (parameter elements the rank holds, in total)} from the trainer's line per rank."""
     held = {}
-    for rank, strategy, models in re.findall(r"rank (\d) of 2 \((\w+)\): (.*)", log):
-        for name, h, total in re.findall(r"(\w+) (\d+) of (\d+) parameter elements", models):
+    for rank, strategy, models in re.findall(r"cohortrl: rank (\d) of 2 \((\w+)\): (.*)$", log, re.MULTILINE):
+        for part in models.split(", "):  # the whole line is read: a word too many or too few fails the test
+            match = re.fullmatch(r"(\w+) (\d+) of (\d+) parameter elements", part)
+            assert match, f"not '<model> <held> of <total> parameter elements': {part!r}"
+            name, h, total = match.groups()
             held[int(rank), f"{strategy} {name}"] = int(h), int(total)
     return held
 
