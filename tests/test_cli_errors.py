@@ -2,6 +2,7 @@
 small commands a new user reaches for first (--version, config show, eval's table) work."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cohortrl import Config, GRPOTrainer
+from cohortrl import Config, GRPOTrainer, cli
 from cohortrl.cli import _PrintEvaluations
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,10 +121,6 @@ def test_each_evaluation_is_printed_when_it_finishes(tmp_path, capsys):
 def test_main_in_a_running_process_prints_progress_once_and_leaves_the_logger_as_it_was(monkeypatch, capsys):
     """A handler left on the progress logger printed each line once more per earlier call, and later wrote to the
     stderr of a test that had ended ("I/O operation on closed file")."""
-    import logging
-
-    from cohortrl import cli
-
     progress = logging.getLogger("cohortrl.progress")
     before = (list(progress.handlers), progress.level, progress.propagate)
     monkeypatch.setattr(cli, "cmd_models", lambda args: progress.info("loading model x") or 0)
