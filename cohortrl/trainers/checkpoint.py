@@ -402,12 +402,12 @@ def load(path: Path) -> dict:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         text = str(e)
+        reason = _unpickling_reason(text)
         if "GLOBAL" not in text:  # no object refused: damaged bytes, or a type that needs a module imported first
-            raise CheckpointError(f"could not read {path / 'state.pt'}: torch.load could not unpickle it "
-                                  f"({_unpickling_reason(text)})") from None
+            raise CheckpointError(f"could not read {path / 'state.pt'}: torch.load could not unpickle it ({reason})") from None
         raise CheckpointError(
             f"refusing to load {path / 'state.pt'}: it holds pickled Python objects other than tensors and plain "
-            f"data, which could run code when loaded (torch.load weights_only=True said: {_unpickling_reason(text)}). "
+            f"data, which could run code when loaded (torch.load weights_only=True said: {reason}). "
             "Only resume from checkpoints cohortrl wrote"
         ) from None
     except (OSError, RuntimeError, EOFError) as e:  # a file that passed no verification (or changed since)

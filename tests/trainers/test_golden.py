@@ -17,7 +17,8 @@ from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES
 from tests.golden.runs import GOLDEN_FILE, REGENERATE, RUNS, THREADS, compare, config, golden_key, is_sft, run
 
 KEY = golden_key()
-PINNED = json.loads(GOLDEN_FILE.read_text()).get(KEY)
+PINNED_BY_KEY = json.loads(GOLDEN_FILE.read_text())  # {golden_key(): {run: [per-step numbers]}}
+PINNED = PINNED_BY_KEY.get(KEY)
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def golden_threads():
 @pytest.mark.parametrize("name", list(RUNS))
 def test_golden_run_reproduces_its_pinned_numbers(tmp_path, golden_threads, name):
     if PINNED is None:
-        pytest.skip(f"no golden numbers for {KEY} (pinned: {', '.join(json.loads(GOLDEN_FILE.read_text()))}); "
+        pytest.skip(f"no golden numbers for {KEY} (pinned: {', '.join(PINNED_BY_KEY)}); "
                     f"pin them with `{REGENERATE}`")
     assert name in PINNED, f"golden run {name!r} has no pinned numbers for {KEY}; run `{REGENERATE} {name}`"
     got = run(name, tmp_path)
