@@ -1,4 +1,4 @@
-"""The ``cohortrl`` command line: train, sft, verify, eval, train-rm, models, tasks, plot, report, plan, demo."""
+"""The ``cohortrl`` command line: train, sft, sweep, verify, eval, train-rm, models, tasks, plot, report, plan, demo."""
 
 from __future__ import annotations
 
@@ -227,12 +227,36 @@ def cmd_plot(args) -> int:
 
 def cmd_report(args) -> int:
     """Several runs side by side: held-out accuracy, reward and step-reward hacking detectors per step
-    (OUT.png) and a summary table (OUT.md)."""
-    from cohortrl.trainers.report import write_report
+    (OUT.png) and a summary table (OUT.md). Given one sweep directory (cohortrl sweep): per arm the mean, sd and
+    per-seed intervals over seeds, curves with one line per seed and a band, and each arm paired against the
+    baseline arm on the same held-out problems (exact McNemar per seed, paired bootstrap over seeds x problems)."""
+    if len(args.run_dirs) == 1 and (Path(args.run_dirs[0]) / "sweep.json").is_file():
+        from cohortrl.study import write_study_report
 
-    for path in write_report([Path(d) for d in args.run_dirs], Path(args.out), last_k=args.last_k, panels=args.panels):
+        paths = write_study_report(Path(args.run_dirs[0]), Path(args.out), baseline=args.baseline, metrics=args.metrics or [],
+                                   panels=args.panels or ["reward_mean"], last_k=args.last_k,
+                                   keep_dir=Path(args.keep) if args.keep else None)
+    else:
+        if args.baseline or args.metrics or args.keep:
+            raise ConfigError("--baseline, --metrics and --keep compare the arms of a sweep: give one sweep directory "
+                              "(cohortrl sweep ... --out DIR), not run directories")
+        from cohortrl.trainers.report import write_report
+
+        paths = write_report([Path(d) for d in args.run_dirs], Path(args.out), last_k=args.last_k, panels=args.panels)
+    for path in paths:
         print(path)
     return 0
+
+
+def cmd_sweep(args) -> int:
+    """A config × a grid of overrides × seeds, each (arm, seed) a run directory OUT/ARM/seedK, run one at a time
+    (or --jobs N at once). Stopped at any moment, the same command continues it: finished runs are skipped,
+    interrupted ones resumed from their last checkpoint. Then: cohortrl report OUT --out NAME."""
+    from cohortrl.sweep import Sweep, parse_grid, parse_seeds
+
+    sweep = Sweep(Path(args.out), args.config, args.command_name, parse_grid(args.grid), parse_seeds(args.seeds),
+                  args.overrides)
+    return sweep.run(jobs=args.jobs)
 
 
 def cmd_plan(args) -> int:
@@ -437,12 +461,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("report", help="compare runs: OUT.png curves and OUT.md summary", description=cmd_report.__doc__)
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl), or one sweep directory")
     p.add_argument("--out", required=True, help="output path without suffix, e.g. docs/process_rewards_smollm2")
     p.add_argument("--last-k", type=int, default=5, help="mean reward over the last K training steps (default 5)")
     p.add_argument("--panels", nargs="+", metavar="KEY", help="step metrics to plot and tabulate (first and last K "
                    "steps) instead of the step-reward detectors, e.g. kl response_length_incorrect_mean")
+    p.add_argument("--baseline", metavar="ARM", help="sweep: the arm the others are paired against (default the first)")
+    p.add_argument("--metrics", nargs="+", metavar="KEY", help="sweep: logged step metrics to tabulate per arm "
+                   "(each seed's mean over its last K steps; mean and sd over seeds)")
+    p.add_argument("--keep", metavar="DIR", help="sweep: also copy what the report reads (configs, metrics.jsonl, "
+                   "answers.jsonl.gz, sweep.json/.jsonl) into DIR, small enough to commit")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("sweep", help="a config x a grid of overrides x seeds, resumable", description=cmd_sweep.__doc__)
+    p.add_argument("config", help="YAML config file every run starts from")
+    p.add_argument("overrides", nargs="*", help="overrides for every run as key.path=value; {seed} is the run's seed "
+                   "(e.g. model.init=runs/ws/base/seed{seed}/final)")
+    p.add_argument("--out", required=True, help="the sweep's directory: OUT/ARM/seedK run directories, sweep.json, sweep.jsonl")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="one axis of the grid (repeatable; arms are the product), e.g. --grid algorithm.group_size=2,4")
+    p.add_argument("--seeds", default="0,1,2", help="train.seed of each run, comma-separated (default 0,1,2)")
+    p.add_argument("--command", dest="command_name", default="train", choices=["train", "sft"],
+                   help="train (GRPO, PPO, RFT: algorithm.name) or sft (default train)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1: the runs share the machine's cores)")
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("plan", help="memory per GPU and time per step of PPO vs GRPO",
                        description="Per-device memory by component and FLOPs / time per step by phase (docs/planner.md).")

@@ -11,6 +11,7 @@ One dataset holds one kind or the other, not both.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -83,6 +84,13 @@ def render_prompt(tokenizer, prompt, system_prompt: str | None = None, tools: li
 def prompt_key(prompt) -> str:
     """A hashable identity of a prompt (text or conversation), for de-duplication and held-out exclusion."""
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def problem_id(row: dict) -> str:
+    """A stable name of a held-out problem, the key on which two evaluations are paired: a gym sample's own id,
+    else a hash of its prompt (the same prompt is the same problem in every run that draws it)."""
+    sample_id = (row.get("sample") or {}).get("id")
+    return sample_id or "sha1:" + hashlib.sha1(prompt_key(row["prompt"]).encode()).hexdigest()[:16]
 
 
 def prompt_preview(prompt, limit: int = 200) -> str:

@@ -1,7 +1,7 @@
 """The layer rule of docs/architecture.md, read from the source: every ``import`` of every module (lazy imports
 inside functions count), mapped to the top-level package or module it lands in.
 
-    cli -> trainers -> (rewards, reward_models, rollout) -> (tasks, tools, data, models, ...)
+    cli -> (sweep, study) -> trainers -> (rewards, reward_models, rollout) -> (tasks, tools, data, models, ...)
         -> (grading, algorithms, config, step_spans, ...)
 
 A module may import its own layer or any lower one, never a higher one, and the imports between top-level
@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cohortrl"
 LAYERS = [
     {"__init__"},
     {"__main__", "cli"},
+    {"sweep", "study"},
     {"trainers"},
     {"rewards", "rollout", "reward_models"},
     {"tasks", "tools", "data", "models", "planner", "distributed", "cpu"},

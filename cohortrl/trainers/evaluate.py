@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import logging
+from pathlib import Path
 
 import torch
 
+from cohortrl.data import problem_id
 from cohortrl.rewards.error_categories import category_fractions, row_category
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, score_rollout
 from cohortrl.rollout.hf import Sampling, generate
@@ -14,9 +18,44 @@ from cohortrl.stats import wilson_interval
 
 progress = logging.getLogger("cohortrl.progress")  # printed by the command line (cli._progress_on_stderr)
 
-# Each evaluation's greedy responses, one row each with its step, prompt, completion, correctness and error
-# category: what the model gets wrong, readable after the run.
+# Each evaluation's greedy responses, one row each with its step, the problem's id (``data.problem_id``), prompt,
+# completion, correctness, error category, length in tokens and tool calls: what the model gets wrong, readable
+# after the run, and what two runs' paired comparison is computed from (``cohortrl report``).
 EVAL_RESPONSES = "eval_completions.jsonl"
+ANSWERS = "answers.jsonl.gz"
+# What a committed answer keeps of an evaluated response: the prompt is left out (the problem id names it, and
+# the config regenerates it), the response is kept, compressed.
+ANSWER_FIELDS = ("step", "id", "correct", "category", "length", "tool_calls", "completion")
+
+
+def export_answers(run_dir: Path) -> Path | None:
+    """``RUN_DIR/answers.jsonl.gz`` from the run's ``eval_completions.jsonl`` (every evaluation's answers,
+    without prompts); byte-identical for the same answers (no time stamp in the gzip header). None when the run
+    evaluated nothing."""
+    source = Path(run_dir) / EVAL_RESPONSES
+    if not source.is_file():
+        return None
+    rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    text = "".join(json.dumps({k: r.get(k) for k in ANSWER_FIELDS}) + "\n" for r in rows)
+    out = Path(run_dir) / ANSWERS
+    tmp = out.with_name(ANSWERS + ".tmp")
+    with open(tmp, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0, filename="") as gz:
+        gz.write(text.encode())
+    tmp.replace(out)
+    return out
+
+
+def read_answers(run_dir: Path) -> list[dict]:
+    """Every evaluated response of a run: its ``eval_completions.jsonl`` (the live file), or, in a committed
+    copy without it, ``answers.jsonl.gz``."""
+    packed, plain = Path(run_dir) / ANSWERS, Path(run_dir) / EVAL_RESPONSES
+    if plain.is_file():
+        text = plain.read_text()
+    elif packed.is_file():
+        text = gzip.decompress(packed.read_bytes()).decode()
+    else:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 @torch.no_grad()
@@ -47,7 +86,7 @@ def evaluate(
     On gym problems graded by keyed steps, ``eval/error/<category>`` is the fraction of greedy responses whose
     first error is of that category, and ``eval/unsupported_correct`` the fraction right by the outcome with a
     required step missing or wrong (``rewards/error_categories.py``). ``responses``, if given, receives one
-    dict per greedy response: its prompt, completion, correctness and category."""
+    dict per greedy response: its problem id, prompt, completion, correctness, category, length and tool calls."""
     out: dict[str, float] = {}
     kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts,
               tools=tools)
@@ -59,8 +98,11 @@ def evaluate(
         values = [float(v or 0.0) for v in per_fn[correctness.name]]
         kinds = [row_category(row, text) for row, text in zip(chunk, rollout.completions)]
         if responses is not None:
-            responses += [{"prompt": row["prompt"], "completion": text, "correct": v >= 1.0, "category": kind}
-                          for row, text, v, kind in zip(chunk, rollout.completions, values, kinds)]
+            chunk_calls = rollout.tool_calls.tolist() if rollout.tool_calls is not None else [0] * len(chunk)
+            responses += [{"id": problem_id(row), "prompt": row["prompt"], "completion": text, "correct": v >= 1.0,
+                           "category": kind, "length": length, "tool_calls": n_calls}
+                          for row, text, v, kind, length, n_calls in zip(chunk, rollout.completions, values, kinds,
+                                                                         rollout.lengths.tolist(), chunk_calls)]
         correct += values
         categories += kinds
         lengths += rollout.lengths.tolist()

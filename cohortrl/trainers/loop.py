@@ -23,7 +23,7 @@ from cohortrl import distributed
 from cohortrl.config import Config, ConfigError
 from cohortrl.trainers import checkpoint, faults
 from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
-from cohortrl.trainers.evaluate import EVAL_RESPONSES
+from cohortrl.trainers.evaluate import EVAL_RESPONSES, export_answers
 from cohortrl.trainers.metrics import MetricsLog, plot_curves
 
 log = logging.getLogger("cohortrl")
@@ -203,6 +203,7 @@ class Trainer:
                 raise self._write_failed(e) from None
             faults.point("final-written")
             plot_curves(self.run_dir)
+            export_answers(self.run_dir)  # every evaluation's answers, small enough to commit with a study
 
     def _finish_or_refuse(self, total: int) -> list[dict]:
         """No steps left: finish what a run killed after its last checkpoint may lack (an intact final/, the

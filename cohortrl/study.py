@@ -1,0 +1,264 @@
+"""``cohortrl report SWEEP_DIR --out NAME``: a sweep's arms over their seeds, and each arm paired against a
+baseline arm on the same held-out problems.
+
+Per arm: every seed's final held-out accuracy with its Wilson 95% interval, the mean and the sample sd over
+seeds, any logged step metric (``--metrics``: each seed's mean over its last K training steps, then mean and sd
+over seeds), and the runs' summed wall and CPU time (``sweep.jsonl``). Per arm against the baseline: for each
+seed present in both, the problems only one of the two got right and the exact McNemar p-value; over all seed
+pairs, the mean paired difference with a two-level bootstrap interval (seeds, then problems: ``stats``).
+Problems are matched by id (``data.problem_id``): only those both runs answered count, and the table says how
+many. ``NAME.md`` holds the tables, ``NAME.png`` the curves (one thin line per seed, the arm's mean bold and its
+min-max band shaded).
+
+Everything is read from files a study can commit: ``sweep.json``, ``sweep.jsonl`` and per run ``metrics.jsonl``
+and ``answers.jsonl.gz`` (or the run's own ``eval_completions.jsonl``). ``--keep DIR`` copies exactly those into
+DIR, and ``cohortrl report DIR`` then regenerates the same tables from the copy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cohortrl.stats import mcnemar_exact, paired_bootstrap, wilson_interval
+from cohortrl.sweep import ATTEMPTS, SPEC, arms
+from cohortrl.trainers.evaluate import ANSWERS, export_answers, read_answers
+from cohortrl.trainers.metrics import read_metrics
+
+def final_answers(run_dir: Path) -> dict[str, bool]:
+    """Problem id → correct, at the run's last evaluation (answers written before ids existed have none: {})."""
+    rows = read_answers(run_dir)
+    if not rows:
+        return {}
+    last = max(r["step"] for r in rows)
+    return {r["id"]: bool(r["correct"]) for r in rows if r["step"] == last and r.get("id")}
+
+
+@dataclass
+class SeedRun:
+    seed: int
+    path: Path
+    rows: list[dict]
+    answers: dict[str, bool]
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+    @property
+    def final_eval(self) -> dict | None:
+        evals = [r for r in self.rows if "eval/accuracy" in r]
+        return evals[-1] if evals else None
+
+    @property
+    def train_rows(self) -> list[dict]:
+        return [r for r in self.rows if not any(k.startswith("eval/") for k in r)]
+
+
+@dataclass
+class Arm:
+    name: str
+    runs: list[SeedRun] = field(default_factory=list)
+
+
+def load_sweep(directory: Path) -> list[Arm]:
+    """The sweep's arms, in its grid's order, each with the seeds whose run has a ``metrics.jsonl``."""
+    directory = Path(directory)
+    spec_path = directory / SPEC
+    if not spec_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a sweep directory (no {SPEC}); `cohortrl sweep ... --out DIR` makes one")
+    spec = json.loads(spec_path.read_text())
+    times: dict[tuple[str, int], list[float]] = {}
+    attempts = directory / ATTEMPTS
+    for line in (attempts.read_text().splitlines() if attempts.is_file() else []):
+        if line.strip():
+            a = json.loads(line)
+            t = times.setdefault((a["arm"], a["seed"]), [0.0, 0.0])
+            t[0] += a["wall_s"]
+            t[1] += a["cpu_s"]
+    out = []
+    for name, _ in arms(spec["grid"]):
+        arm = Arm(name)
+        for seed in spec["seeds"]:
+            path = directory / name / f"seed{seed}"
+            if (path / "metrics.jsonl").is_file():
+                wall, cpu = times.get((name, seed), (0.0, 0.0))
+                arm.runs.append(SeedRun(seed, path, read_metrics(path), final_answers(path), wall, cpu))
+        out.append(arm)
+    return out
+
+
+def keep(directory: Path, dest: Path) -> Path:
+    """Copy what the report reads (and each run's config) into ``dest``: a folder small enough to commit, from
+    which ``cohortrl report dest`` regenerates the same tables."""
+    directory, dest = Path(directory), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (SPEC, ATTEMPTS):
+        if (directory / name).is_file():
+            shutil.copyfile(directory / name, dest / name)
+    for arm in load_sweep(directory):
+        for run in arm.runs:
+            target = dest / arm.name / f"seed{run.seed}"
+            target.mkdir(parents=True, exist_ok=True)
+            for name in ("config.yaml", "metrics.jsonl"):
+                if (run.path / name).is_file():
+                    shutil.copyfile(run.path / name, target / name)
+            if not (run.path / ANSWERS).is_file():
+                export_answers(run.path)
+            if (run.path / ANSWERS).is_file():
+                shutil.copyfile(run.path / ANSWERS, target / ANSWERS)
+    return dest
+
+
+# ------------------------------------------------------------------------------------------ the numbers
+def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def arm_summary(arm: Arm, metrics: list[str], last_k: int) -> dict:
+    """Per seed: final accuracy (acc, low, high, n, step); over seeds: mean and sd of the accuracy and of each
+    metric's last-K mean; summed wall and CPU time."""
+    per_seed = []
+    for run in arm.runs:
+        e = run.final_eval
+        if e is not None:
+            n = int(e["eval/n"])
+            lo, hi = wilson_interval(round(e["eval/accuracy"] * n), n)
+            per_seed.append((run.seed, e["eval/accuracy"], lo, hi, n, e["step"]))
+    out = {"per_seed": per_seed, "accuracy": _mean_sd([s[1] for s in per_seed]),
+           "wall_s": sum(r.wall_s for r in arm.runs), "cpu_s": sum(r.cpu_s for r in arm.runs), "metrics": {}}
+    for key in metrics:
+        seeds = []
+        for run in arm.runs:
+            values = [r[key] for r in run.train_rows if r.get(key) is not None][-last_k:]
+            if values:
+                seeds.append(statistics.fmean(values))
+        out["metrics"][key] = _mean_sd(seeds)
+    return out
+
+
+def paired(base: Arm, other: Arm, resamples: int = 10_000) -> dict:
+    """``other`` against ``base`` on the problems both answered, seed by seed: per seed (seed, n, only base
+    right, only other right, McNemar p); and the bootstrap's (mean difference, low, high) over all seed pairs
+    (None when no seed pair shares a problem)."""
+    base_by_seed = {r.seed: r for r in base.runs}
+    per_seed, diffs = [], []
+    for run in other.runs:
+        b = base_by_seed.get(run.seed)
+        if b is None:
+            continue
+        common = sorted(set(b.answers) & set(run.answers))
+        if not common:
+            continue
+        only_base = sum(b.answers[i] and not run.answers[i] for i in common)
+        only_other = sum(run.answers[i] and not b.answers[i] for i in common)
+        per_seed.append((run.seed, len(common), only_base, only_other, mcnemar_exact(only_base, only_other)))
+        diffs.append([int(run.answers[i]) - int(b.answers[i]) for i in common])
+    return {"per_seed": per_seed, "bootstrap": paired_bootstrap(diffs, resamples) if diffs else None}
+
+
+# ------------------------------------------------------------------------------------------ the files
+def _f(x, fmt=".3f") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
+
+
+def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, command: str) -> str:
+    summaries = {a.name: arm_summary(a, metrics, last_k) for a in arms_}
+    head = ["arm", "seeds", "held-out accuracy per seed (95% CI)", "mean", "sd",
+            *[f"{k} (last {last_k} steps), mean ± sd" for k in metrics], "wall s", "CPU s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for a in arms_:
+        s = summaries[a.name]
+        seeds = "; ".join(f"s{seed} {acc:.3f} ({lo:.3f}-{hi:.3f}, n={n}, step {step})"
+                          for seed, acc, lo, hi, n, step in s["per_seed"]) or "–"
+        mean, sd = s["accuracy"]
+        cells = [a.name, str(len(s["per_seed"])), seeds, _f(mean), _f(sd),
+                 *[f"{_f(s['metrics'][k][0], '.4g')} ± {_f(s['metrics'][k][1], '.2g')}" for k in metrics],
+                 _f(s["wall_s"], ".0f"), _f(s["cpu_s"], ".0f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    base = next(a for a in arms_ if a.name == baseline)
+    rows = []
+    for a in arms_:
+        if a.name == baseline:
+            continue
+        c = paired(base, a)
+        seeds = "; ".join(f"s{seed}: {ob}/{oo} of {n}, p={_p(p)}" for seed, n, ob, oo, p in c["per_seed"]) or "no shared problems"
+        if c["bootstrap"] is None:
+            diff = "–"
+        else:
+            d, lo, hi = c["bootstrap"]
+            diff = f"{d:+.3f} ({lo:+.3f} to {hi:+.3f})"
+        rows.append(f"| {a.name} | {seeds} | {diff} |")
+    if rows:
+        text += (f"\n\nPaired against **{baseline}** on the same held-out problems (matched by id, the final "
+                 "evaluation of each run, seed k against seed k):\n\n"
+                 "| arm | per seed: only baseline right / only this arm right of n shared, exact McNemar p | "
+                 "difference in accuracy, bootstrap 95% CI (seeds × problems) |\n|---|---|---|\n" + "\n".join(rows))
+    text += (f"\n\nAccuracy: greedy, strict, at each run's last evaluation, Wilson 95% interval; sd: sample sd over "
+             f"seeds. Bootstrap: 10,000 resamples of seed pairs and, within each, of problems (numpy seed 0). Wall "
+             f"and CPU s: every attempt at the arm's runs, summed (sweep.jsonl).\n\nRegenerate: `{command}`\n")
+    return text
+
+
+def plot(arms_: list[Arm], png: Path, panels: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("eval/accuracy", "held-out accuracy (greedy)"), *((k, k) for k in panels)]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, keys):
+        for i, arm in enumerate(arms_):
+            colour = f"C{i % 10}"
+            series = []
+            for run in arm.runs:
+                pts = [(r["step"], r[key]) for r in run.rows if r.get(key) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), color=colour, alpha=0.35, linewidth=0.8)
+                    series.append(dict(pts))
+            steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+            if steps:
+                values = [[s[t] for s in series] for t in steps]
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=colour, alpha=0.15)
+                ax.plot(steps, [statistics.fmean(v) for v in values], color=colour, linewidth=2,
+                        marker="o" if len(steps) < 12 else None, label=f"{arm.name} (n={len(series)})")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
+def write_study_report(directory: Path, out: Path, *, baseline: str | None = None, metrics: list[str] = (),
+                       panels: list[str] = ("reward_mean",), last_k: int = 5, keep_dir: Path | None = None) -> tuple[Path, Path]:
+    """``out.md`` and ``out.png`` for the sweep in ``directory`` (see the module docstring); returns both."""
+    arms_ = [a for a in load_sweep(directory) if a.runs]
+    if not arms_:
+        raise FileNotFoundError(f"{directory}: no run of the sweep has a metrics.jsonl yet")
+    names = [a.name for a in arms_]
+    baseline = baseline or names[0]
+    if baseline not in names:
+        raise ValueError(f"--baseline {baseline!r} is not an arm with runs; the arms: {', '.join(names)}")
+    if keep_dir is not None:
+        keep(directory, keep_dir)
+    out = Path(out)
+    out = out.with_suffix("") if out.suffix in (".md", ".png") else out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["cohortrl report", str(directory), "--out", str(out), *(["--baseline", baseline] if baseline != names[0] else []),
+                        *(["--metrics", *metrics] if metrics else []), *([f"--last-k {last_k}"] if last_k != 5 else [])])
+    md = out.with_suffix(".md")
+    png = out.with_suffix(".png")
+    md.write_text(f"# {out.name}\n\n![curves]({png.name})\n\n" + markdown(arms_, baseline, list(metrics), last_k, command))
+    plot(arms_, png, list(panels or []))
+    return md, png

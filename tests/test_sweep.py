@@ -1,0 +1,195 @@
+"""``cohortrl sweep``: each (arm, seed) a run directory; a sweep stopped anywhere and started again ends with the
+results of a sweep never stopped; and the paired report over its arms (``cohortrl report SWEEP``)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cohortrl.config import ConfigError
+from cohortrl.sweep import Sweep, arms, parse_grid, parse_seeds, split_values
+from cohortrl.trainers.evaluate import ANSWERS, read_answers
+from tests.trainers.test_grpo import VOLATILE
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "tiny_grpo.yaml")
+# Three steps, a checkpoint after each, 4 held-out problems evaluated before and after: seconds per run.
+RUN = ["train.steps=3", "train.checkpoint_every=1", "eval.n_prompts=4", "train.progress=false"]
+SWEEP = ["--seeds", "0,1", "--grid", "algorithm.beta=0.0,0.04"]
+
+
+def sweep(out: Path, *extra, fault=None, new_session=False):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("COHORTRL_FAULT", None)
+    if fault:
+        env["COHORTRL_FAULT"] = fault  # passed on to every run the sweep starts
+    cmd = [sys.executable, "-m", "cohortrl", "sweep", CONFIG, *RUN, "--out", str(out), *SWEEP, *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=new_session)
+
+
+def results(out: Path) -> dict:
+    """Per run: its metrics without the timings, and its answers."""
+    got = {}
+    for run in sorted(out.glob("*/seed*/metrics.jsonl")):
+        rows = [json.loads(line) for line in run.read_text().splitlines()]
+        got[str(run.parent.relative_to(out))] = (
+            [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows], read_answers(run.parent))
+    return got
+
+
+def attempts(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+
+
+def test_a_sweep_stopped_twice_and_started_again_equals_one_never_stopped(tmp_path):
+    """Every run killed at its second update (SIGKILL), then the sweep itself killed while its second run trains,
+    then the same command once more: each of the four runs' metrics and answers equal the uninterrupted sweep's
+    exactly; finished runs were skipped and interrupted ones resumed, each attempt's times logged."""
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    reference = sweep(full)  # alongside the chain below: 2 cores
+
+    out, err = sweep(stopped, fault="update:2").communicate(timeout=600)
+    assert "FAILED" in err
+    assert [a["rc"] for a in attempts(stopped)] == [-signal.SIGKILL] * 4
+
+    proc = sweep(stopped, new_session=True)
+    deadline = time.monotonic() + 300
+    while not any(a["rc"] == 0 for a in attempts(stopped)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and the run it started: a lost machine
+    proc.communicate(timeout=60)
+
+    out, err = sweep(stopped).communicate(timeout=600)
+    assert "4 runs" in out and "FAILED" not in err, err
+    assert reference.wait(timeout=600) == 0
+
+    expected, got = results(full), results(stopped)
+    assert sorted(got) == sorted(expected) and len(got) == 4
+    for run in expected:
+        assert got[run] == expected[run], run
+        assert [r["step"] for r in got[run][0]] == [0, 1, 2, 3, 3]  # eval, three steps, eval: nothing twice
+    log = attempts(stopped)
+    assert {a["attempt"] for a in log[4:]} == {"resume"}  # each interrupted run continued from its checkpoint
+    assert sum(a["rc"] == 0 for a in log) == 4 and all(a["wall_s"] > 0 and a["cpu_s"] > 0 for a in log)
+    for run in expected:  # the answers are kept compressed with each finished run
+        assert (stopped / run / ANSWERS).is_file()
+
+    rerun = sweep(stopped).communicate(timeout=120)[0]
+    assert "4 finished, 0 to run" in rerun
+
+
+def test_a_run_that_died_before_its_first_checkpoint_starts_again_and_a_finished_one_resumes(tmp_path):
+    s = Sweep(tmp_path / "s", CONFIG, "train", parse_grid(["algorithm.beta=0"]), [3], ["train.steps=2"])
+    run = s.runs[0]
+    assert run.path == tmp_path / "s" / "algorithm.beta=0" / "seed3"
+    assert run.overrides == ("train.steps=2", "algorithm.beta=0", "train.seed=3")
+    cmd, kind = s.command_line(run)
+    assert kind == "start" and cmd[-3:] == list(run.overrides) and "--overwrite" not in cmd
+    run.path.mkdir(parents=True)
+    (run.path / "config.yaml").write_text("{}")  # what a start leaves before its first checkpoint
+    cmd, kind = s.command_line(run)
+    assert kind == "restart" and cmd[-1] == "--overwrite" and CONFIG in cmd
+    (run.path / "final").mkdir()  # killed after final/, before the sweep logged the run as done
+    cmd, kind = s.command_line(run)
+    assert kind == "resume" and cmd[-3:] == ["--run-dir", str(run.path), "--resume"] and CONFIG not in cmd
+
+
+def test_seed_placeholders_grid_parsing_and_a_changed_definition(tmp_path):
+    s = Sweep(tmp_path, CONFIG, "train", {}, [0, 2], ["model.init=runs/ws/base/seed{seed}/final"])
+    assert [r.overrides[0] for r in s.runs] == ["model.init=runs/ws/base/seed0/final", "model.init=runs/ws/base/seed2/final"]
+    assert [r.arm for r in s.runs] == ["base", "base"]
+    assert split_values("[1,2],[3, 4],5") == ["[1,2]", "[3, 4]", "5"]
+    assert [name for name, _ in arms(parse_grid(["a.b=1,2", "c=x"]))] == ["a.b=1+c=x", "a.b=2+c=x"]
+    assert parse_seeds("0, 1,2") == [0, 1, 2]
+    for bad in (["a.b"], ["a.b="], ["a.b=1,1"], ["a.b=1", "a.b=2"]):
+        with pytest.raises(ConfigError, match="--grid"):
+            parse_grid(bad)
+    with pytest.raises(ConfigError, match="--seeds"):
+        parse_seeds("0,x")
+    s.claim()
+    Sweep(tmp_path, CONFIG, "train", {}, [0, 1, 2], s.spec["overrides"]).claim()  # more seeds: the same sweep, extended
+    assert json.loads((tmp_path / "sweep.json").read_text())["seeds"] == [0, 1, 2]
+    with pytest.raises(ConfigError, match="holds another sweep"):
+        Sweep(tmp_path, CONFIG, "train", {}, [0, 1, 2], ["train.steps=9"]).claim()
+
+
+# ------------------------------------------------------------------------------------------ the paired report
+def hand_made_sweep(root: Path, right: dict) -> Path:
+    """A sweep directory written by hand: arms A and B, seeds 0 and 1, ten problems each; ``right[(arm, seed)]``
+    lists the problems answered correctly at the last evaluation (step 5)."""
+    root.mkdir()
+    (root / "sweep.json").write_text(json.dumps({"config": "c.yaml", "command": "train", "grid": {"x": ["A", "B"]},
+                                                 "seeds": [0, 1], "overrides": []}))
+    lines = []
+    for (arm, seed), ok in right.items():
+        run = root / f"x={arm}" / f"seed{seed}"
+        run.mkdir(parents=True)
+        rows = [{"step": 5, "loss": 0.1 * (seed + 1), "reward_mean": 0.5},
+                {"step": 5, "eval/accuracy": len(ok) / 10, "eval/n": 10}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        answers = [{"step": 0, "id": f"p{i}", "correct": True} for i in range(10)]  # an earlier evaluation: ignored
+        answers += [{"step": 5, "id": f"p{i}", "correct": i in ok} for i in range(10)]
+        (run / "eval_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
+        lines.append(json.dumps({"run": str(run), "arm": f"x={arm}", "seed": seed, "attempt": "start", "rc": 0,
+                                 "wall_s": 10.0, "cpu_s": 15.0}))
+    (root / "sweep.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
+    from cohortrl.study import load_sweep, paired, write_study_report
+
+    root = hand_made_sweep(tmp_path / "sweep", {
+        ("A", 0): {0, 1, 2, 3, 4, 5}, ("B", 0): {0, 1, 2, 3, 6, 7, 8, 9},  # only A: p4 p5; only B: p6-p9
+        ("A", 1): {0, 1}, ("B", 1): set(range(10)),  # only B: p2-p9
+    })
+    a, b = load_sweep(root)
+    c = paired(a, b)
+    # seed 0: 6 discordant, 2 one way: p = 2·(C(6,0)+C(6,1)+C(6,2))/2^6 = 2·22/64 = 0.6875
+    # seed 1: 8 discordant, all one way: p = 2·C(8,0)/2^8 = 0.0078125
+    assert c["per_seed"] == [(0, 10, 2, 4, 0.6875), (1, 10, 0, 8, 0.0078125)]
+    mean, low, high = c["bootstrap"]
+    assert mean == pytest.approx((4 - 2 + 8) / 20)  # B − A over the 20 seed × problem pairs
+    assert low < mean < high
+
+    md, png = write_study_report(root, tmp_path / "report", metrics=["loss"])
+    text = md.read_text()
+    assert "s0: 2/4 of 10, p=0.688; s1: 0/8 of 10, p=0.008" in text
+    assert "| x=A | 2 | s0 0.600 (0.313-0.832, n=10, step 5); s1 0.200 (0.057-0.510, n=10, step 5) | 0.400 | 0.283 |" in text
+    assert "0.15 ± 0.071" in text  # loss: seeds 0.1 and 0.2
+    assert "| 20 | 30 |" in text  # wall and CPU s summed over the arm's runs
+    assert png.stat().st_size > 0
+
+    copy = tmp_path / "committed"
+    write_study_report(root, tmp_path / "r1", metrics=["loss"], keep_dir=copy)
+    md2, _ = write_study_report(copy, tmp_path / "r2", metrics=["loss"])  # from the copy alone
+    assert (copy / "x=B" / "seed1" / ANSWERS).is_file() and not (copy / "x=B" / "seed1" / "eval_completions.jsonl").exists()
+    strip = lambda t: [line for line in t.splitlines() if "Regenerate" not in line and "![curves]" not in line and not line.startswith("# ")]
+    assert strip(md2.read_text()) == strip((tmp_path / "r1.md").read_text())
+
+
+def test_mcnemar_and_the_paired_bootstrap_by_hand():
+    from cohortrl.stats import mcnemar_exact, paired_bootstrap
+
+    assert mcnemar_exact(0, 0) == 1.0 and mcnemar_exact(3, 3) == 1.0
+    assert mcnemar_exact(3, 12) == pytest.approx(2 * (1 + 15 + 105 + 455) / 2**15)  # 0.03515625
+    assert mcnemar_exact(12, 3) == mcnemar_exact(3, 12)
+    assert paired_bootstrap([[1, 1, 1], [1]]) == (1.0, 1.0, 1.0)  # no spread: the interval is the point
+    # One pair of two problems, differences 0 and 1: a resample's mean is 0, 1/2 or 1 with probability 1/4, 1/2,
+    # 1/4, so the 2.5% and 97.5% quantiles are 0 and 1.
+    assert paired_bootstrap([[0, 1]]) == (0.5, 0.0, 1.0)
+    # Many problems, one seed: the percentile interval approaches mean ± 1.96·sd/√n.
+    diffs = [1] * 120 + [0] * 240 + [-1] * 40  # mean 0.2, sd ≈ 0.5578
+    mean, low, high = paired_bootstrap([diffs])
+    half = 1.96 * (sum((d - 0.2) ** 2 for d in diffs) / 399) ** 0.5 / 400 ** 0.5
+    assert mean == pytest.approx(0.2) and low == pytest.approx(0.2 - half, abs=0.006) and high == pytest.approx(0.2 + half, abs=0.006)
+    # Seeds that disagree widen the interval beyond what the problems alone give.
+    _, lo1, hi1 = paired_bootstrap([diffs, diffs])
+    _, lo2, hi2 = paired_bootstrap([[1] * 160 + [0] * 240, [-1] * 80 + [0] * 320])
+    assert hi2 - lo2 > 2 * (hi1 - lo1)
