@@ -242,9 +242,10 @@ class PPOConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: Literal["grpo", "ppo"] = "grpo"
-    """Which trainer: ``grpo`` (group-baseline advantages, KL to the reference in the loss) or ``ppo`` (a
-    critic and GAE, KL to the reference in the per-token reward; settings under ``algorithm.ppo``)."""
+    name: Literal["grpo", "ppo", "rft"] = "grpo"
+    """Which trainer: ``grpo`` (group-baseline advantages, KL to the reference in the loss), ``ppo`` (a
+    critic and GAE, KL to the reference in the per-token reward; settings under ``algorithm.ppo``) or ``rft``
+    (rejection-sampling fine-tuning: the supervised loss on the sampled responses that pass; beta 0)."""
     estimator: str = "grpo"
     """Advantage estimator (registry name in ``cohortrl.algorithms``: grpo, grpo_batch, dr_grpo, rloo,
     reinforce_pp, reinforce_pp_baseline, grpo_process, grpo_combined). GRPO only: PPO's advantages are GAE
@@ -694,6 +695,9 @@ def validate(cfg: Config) -> None:
     )
     _require(a.prompts_per_step >= 1, "algorithm.prompts_per_step", a.prompts_per_step, "must be at least 1")
     _require(a.beta >= 0, "algorithm.beta", a.beta, "the KL coefficient must be >= 0 (0 disables the KL term)")
+    _require(a.name != "rft" or a.beta == 0, "algorithm.beta", a.beta,
+             "rejection-sampling fine-tuning (algorithm.name=rft) trains with the supervised loss alone, with no KL "
+             "term; set algorithm.beta=0")
     _require(not a.kl_in_reward or a.beta > 0, "algorithm.kl_in_reward", a.kl_in_reward,
              "puts beta x KL into the reward, but algorithm.beta is 0; set beta > 0 or kl_in_reward: false")
     _require(not a.kl_in_reward or a.name == "grpo", "algorithm.kl_in_reward", a.kl_in_reward,

@@ -1,5 +1,5 @@
 """The trainers: one shared RL step (``rl.py``, its update's pieces in ``update.py``) and a small subclass per
-algorithm (``grpo.py``, ``ppo.py``); ``make_trainer`` picks the one ``algorithm.name`` asks for. Supervised
+algorithm (``grpo.py``, ``ppo.py``, ``rft.py``: rejection-sampling fine-tuning, the supervised baseline); ``make_trainer`` picks the one ``algorithm.name`` asks for. Supervised
 fine-tuning, the stage before RL, is ``sft.py``. Every trainer runs in ``loop.Trainer`` (train loop,
 evaluation schedule, checkpoints and resume, logs, final save)."""
 
@@ -9,13 +9,14 @@ from pathlib import Path
 
 
 def make_trainer(config, run_dir: str | Path | None = None, **kwargs):
-    """A ``GRPOTrainer`` or ``PPOTrainer`` for the config's ``algorithm.name``, with the same interface:
+    """A ``GRPOTrainer``, ``PPOTrainer`` or ``RFTTrainer`` for the config's ``algorithm.name``, with the same interface:
     ``.train(steps=None)``, ``.step()``, ``.evaluate()``, ``.save()``, ``.save_checkpoint()``. ``config`` is
     a ``Config``, a dict of sections or a YAML path; ``kwargs`` are the trainers' keyword arguments."""
     from cohortrl.trainers.grpo import GRPOTrainer
     from cohortrl.trainers.inputs import as_config
     from cohortrl.trainers.ppo import PPOTrainer
+    from cohortrl.trainers.rft import RFTTrainer
 
     config = as_config(config)
-    trainers = {"grpo": GRPOTrainer, "ppo": PPOTrainer}
+    trainers = {"grpo": GRPOTrainer, "ppo": PPOTrainer, "rft": RFTTrainer}
     return trainers[config.algorithm.name](config, run_dir, **kwargs)

@@ -84,6 +84,9 @@ class RLTrainer(Trainer):
     # The update may differentiate decoding's own forward (train.reuse_rollout_forward): the algorithm's loss
     # reaches the policy only through the log-probs of the sampled tokens under the sampling policy.
     reuses_rollout_forward = False
+    # The temperature of the log-probs the update trains on; None: the sampling temperature (the distribution
+    # actually sampled from). RFT's supervised loss sets 1.
+    loss_temperature: float | None = None
 
     @_release_run_dir_on_failure
     def __init__(
@@ -376,7 +379,8 @@ class RLTrainer(Trainer):
         train_policy = self.step_count >= self.policy_frozen_steps
         trained = [o for name, o in self.optimised.items() if name != "policy" or train_policy]
         inputs = rollout.input_ids(), rollout.attention_mask()
-        plain = PlainForward(self.train_model, rollout, *inputs, self.sampling.temperature, share_prompts=d.world == 1)
+        temperature = self.loss_temperature or self.sampling.temperature
+        plain = PlainForward(self.train_model, rollout, *inputs, temperature, share_prompts=d.world == 1)
         totals = UpdateTotals()
         for rows_all in minibatch_rows(n_groups, a.group_size, a.epochs, a.minibatches):
             weights_all = token_weights(loss_mask_all[rows_all], a.aggregation, self.norm_length)
@@ -387,7 +391,7 @@ class RLTrainer(Trainer):
                                     n_padding=d.padding_micro_batches(len(positions)))
             # the CPU fast path: one on-policy update on every row of the rollout is what decoding computed
             replay = train_policy and a.epochs == 1 and rollout.replay is not None and is_whole_rollout(batches, rollout.batch_size)
-            forward = ReplayedForward(rollout.replay, rollout, self.sampling.temperature) if replay else plain
+            forward = ReplayedForward(rollout.replay, rollout, temperature) if replay else plain
             for o in trained:
                 o.optimizer.zero_grad(set_to_none=True)
             update_loss = 0.0
