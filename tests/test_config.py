@@ -213,7 +213,7 @@ def test_ppo_allows_one_response_per_prompt_and_grpo_does_not():
 def test_unknown_algorithm_name_and_zero_variance_with_groups_of_one():
     with pytest.raises(ConfigError) as err:
         Config.from_dict({"algorithm": {"name": "dpo"}})
-    assert str(err.value) == "config key 'algorithm.name': expected one of 'grpo', 'ppo', got 'dpo' (str)"
+    assert str(err.value) == "config key 'algorithm.name': expected one of 'grpo', 'ppo', 'rft', got 'dpo' (str)"
     with pytest.raises(ConfigError) as err:
         Config.from_dict({"algorithm": {"name": "ppo", "group_size": 1, "zero_variance": "filter"}})
     assert str(err.value) == (
