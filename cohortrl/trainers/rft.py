@@ -50,3 +50,6 @@ class RFTTrainer(RLTrainer):
         if logp is None:
             return None, {}
         return -logp, {"nll": -logp.detach()}
+
+    def _progress_postfix(self, metrics: dict) -> dict:
+        return {"reward": f"{metrics['reward_mean']:.3f}", "acc": f"{metrics['accuracy']:.2f}", "loss": f"{metrics['loss']:.4f}"}

@@ -15,7 +15,8 @@ from tests.trainers.test_grpo import FNS, params_of, tiny_config
 
 def rft_config(data, **algorithm):
     return tiny_config(data, fn="starts_with_letter", algorithm={"name": "rft", "beta": 0.0, "aggregation": "token-mean", **algorithm},
-                       sampling={"temperature": 0.7, "max_new_tokens": 8}, train={"steps": 1}, eval={"n_prompts": 0})
+                       sampling={"temperature": 0.7, "max_new_tokens": 8}, train={"steps": 1, "progress": True},
+                       eval={"n_prompts": 0})
 
 
 def test_rft_trains_on_the_passed_responses_own_tokens_only(tmp_path, addition_jsonl):
