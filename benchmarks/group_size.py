@@ -116,7 +116,7 @@ def build(args):
     from cohortrl.trainers.setup import build_policy
 
     cfg = Config.from_dict({
-        "model": {"name": args.model, "lora": {"enabled": True, "r": 16, "alpha": 32}},
+        "model": {"name": args.model, "lora": {"enabled": True, "r": 16, "alpha": 32}, "system_prompt": "Be brief."},
         "data": {"source": "task:arithmetic", "level": args.level, "train_size": max(args.pool_prompts, 10), "eval_size": 0},
         "reward": {"functions": [{"name": "accuracy", "kwargs": {"mode": "last_number"}}], "correctness": "accuracy"},
     })

@@ -27,7 +27,7 @@ PHASES = ("generate", "score", "reference", "values", "train")
 
 def config(algorithm: str, args) -> dict:
     return {
-        "model": {"name": args.model, "lora": {"enabled": not args.full, "r": 16, "alpha": 32}},
+        "model": {"name": args.model, "lora": {"enabled": not args.full, "r": 16, "alpha": 32}, "system_prompt": "Be brief."},
         "data": {"source": "task:arithmetic", "level": 1, "train_size": 200, "eval_size": 0},
         "sampling": {"temperature": 0.7, "max_new_tokens": args.tokens},
         "reward": {"functions": [{"name": "accuracy", "kwargs": {"mode": "last_number"}}], "correctness": "accuracy"},

@@ -15,6 +15,8 @@ _API = {
     "GRPOTrainer": "cohortrl.trainers.grpo",
     "PPOTrainer": "cohortrl.trainers.ppo",
     "SFTTrainer": "cohortrl.trainers.sft",
+    "GRPOConfig": "cohortrl.trl_config",  # TRL's names and defaults: `from cohortrl import GRPOConfig, GRPOTrainer`
+    "SFTConfig": "cohortrl.trl_config",
     "make_trainer": "cohortrl.trainers",
     "Callback": "cohortrl.trainers.callbacks",
     "EarlyStopping": "cohortrl.trainers.callbacks",

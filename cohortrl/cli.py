@@ -54,6 +54,9 @@ def _run_config(args, command: str) -> Config:
         args.overrides, args.config = [args.config, *args.overrides], None
     if args.resume:
         config_path = args.config or str(Path(args.run_dir) / "config.yaml")
+        if not Path(config_path).is_file() and not args.config:
+            raise ConfigError(f"--resume: {args.run_dir} holds no run to continue (no config.yaml); give CONFIG too "
+                              f"(cohortrl {command} CONFIG --run-dir {args.run_dir} --resume starts it when there is none)")
     else:
         if not args.config:
             raise ConfigError(f"{command} needs a CONFIG file (or --resume with --run-dir of an earlier run)")
@@ -93,13 +96,19 @@ def cmd_sft(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    """Check every checkpoint and final/ of a run against its manifest: one line each; exit 1 if any is damaged."""
+    """Check a run's checkpoints and final/ (PATH a run directory), or one checkpoint or final/ (PATH that
+    directory), against their manifests: one line each; exit 1 if any is damaged."""
     import yaml
 
     from cohortrl.trainers import checkpoint
     from cohortrl.trainers.loop import config_hash
 
-    run_dir = Path(args.run_dir)
+    path = Path(args.run_dir)
+    paths, run_dir = _verify_targets(path)
+    if not paths:
+        print(f"{path}: nothing to verify: neither a run directory (no checkpoints, no final/) nor a checkpoint or "
+              f"final/ (no {checkpoint.MANIFEST})", file=sys.stderr)
+        return 1
     config = run_dir / "config.yaml"
     expected = None  # without the run's config, the files are still checked
     if config.is_file():
@@ -107,48 +116,98 @@ def cmd_verify(args) -> int:
             expected = config_hash(yaml.safe_load(config.read_text()))
         except (OSError, yaml.YAMLError) as e:
             print(f"{config}: unreadable ({str(e).splitlines()[0]}); checking the files but not the config hashes", file=sys.stderr)
-    paths = [*checkpoint.step_dirs(run_dir), *([run_dir / "final"] if (run_dir / "final").is_dir() else [])]
-    if not paths:
-        print(f"{run_dir}: no checkpoints and no final/ to verify", file=sys.stderr)
-        return 1
     bad = 0
-    for path in paths:
-        problem = checkpoint.verify(path, expected)
+    for target in paths:
+        problem = checkpoint.verify(target, expected)
         bad += problem is not None
-        print(f"ok   {path}" if problem is None else f"BAD  {problem}")
+        print(f"ok   {target}" if problem is None else f"BAD  {problem}")
     return 1 if bad else 0
 
 
+def _verify_targets(path: Path) -> tuple[list[Path], Path]:
+    """(the directories ``cohortrl verify PATH`` checks, the run directory whose config they were written under):
+    PATH itself if it is a checkpoint (``RUN/checkpoints/step_N``) or a ``final/`` (it has a manifest or the
+    final marker), else PATH's checkpoints and final/."""
+    from cohortrl.trainers import checkpoint
+
+    if path in checkpoint.step_dirs(path.parent.parent):
+        return [path], path.parent.parent
+    if (path / checkpoint.MANIFEST).is_file() or (path / checkpoint.FINAL_MARKER).is_file():
+        return [path], path.parent
+    return [*checkpoint.step_dirs(path), *([path / "final"] if (path / "final").is_dir() else [])], path
+
+
 def cmd_eval(args) -> int:
+    """Greedy accuracy (and pass@k) on held-out prompts: of CONFIG's model (or an adapter on it), or of a run's
+    final/ with the run's own config and held-out set (RUN_DIR)."""
     from cohortrl import cpu
     from cohortrl.cpu.kernels import linear_kernels
     from cohortrl.data import load_rows
-    from cohortrl.models import load_model
     from cohortrl.rewards.scoring import WeightedReward, resolve
     from cohortrl.rollout.hf import model_device
-    from cohortrl.trainers.evaluate import evaluate_config
+    from cohortrl.trainers import checkpoint
+    from cohortrl.trainers.evaluate import EVAL_ROWS, evaluate_config
+    from cohortrl.trainers.setup import load_configured_model
 
-    cfg = _load_config(args.config, args.overrides)
+    run_dir = Path(args.config) if Path(args.config).is_dir() else None
+    if run_dir is not None:
+        cfg, args.adapter = _run_evaluation(run_dir, args)
+    else:
+        cfg = _load_config(args.config, args.overrides)
     if args.adapter:
         _check_adapter(Path(args.adapter))
+        checkpoint.check_saved(args.adapter, "--adapter")
     if args.responses and Path(args.responses).exists():
         raise ConfigError(f"--responses {args.responses} already exists; give a new path (nothing is overwritten)")
-    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed, init=cfg.model.init)
+    model, tokenizer = load_configured_model(cfg.model, cfg.train.seed)
     if args.adapter:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, args.adapter)
     fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
-    _, eval_rows = load_rows(cfg.data, cfg.train.seed)
+    saved = run_dir / EVAL_ROWS if run_dir is not None and cfg.data.source.startswith("python:") else None
+    if saved is not None:  # the run's rows were given in Python: its held-out ones were saved beside its config
+        if not saved.is_file():
+            raise ConfigError(f"{run_dir} was trained on rows given in Python and has no {EVAL_ROWS} (it held none out, "
+                              "or they were not JSON): evaluate it with cohortrl eval CONFIG, data.source naming the rows")
+        eval_rows = [json.loads(line) for line in saved.read_text().splitlines()]
+    else:
+        _, eval_rows = load_rows(cfg.data, cfg.train.seed)
+    eval_rows = eval_rows[: cfg.eval.n_prompts]
+    if run_dir is not None:
+        print(f"evaluating {args.adapter or cfg.model.name} with {run_dir / 'config.yaml'} on {len(eval_rows)} held-out "
+              f"prompts: {saved or _held_out_set(cfg)}", file=sys.stderr, flush=True)
     correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), timeout_s=cfg.reward.timeout_s)
     # The linear kernel the trainer's own evaluations use (train.cpu_fast_path), so both report the same numbers.
     with linear_kernels(cpu.linear_kernel(cfg.train, model_device(model), model), model):
         responses: list[dict] = []
-        result = evaluate_config(model, tokenizer, eval_rows[: cfg.eval.n_prompts], correctness, cfg, responses=responses)
+        result = evaluate_config(model, tokenizer, eval_rows, correctness, cfg, responses=responses)
     if args.responses:
         Path(args.responses).write_text("".join(json.dumps(r) + "\n" for r in responses))
     print(json.dumps(result, indent=2) if args.json else _eval_table(result, args.adapter or cfg.model.name))
     return 0
+
+
+def _run_evaluation(run_dir: Path, args) -> tuple[Config, str | None]:
+    """``cohortrl eval RUN_DIR``: the run's config (with the overrides) set to load its final/, and the adapter
+    to apply (a LoRA run's final/) or None."""
+    config, final = run_dir / "config.yaml", run_dir / "final"
+    if not config.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give a run directory or a CONFIG file")
+    if not final.is_dir():
+        raise ConfigError(f"{run_dir} has no final/ (the run has not finished); finish it with cohortrl train --run-dir "
+                          f"{run_dir} --resume, or evaluate a model with cohortrl eval CONFIG")
+    if args.adapter:
+        raise ConfigError(f"--adapter does not go with RUN_DIR: {run_dir}/final is what is evaluated")
+    cfg = _load_config(str(config), args.overrides)
+    if (final / "adapter_config.json").is_file():  # LoRA: the adapter on the run's own base (and model.init)
+        return cfg, str(final)
+    return cfg.with_overrides(f"model.name={final}", "model.init=null"), None  # all the weights: init already in them
+
+
+def _held_out_set(cfg: Config) -> str:
+    """Which held-out problems a config's data section draws (data.load_rows), in words."""
+    return f"those {cfg.data.source} holds out (data.eval_size={cfg.data.eval_size}, train.seed={cfg.train.seed})"
 
 
 def _check_adapter(path: Path) -> None:
@@ -180,7 +239,14 @@ def _eval_table(result: dict, what: str) -> str:
 
 
 def cmd_config_show(args) -> int:
-    """The full resolved config, defaults included, as YAML (what a run would write to RUN_DIR/config.yaml)."""
+    """The full resolved config, defaults included, as YAML (what a run would write to RUN_DIR/config.yaml);
+    without CONFIG, cohortrl's defaults."""
+    if args.config and "=" in args.config and not Path(args.config).exists():  # `config show a.b=1`: no CONFIG
+        args.overrides, args.config = [args.config, *args.overrides], None
+    if args.config is None:
+        print("# cohortrl's defaults (no CONFIG given; cohortrl config show CONFIG [key.path=value ...] resolves a file)")
+        print(Config().with_overrides(*args.overrides).to_yaml(), end="")
+        return 0
     print(_load_config(args.config, args.overrides).to_yaml(), end="")
     return 0
 
@@ -403,7 +469,8 @@ def _run_arguments(p: argparse.ArgumentParser, steps: str) -> None:
     """The run-directory options ``train`` and ``sft`` share; ``steps`` names what ``--steps`` counts."""
     p.add_argument("--run-dir", required=True, help="directory for metrics.jsonl, checkpoints, curves.png, final/")
     p.add_argument("--steps", type=int, default=None, help=f"stop after N {steps} in total (default: train.steps)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest intact checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest intact checkpoint; "
+                   "safe to repeat: with no run there, or one stopped before its first checkpoint, the run starts from step 0")
     p.add_argument("--overwrite", action="store_true",
                    help="--run-dir holds an earlier run: delete its files first and start over (without it such a directory is refused)")
 
@@ -431,14 +498,15 @@ def build_parser() -> argparse.ArgumentParser:
     _run_arguments(p, steps="optimiser steps")
     p.set_defaults(func=cmd_sft)
 
-    p = sub.add_parser("verify", help="check a run's checkpoints and final/ against their manifests",
+    p = sub.add_parser("verify", help="check a run's checkpoints and final/, or one of them, against their manifests",
                        description=cmd_verify.__doc__)
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="PATH", help="a run directory, one of its checkpoints, or a final/")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("eval", help="evaluate a model on a config's held-out prompts",
-                       description="Greedy accuracy (and pass@k) of the config's model, or of a trained adapter.")
-    p.add_argument("config", help="YAML config file (model, data, reward.correctness, eval settings)")
+    p = sub.add_parser("eval", help="evaluate a model on a config's held-out prompts, or a run's final/",
+                       description=cmd_eval.__doc__)
+    p.add_argument("config", metavar="CONFIG_OR_RUN_DIR", help="YAML config file (model, data, reward.correctness, "
+                   "eval settings), or a run directory: its final/ with its own config and held-out set")
     p.add_argument("overrides", nargs="*", help="overrides as key.path=value")
     p.add_argument("--adapter", help="a LoRA adapter directory (e.g. RUN_DIR/final) to apply to the config's model")
     p.add_argument("--json", action="store_true", help="print the raw result as JSON instead of a table")
@@ -532,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = p.add_subparsers(dest="config_command", required=True)
     p = config_sub.add_parser("show", help="print the full resolved config (defaults included) as YAML",
                               description=cmd_config_show.__doc__)
-    p.add_argument("config", help="YAML config file")
+    p.add_argument("config", nargs="?", help="YAML config file (default: none, cohortrl's defaults)")
     p.add_argument("overrides", nargs="*", help="overrides as key.path=value")
     p.set_defaults(func=cmd_config_show)
 
@@ -601,10 +669,30 @@ def main(argv: list[str] | None = None) -> int:
     with _progress_on_stderr():
         try:
             return args.func(args)
+        except KeyboardInterrupt:
+            return _interrupted(args)
         except ConfigError as e:
             return _fail(f"config error: {e}", args.verbose)
         except (*_user_errors(), *task_errors) as e:  # problems with the user's input: one line, not a traceback
             return _fail(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", args.verbose)
+
+
+def _interrupted(args) -> int:
+    """Ctrl-C: one line and exit 130 (128 + SIGINT, as a shell reports it); for a run, where it can go on from
+    and the command that does (with CONFIG, which also starts a run stopped before its first checkpoint)."""
+    if args.command not in ("train", "sft"):
+        print("interrupted", file=sys.stderr)
+        return 130
+    import shlex
+
+    from cohortrl.trainers.checkpoint import latest
+
+    last = latest(Path(args.run_dir)) if Path(args.run_dir).is_dir() else None
+    where = f"the last checkpoint is {last}" if last else "no checkpoint was written yet (resuming starts the run again)"
+    config = shlex.join([args.config, *args.overrides]) + " " if args.config else ""
+    print(f"interrupted; {where}; resume with: cohortrl {args.command} {config}--run-dir {shlex.quote(str(args.run_dir))} "
+          "--resume", file=sys.stderr)
+    return 130
 
 
 def _fail(message: str, verbose: bool) -> int:

@@ -55,8 +55,9 @@ class ModelConfig:
     """Weights dtype. CPUs train in float32."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA settings."""
-    system_prompt: Optional[str] = "Be brief."
-    """System message put before every prompt (None keeps the chat template's own default)."""
+    system_prompt: Optional[str] = None
+    """System message put before every prompt that has none of its own (None: none added, as TRL does; the
+    chat template's own default, if it has one, applies)."""
     init: Optional[str] = None
     """Start from a supervised run's weights: a ``final/`` directory of ``cohortrl sft`` (or any directory
     holding a PEFT adapter or full weights of ``name``'s architecture). An adapter is merged into ``name``'s

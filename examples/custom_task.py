@@ -49,6 +49,7 @@ def main() -> None:
     args = parser.parse_args()
 
     config = Config(
+        model={"system_prompt": "Be brief."},
         data={"level": 1, "train_size": 500, "eval_size": 8},
         reward={"functions": [{"name": "task", "kwargs": {"field": "outcome"}}], "correctness": "task"},
         sampling={"max_new_tokens": 24},

@@ -51,6 +51,9 @@ MANIFEST_FORMAT = 1
 # Entries of the state that are a model's weights (name -> tensor): stored as safetensors, not pickled.
 WEIGHT_KEYS = ("model", "critic")
 REJECTED = "rejected"  # checkpoints/rejected/: damaged checkpoints set aside by a resume, kept for inspection
+# Written into RUN_DIR/final/ with the step it was saved at: a resume can tell a finished run from one
+# killed between its last checkpoint and its final save.
+FINAL_MARKER = "cohortrl_run.json"
 
 
 class CheckpointError(RuntimeError):
@@ -258,15 +261,17 @@ def _human(n: float) -> str:
     return f"{n / 1024:.1f} GB"
 
 
-def space_warning(directory: Path, per_copy_bytes: int, copies: int = 2) -> str | None:
+def space_warning(directory: Path, per_copy_bytes: int, copies: int = 2, final_bytes: int = 0) -> str | None:
     """One line if ``directory``'s filesystem has less room than ``copies`` checkpoints of ``per_copy_bytes``
-    (a new checkpoint is written beside the previous one before the older is deleted), else None."""
+    (the most that exist at once: a new one is written beside the kept ones before the oldest is deleted) and
+    a ``final/`` of ``final_bytes``, else None."""
     free = shutil.disk_usage(directory).free
-    if free >= copies * per_copy_bytes:
+    if free >= copies * per_copy_bytes + final_bytes:
         return None
+    final = f" and final/ (about {_human(final_bytes)})" if final_bytes else ""
     return (
-        f"{directory} has {_human(free)} free, less than {copies} checkpoints need (about {_human(per_copy_bytes)} "
-        "each): a checkpoint write may fail with a full disk; free space or use another --run-dir"
+        f"{directory} has {_human(free)} free, less than {copies} checkpoints (about {_human(per_copy_bytes)} "
+        f"each){final} need: a checkpoint write may fail with a full disk; free space or use another --run-dir"
     )
 
 
@@ -355,6 +360,19 @@ def _sha256(path: Path, sync: bool = False) -> str:
         if sync:  # files a library wrote (save_pretrained) reach the disk before the manifest vouches for them
             os.fsync(f.fileno())
     return digest.hexdigest()
+
+
+def check_saved(path: str | Path, what: str) -> None:
+    """Before ``path`` is loaded as a model (``what``: the setting that names it, e.g. ``model.init``): if it is a
+    directory cohortrl saved (a ``final/`` or a checkpoint: it has a manifest, or the final marker a manifest
+    goes with), raise :class:`CheckpointError` naming the first file that does not match the manifest. Any
+    other path (a hub id, a model saved by another library) has nothing to check against and is left alone."""
+    path = Path(path)
+    if not path.is_dir() or not ((path / MANIFEST).is_file() or (path / FINAL_MARKER).is_file()):
+        return
+    problem = verify(path)
+    if problem is not None:
+        raise CheckpointError(f"{what} {path} is damaged, not loaded: {problem}")
 
 
 def find_intact(run_dir: Path, config_hash: str | None = None) -> Found:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from cohortrl.config import ConfigError
 from cohortrl.data import problem_id
 from cohortrl.rewards.error_categories import category_fractions, row_category
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, score_rollout
@@ -22,6 +23,9 @@ progress = logging.getLogger("cohortrl.progress")  # printed by the command line
 # completion, correctness, error category, length in tokens and tool calls: what the model gets wrong, readable
 # after the run, and what two runs' paired comparison is computed from (``cohortrl report``).
 EVAL_RESPONSES = "eval_completions.jsonl"
+# The held-out rows of a run whose rows were given in Python (a config file cannot name them), so that
+# `cohortrl eval RUN_DIR` evaluates it on the same problems.
+EVAL_ROWS = "eval_rows.jsonl"
 ANSWERS = "answers.jsonl.gz"
 # What a committed answer keeps of an evaluated response: the prompt is left out (the problem id names it, and
 # the config regenerates it), the response is kept, compressed.
@@ -144,6 +148,9 @@ def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedRew
     """``evaluate`` with the settings of a run config (``eval``, ``sampling``, ``model``, ``data``, ``rollout``
     sections): the one place the trainer and ``cohortrl eval`` read them. ``tools``: the run's ``Toolset``
     (default: built from ``rollout.tools``)."""
+    if not rows:  # an accuracy of 0 over 0 prompts would read as a measurement
+        raise ConfigError("nothing to evaluate: there are no held-out rows (pass eval_dataset=, or set data.eval_size "
+                          "and eval.n_prompts above 0)")
     e = cfg.eval
     return evaluate(
         model, tokenizer, rows, correctness, system_prompt=cfg.model.system_prompt,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from cohortrl.config import Config, ConfigError, RewardFunctionConfig
+from cohortrl.trl_config import TRLConfig
 from cohortrl.trl_names import TRLArgsError, from_trl_args
 from cohortrl.user_code import callable_ref, check_reward_signature
 
@@ -33,6 +34,7 @@ class RunInputs:
     tools: dict[str, Callable] = field(default_factory=dict)  # rollout.tools entry -> tool function given in Python
     train_rows: list[dict] | None = None  # rows given in Python (data.source = python:...)
     eval_rows: list[dict] | None = None
+    run_dir: str | Path | None = None  # as given, or a TRL config's output_dir
 
 
 def as_config(config: Config | dict | str | Path | None) -> Config:
@@ -48,14 +50,46 @@ def as_config(config: Config | dict | str | Path | None) -> Config:
     raise ConfigError(f"config must be a cohortrl.Config, a dict of sections or a YAML path, got {type(config).__name__}")
 
 
+def is_model_argument(value) -> bool:
+    """Whether a trainer's first positional argument is TRL's ``model`` (a hub id, a model directory, an alias, a
+    ``.gguf`` file or a loaded model) rather than cohortrl's ``config`` (a ``Config``, a dict of sections, a YAML
+    path or None)."""
+    if value is None or isinstance(value, (Config, dict)):
+        return False
+    if isinstance(value, (str, Path)):
+        path = Path(value)
+        return not (path.suffix in (".yaml", ".yml") or (path.is_file() and path.suffix != ".gguf"))
+    return True
+
+
+def from_trl_order(config, run_dir, model, second, second_name: str):
+    """``(config, run_dir, model, second)`` for a trainer called in TRL's order, ``GRPOTrainer(model, reward_funcs,
+    ...)`` or ``SFTTrainer(model, args, ...)`` (``second_name``), rather than cohortrl's ``(config, run_dir, ...)``:
+    told apart by the arguments' types (a run directory is a path, a model is not a config); unchanged otherwise."""
+    if is_model_argument(config):
+        if model is not None:
+            raise ConfigError(f"model given twice: as the first argument ({config!r}) and as model=; keep one")
+        model, config = config, None
+    if run_dir is not None and not isinstance(run_dir, (str, Path)):
+        if second is not None:
+            raise ConfigError(f"{second_name} given twice: as the second argument and as {second_name}=; keep one")
+        second, run_dir = run_dir, None
+    return config, run_dir, model, second
+
+
 def resolve_inputs(
     config, algorithm: str, *, model=None, tokenizer=None, reward_funcs=None, reward_weights=None,
-    train_dataset=None, eval_dataset=None, tools=None, args=None, peft_config=None,
+    train_dataset=None, eval_dataset=None, tools=None, args=None, peft_config=None, run_dir=None,
 ) -> RunInputs:
     cfg = as_config(config)
     data = cfg.to_dict()
-    inputs = RunInputs(cfg)
-    if args is not None:  # TRL's GRPOConfig field names, over the config's own values
+    inputs = RunInputs(cfg, run_dir=run_dir)
+    trl_config = args if isinstance(args, TRLConfig) else None  # applied once the rows are known (epochs -> steps)
+    if trl_config is not None:
+        inputs.run_dir = _output_dir(trl_config, run_dir)
+        if getattr(trl_config, "reward_weights", None) is not None:  # GRPOConfig's; SFTConfig has none
+            reward_weights = _once(trl_config.reward_weights, reward_weights)
+    elif args is not None:  # TRL's GRPOConfig field names, over the config's own values
         reward_weights = _apply_trl_args(args, data, reward_weights)
     if peft_config is not None:
         data["model"]["lora"] = _lora_section(peft_config)
@@ -102,9 +136,36 @@ def resolve_inputs(
                               "a file or task source holds out its own evaluation prompts (data.eval_size)")
         inputs.eval_rows = rows
 
+    if trl_config is not None:
+        try:
+            _sections(data, trl_config.sections(data, len(inputs.train_rows) if inputs.train_rows is not None else None))
+        except TRLArgsError as e:
+            raise ConfigError(f"args=: {e}") from None
+        for note in trl_config.notes():
+            log.warning(note)
+
     inputs.config = Config.from_dict(data)
     check_optional_packages(inputs.config)
     return inputs
+
+
+def _output_dir(trl_config: TRLConfig, run_dir):
+    """The run directory: ``run_dir=`` or the TRL config's ``output_dir`` (the same thing by TRL's name)."""
+    if run_dir is not None and trl_config.output_dir is not None and Path(run_dir) != Path(trl_config.output_dir):
+        raise ConfigError(f"two run directories: run_dir={str(run_dir)!r} and args.output_dir={trl_config.output_dir!r}; "
+                          "give one")
+    return run_dir if run_dir is not None else trl_config.output_dir
+
+
+def _once(in_args, given):
+    if given is not None:
+        raise ConfigError("reward weights given twice: in args= (reward_weights) and as reward_weights=; keep one")
+    return in_args
+
+
+def _sections(data: dict, sections: dict) -> None:
+    for section, values in sections.items():
+        data[section].update(values)
 
 
 def check_optional_packages(cfg: Config) -> None:
@@ -128,24 +189,23 @@ def _installed(package: str) -> bool:
 
 
 def _apply_trl_args(args, data: dict, reward_weights):
-    """Write ``args`` (a dict of TRL ``GRPOConfig`` fields) into the config sections ``data``; returns the
+    """Write ``args`` (a dict of the TRL ``GRPOConfig`` fields a script set) into the config sections ``data``; returns the
     reward weights (TRL keeps them in its config, here they are a trainer argument)."""
     if not isinstance(args, dict):
         raise ConfigError(
-            f"args= must be a dict of TRL GRPOConfig field names (e.g. {{'num_generations': 8}}), got {type(args).__name__}: "
-            "a GRPOConfig object holds every field, most with no equivalent here, so pass only the ones you set"
+            f"args= must be cohortrl's GRPOConfig or SFTConfig (TRL's fields and defaults: from cohortrl import "
+            f"GRPOConfig) or a dict of TRL field names (e.g. {{'num_generations': 8}}), got {type(args).__name__}"
         )
     args = dict(args)
     weights = args.pop("reward_weights", None)
-    if weights is not None and reward_weights is not None:
-        raise ConfigError("reward weights given twice: in args= (reward_weights) and as reward_weights=; keep one")
+    if weights is not None:
+        reward_weights = _once(weights, reward_weights)
     try:
         sections = from_trl_args(args, data["algorithm"]["group_size"])
     except TRLArgsError as e:
         raise ConfigError(f"args=: {e}") from None
-    for section, values in sections.items():
-        data[section].update(values)
-    return weights if weights is not None else reward_weights
+    _sections(data, sections)
+    return reward_weights
 
 
 def _lora_section(peft_config) -> dict:

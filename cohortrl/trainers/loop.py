@@ -23,10 +23,11 @@ from cohortrl import distributed
 from cohortrl.config import Config, ConfigError
 from cohortrl.trainers import checkpoint, faults
 from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
-from cohortrl.trainers.evaluate import EVAL_RESPONSES, export_answers
+from cohortrl.trainers.evaluate import EVAL_RESPONSES, EVAL_ROWS, export_answers
 from cohortrl.trainers.metrics import MetricsLog, plot_curves
 
 log = logging.getLogger("cohortrl")
+progress = logging.getLogger("cohortrl.progress")  # shown on stderr by the CLI
 
 # Settings that may change between a run and its resume without changing what the run computes.
 RESUMABLE_CHANGES = {
@@ -34,9 +35,7 @@ RESUMABLE_CHANGES = {
     "train.max_nonfinite_steps", "train.cpu_allocator", "train.reuse_rollout_forward", "train.keep_checkpoints",
     "reward.timeout_s",
 }
-# Written into RUN_DIR/final/ with the step it was saved at: a resume can tell a finished run from one
-# killed between its last checkpoint and its final save.
-FINAL_MARKER = "cohortrl_run.json"
+FINAL_MARKER = checkpoint.FINAL_MARKER
 
 
 class RunStateError(RuntimeError):
@@ -97,7 +96,7 @@ class Trainer:
         self.log = MetricsLog(self.run_dir)
         self.eval_log = MetricsLog(self.run_dir, EVAL_RESPONSES)
         self._logs = (self.log, *logs, self.eval_log)
-        self.callbacks = [*self._config_loggers(), *callbacks]
+        self.callbacks = [*self._config_loggers(), *(callbacks or ())]  # TRL passes callbacks=None
         self.stop_reason: str | None = None
         if resume:
             self._load_latest_checkpoint()
@@ -105,6 +104,20 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
             for run_log in self._logs:
                 run_log.truncate_after(-1)
+            self._save_eval_rows()
+
+    def _save_eval_rows(self) -> None:
+        """Rows given in Python: the held-out ones written beside config.yaml (``EVAL_ROWS``), which alone cannot
+        name them, so ``cohortrl eval RUN_DIR`` evaluates the run on its own held-out problems."""
+        if not self.cfg.data.source.startswith("python:") or not self.eval_rows:
+            return
+        try:
+            lines = "".join(json.dumps(row) + "\n" for row in self.eval_rows)
+        except TypeError as e:
+            log.warning("held-out rows not saved to %s (%s): `cohortrl eval %s` cannot evaluate this run by itself",
+                        EVAL_ROWS, e, self.run_dir)
+            return
+        (self.run_dir / EVAL_ROWS).write_text(lines)
 
     def close(self) -> None:
         """Let the run directory's lock go and, under torchrun, leave the process group (after every rank got
@@ -155,7 +168,8 @@ class Trainer:
                 f"{total} steps)"
             )
         if self.dist.is_main:  # before the first checkpoint, not when one fails hours in
-            warning = checkpoint.space_warning(self.run_dir, self._checkpoint_bytes())
+            warning = checkpoint.space_warning(self.run_dir, self._checkpoint_bytes(), self._checkpoints_at_once(total),
+                                               checkpoint.tensor_bytes(self._final_tensors()))
             if warning:
                 log.warning(warning)
         rows = []
@@ -164,26 +178,28 @@ class Trainer:
             rows.append(self._log_eval())
         bar = _progress(self.step_count, total, self.cfg.train.progress, self.name)
         every_eval, every_ckpt = self.cfg.eval.every, self.cfg.train.checkpoint_every
-        while self.step_count < total:
-            metrics = self.step()
-            self.step_count += 1
-            row = self._log({"step": self.step_count, **metrics})
-            rows.append(row)
+        try:  # closed however the loop ends: an error's line then starts a line of its own, not the bar's
+            while self.step_count < total:
+                metrics = self.step()
+                self.step_count += 1
+                row = self._log({"step": self.step_count, **metrics})
+                rows.append(row)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(self._progress_postfix(metrics))
+                self._fire("on_step_end", row)
+                last = self.step_count == total
+                if self.eval_rows and ((every_eval and self.step_count % every_eval == 0) or last):
+                    rows.append(self._log_eval())
+                stopping = self.stop_reason is not None
+                if last or stopping or (every_ckpt and self.step_count % every_ckpt == 0):
+                    self._fire("on_save", self.save_checkpoint())
+                if stopping:
+                    log.warning("stopping at step %d of %d: %s", self.step_count, total, self.stop_reason)
+                    break
+        finally:
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(self._progress_postfix(metrics))
-            self._fire("on_step_end", row)
-            last = self.step_count == total
-            if self.eval_rows and ((every_eval and self.step_count % every_eval == 0) or last):
-                rows.append(self._log_eval())
-            stopping = self.stop_reason is not None
-            if last or stopping or (every_ckpt and self.step_count % every_ckpt == 0):
-                self._fire("on_save", self.save_checkpoint())
-            if stopping:
-                log.warning("stopping at step %d of %d: %s", self.step_count, total, self.stop_reason)
-                break
-        if bar is not None:
-            bar.close()
+                bar.close()
         self._save_final()
         self._fire("on_train_end", rows)
         self.dist.barrier()
@@ -253,11 +269,16 @@ class Trainer:
             self.tokenizer.save_pretrained(tmp)
             (tmp / FINAL_MARKER).write_text(json.dumps({"step": self.step_count}))
 
-        saved = state_dict if state_dict is not None else (
-            [p for p in self.model.parameters() if p.requires_grad] if self.cfg.model.lora.enabled else self.model.state_dict())
+        saved = state_dict if state_dict is not None else self._final_tensors()
         checkpoint.write_dir(directory, write, step=self.step_count, config_hash=self.config_hash,
                              needed_bytes=checkpoint.tensor_bytes(saved))
         return directory
+
+    def _final_tensors(self):
+        """What ``final/`` holds: the adapter's weights with LoRA, else every weight."""
+        if self.cfg.model.lora.enabled:
+            return [p for p in self.model.parameters() if p.requires_grad]
+        return self.model.state_dict()
 
     def save_checkpoint(self) -> Path:
         state = {  # whole tensors (gathered from the shards with FSDP2: every rank takes part)
@@ -300,6 +321,14 @@ class Trainer:
         """About what one checkpoint takes: the trained weights and their optimiser state."""
         return sum(checkpoint.tensor_bytes(o.params) + checkpoint.tensor_bytes(o.optimizer.state_dict()["state"])
                    for o in self.optimised.values())
+
+    def _checkpoints_at_once(self, total: int) -> int:
+        """The most checkpoints on disk at once while training to step ``total``: ``keep_checkpoints`` and the
+        new one written beside them (all of them with 0, which keeps every one), at most as many as are still
+        written (every ``checkpoint_every`` steps and at the last)."""
+        every, keep = self.cfg.train.checkpoint_every, self.cfg.train.keep_checkpoints
+        written = sum(1 for s in range(self.step_count + 1, total + 1) if s == total or (every and s % every == 0))
+        return min(keep + 1, written) if keep else written
 
     def _choose_checkpoint(self) -> Path:
         """The newest intact checkpoint. Damaged newer ones are named, one line each, then set aside (or, with
@@ -356,7 +385,7 @@ class Trainer:
         if self.dist.is_main:
             for run_log in self._logs:
                 run_log.truncate_after(self.step_count)
-        log.info("resumed from %s at step %d", path, self.step_count)
+            progress.info("resuming the run in %s from step %d (%s)", self.run_dir, self.step_count, path)
 
     def _seed_process(self, resume: bool) -> None:
         """Before any model is built: a resumed run's config checked against its own, the thread count set, and

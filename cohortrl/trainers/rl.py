@@ -40,7 +40,6 @@ from cohortrl.config import Config
 from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory
 from cohortrl.data import PromptStream, load_rows
-from cohortrl.models import load_model
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, resolve
@@ -49,13 +48,13 @@ from cohortrl.rollout.tools import toolset
 from cohortrl.rollout.types import Rollout
 from cohortrl.trainers import faults, guards
 from cohortrl.trainers.evaluate import evaluate_config
-from cohortrl.trainers.inputs import resolve_inputs
+from cohortrl.trainers.inputs import from_trl_order, resolve_inputs
 from cohortrl.trainers.loop import Trainer, _check_distributed, _release_run_dir_on_failure, config_hash
 from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, UpdateTotals, log_grader_errors, step_metrics
 from cohortrl.trainers.run_dir import claim as claim_run_dir
 from cohortrl.trainers.sampler import Sampler, ScoredBatch, reward_pool
 from cohortrl.trainers.setup import (
-    Optimised, Reference, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler,
+    Optimised, Reference, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler, load_configured_model,
 )
 from cohortrl.trainers.update import (
     PlainForward, ReplayedForward, is_whole_rollout, micro_batches, minibatch_rows, optimizer_step,
@@ -105,7 +104,7 @@ class RLTrainer(Trainer):
         resume: bool = False,
         strict: bool = False,
         overwrite: bool = False,
-        args: dict | None = None,
+        args=None,
         peft_config=None,
     ):
         """``config``: a ``Config``, a dict of sections, a YAML path, or None (defaults). ``run_dir``: where
@@ -120,15 +119,18 @@ class RLTrainer(Trainer):
         ``resume``: continue the run in ``run_dir`` from its newest intact checkpoint (``strict``: refuse,
         rather than fall back, when the newest one is damaged). ``overwrite``: ``run_dir`` may hold another run,
         whose files are deleted first (without it, or ``resume``, such a directory is refused). TRL's spellings:
-        ``args``, a dict of TRL ``GRPOConfig`` field names, over the config (``docs/trl_migration.md``);
-        ``peft_config``, a PEFT ``LoraConfig``, as ``model.lora``."""
+        ``args``, a ``cohortrl.GRPOConfig`` (TRL's fields and defaults; its ``output_dir`` is ``run_dir``) or a
+        dict of the TRL field names a script set, over the config (``docs/trl_migration.md``); ``peft_config``,
+        a PEFT ``LoraConfig``, as ``model.lora``; and TRL's order, ``GRPOTrainer(model, reward_funcs, args=...)``,
+        told from ``(config, run_dir)`` by the arguments' types (``inputs.from_trl_order``)."""
+        config, run_dir, model, reward_funcs = from_trl_order(config, run_dir, model, reward_funcs, "reward_funcs")
         inputs = resolve_inputs(
             config, self.name, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
             reward_weights=reward_weights, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
-            args=args, peft_config=peft_config,
+            args=args, peft_config=peft_config, run_dir=run_dir,
         )
         self.cfg = inputs.config
-        self._start_run(run_dir, resume, overwrite)
+        self._start_run(inputs.run_dir, resume, overwrite)
         n_train_rows = self._build_rewards_and_data(inputs)
         self._build_models(inputs, n_train_rows)
         self.cpu_linear = cpu.linear_kernel(self.cfg.train, self.device, self.model)  # every step's and evaluation's
@@ -143,7 +145,7 @@ class RLTrainer(Trainer):
         self.guard = guards.NonfiniteGuard(self.run_dir, self.cfg.train.max_nonfinite_steps, self.dist.rank)
         self.config_hash = config_hash(self.cfg.to_dict())  # in every checkpoint's manifest
         self.strict = strict
-        self._open_run(resume, callbacks, logs=(self.grader_log,))
+        self._open_run(self._run_claim.resumes, callbacks, logs=(self.grader_log,))
 
     def _start_run(self, run_dir, resume: bool, overwrite: bool) -> None:
         """The run directory, the process (torchrun or not), the device and the seeds, before anything loads."""
@@ -160,7 +162,7 @@ class RLTrainer(Trainer):
         self._holds_allocator = apply_cpu_allocator(cpu.allocator(cfg.train, self.device))
         if self.dist.launched:
             _check_distributed(cfg, self.name, self.dist)
-        self._seed_process(resume)
+        self._seed_process(self._run_claim.resumes)  # False when a resume finds no checkpoint: the run starts
 
     def _build_rewards_and_data(self, inputs) -> int:
         """The weighted reward functions, the tools, the prompt stream and the held-out rows; returns the number
@@ -183,7 +185,7 @@ class RLTrainer(Trainer):
         cfg, a = self.cfg, self.cfg.algorithm
         model, tokenizer = inputs.model, inputs.tokenizer
         if model is None:
-            model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.train.seed, init=cfg.model.init)
+            model, tokenizer = load_configured_model(cfg.model, cfg.train.seed)
         self.optimised: dict[str, Optimised] = {}
         self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights

@@ -5,6 +5,10 @@ the same directory.
 
 * a directory that holds a run (any of :data:`RUN_FILES`) is refused unless the run is being resumed, or
   ``overwrite`` asks to start over, in which case that run's files are deleted first (other files are left);
+* ``resume`` is safe to repeat in every state, so a pre-emption wrapper can run the same command until it
+  succeeds: a directory that is missing or holds no run starts one, and a run that stopped before its first
+  checkpoint (nothing to resume from) starts again from step 0, its files deleted first
+  (:attr:`RunDirectory.resumes` says which it is);
 * an exclusive lock (``flock`` on :data:`LOCK_FILE`) is held while the trainer trains, so a second process
   is refused at once with the holder's pid;
 * a start that fails removes the directory again if this claim created it, so no empty run directory is left.
@@ -13,12 +17,19 @@ the same directory.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 from pathlib import Path
 
+from cohortrl.trainers.checkpoint import step_dirs
+from cohortrl.trainers.evaluate import EVAL_ROWS
+
+log = logging.getLogger("cohortrl")
+
 # What a run writes into its directory; their presence means "this directory holds a run".
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "curves.png", "tensorboard", "wandb", "nonfinite")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "curves.png", "tensorboard", "wandb", "nonfinite",
+             EVAL_ROWS)
 LOCK_FILE = ".cohortrl.lock"
 
 
@@ -34,9 +45,10 @@ def run_files(path: Path) -> list[str]:
 class RunDirectory:
     """A claimed run directory: the lock while it is held, and whether the claim created the directory."""
 
-    def __init__(self, path: Path, created: bool, main: bool = True):
+    def __init__(self, path: Path, created: bool, main: bool = True, resumes: bool = False):
         self.path, self.created = path, created
         self.main = main  # False on torchrun's other ranks: rank 0 holds the lock for the whole job
+        self.resumes = resumes  # a checkpoint is there to continue from; False: the run starts at step 0
         self._fd: int | None = None
 
     @property
@@ -82,26 +94,35 @@ def claim(path: str | Path, *, resume: bool = False, overwrite: bool = False, ma
         raise RunDirectoryError(f"run directory {path} is a file; give a directory (new or holding a run)")
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    run = RunDirectory(path, created, main)
+    # Decided from the step_* directories alone, which nothing here changes: every rank of a job decides alike.
+    run = RunDirectory(path, created, main, resumes=resume and bool(step_dirs(path)))
     if not main:
         return run
     run.acquire()
     try:
         found = run_files(path)
-        if found and not resume:
+        if resume and not run.resumes and found:
+            log.warning("--resume: %s stopped before its first checkpoint (it holds %s and no checkpoint); starting "
+                        "the run again from step 0", path, ", ".join(found))
+            _delete(path, found)
+        elif found and not resume:
             if not overwrite:
                 raise RunDirectoryError(
                     f"{path} already holds a run ({', '.join(found)}); continue it with --resume (resume=True), or "
                     "start over with --overwrite (overwrite=True), which deletes that run's files first; or give another "
                     "--run-dir"
                 )
-            for name in found:
-                target = path / name
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target)
-                else:
-                    target.unlink()
+            _delete(path, found)
     except BaseException:
         run.release(failed=True)
         raise
     return run
+
+
+def _delete(path: Path, names: list[str]) -> None:
+    for name in names:
+        target = path / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink()

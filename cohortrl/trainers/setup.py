@@ -12,12 +12,23 @@ import torch
 
 from cohortrl.config import ConfigError
 from cohortrl.models import load_model
+from cohortrl.trainers import checkpoint
+
+
+def load_configured_model(model_cfg, seed: int):
+    """``load_model`` for a config's ``model`` section; a cohortrl ``final/`` or checkpoint it names (as
+    ``model.name`` or ``model.init``) is verified against its manifest first, so damaged weights never train or
+    become a KL reference."""
+    for key, path in (("model.name", model_cfg.name), ("model.init", model_cfg.init)):
+        if path is not None:
+            checkpoint.check_saved(path, key)
+    return load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed, init=model_cfg.init)
 
 
 def build_policy(model_cfg, seed: int, model=None, tokenizer=None):
     """(model, tokenizer): loaded from the spec unless given; wrapped with a LoRA adapter if enabled."""
     if model is None:
-        model, tokenizer = load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed, init=model_cfg.init)
+        model, tokenizer = load_configured_model(model_cfg, seed)
     if model_cfg.lora.enabled:
         from peft import LoraConfig, get_peft_model
         from transformers.pytorch_utils import Conv1D

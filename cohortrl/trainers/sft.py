@@ -62,7 +62,7 @@ from cohortrl.rollout.tools import tool_protocol, toolset
 from cohortrl.tools import chat, result_spans, with_calculator
 from cohortrl.trainers import guards
 from cohortrl.trainers.evaluate import evaluate_config
-from cohortrl.trainers.inputs import as_config, resolve_inputs
+from cohortrl.trainers.inputs import as_config, from_trl_order, resolve_inputs
 from cohortrl.trainers.loop import Trainer, _release_run_dir_on_failure, config_hash
 from cohortrl.trainers.metrics import peak_rss_mb
 from cohortrl.trainers.run_dir import claim as claim_run_dir
@@ -299,7 +299,7 @@ class SFTTrainer(Trainer):
     @_release_run_dir_on_failure
     def __init__(self, config=None, run_dir: str | Path | None = None, *, model=None, tokenizer=None,
                  train_dataset=None, eval_dataset=None, callbacks=(), tools=None, resume: bool = False,
-                 overwrite: bool = False):
+                 overwrite: bool = False, args=None, peft_config=None):
         """``config``: a ``Config``, a dict of sections, a YAML path, or None. ``model``: a spec (overrides
         ``model.name``) or a loaded model with its ``tokenizer``. ``train_dataset``: rows in one of the formats
         above (a list of dicts, a ``datasets.Dataset``, a ``.jsonl`` path) or a gym task name.
@@ -311,20 +311,24 @@ class SFTTrainer(Trainer):
         rollouts use with this config and tokenizer (``rollout.tools.tool_protocol``), with the same prompt, gym
         references in the calculator's call form (``tools.with_calculator``), and no loss on what a tool
         returns (the model never writes it): each ``<result>...</result>`` in the text protocol, each tool
-        turn of the chat template in the chat protocol."""
+        turn of the chat template in the chat protocol. TRL's spellings, as for the RL trainers: ``args``, a
+        ``cohortrl.SFTConfig`` (TRL's fields and defaults; its ``output_dir`` is ``run_dir``) or a dict of TRL
+        field names; ``peft_config``; and TRL's order, ``SFTTrainer(model, args, ...)``."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("cohortrl sft runs in one process; start it without torchrun")
+        config, run_dir, model, args = from_trl_order(config, run_dir, model, args, "args")
         cfg = as_config(config)
-        inputs = resolve_inputs(cfg, cfg.algorithm.name, model=model, tokenizer=tokenizer,
-                                train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools)
+        inputs = resolve_inputs(cfg, cfg.algorithm.name, model=model, tokenizer=tokenizer, train_dataset=train_dataset,
+                                eval_dataset=eval_dataset, tools=tools, args=args, peft_config=peft_config, run_dir=run_dir)
         cfg = self.cfg = inputs.config
         self.tools = toolset(cfg.rollout, inputs.tools)  # None without tools; resolved before the model loads
+        run_dir = inputs.run_dir
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"sft-{time.strftime('%Y%m%d-%H%M%S')}"
         self._run_claim = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)  # locked while in use
         self.config_hash = config_hash(cfg.to_dict())  # in every manifest, as the RL trainers write it (cohortrl verify)
         self.dist = distributed.Dist()  # one process: the identity the shared helpers expect
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
-        self._seed_process(resume)
+        self._seed_process(self._run_claim.resumes)  # False when a resume finds no checkpoint: the run starts
 
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer)
         self.model.to(self.device)
@@ -351,7 +355,7 @@ class SFTTrainer(Trainer):
         self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler)}
         self.step_count = 0
         self.nonfinite_in_a_row = 0
-        self._open_run(resume, callbacks)
+        self._open_run(self._run_claim.resumes, callbacks)
 
     def _load_data(self, inputs) -> tuple[list[Example], list[dict]]:
         """(tokenised training examples, held-out prompt rows); every bad row is an error naming it."""

@@ -61,3 +61,10 @@ def starts_with_letter_logging_lengths(prompts, completions, completion_lengths,
 
 def always_zero(prompts, completions, **columns):
     return [0.0] * len(completions)
+
+
+def raises_from_step_2(prompts, completions, trainer_state, **columns):
+    """``constant`` for the first step, then an error: the run has shown a progress bar when it fails."""
+    if trainer_state.global_step >= 1:
+        raise ValueError("broken from step 2 on")
+    return constant(prompts, completions)

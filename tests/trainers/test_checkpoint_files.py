@@ -285,11 +285,11 @@ def _raise(error: BaseException):
 
 @pytest.mark.parametrize("free, per_copy, said", [
     (2 * 1536, 1536, None),  # exactly room for two
-    (2 * 1536 - 1, 1536, "3.0 KB free, less than 2 checkpoints need (about 1.5 KB each)"),
-    (1023, 5 * 2**20, "1023 B free, less than 2 checkpoints need (about 5.0 MB each)"),
-    (3 * 2**30 + 2**29, 2**31, "3.5 GB free, less than 2 checkpoints need (about 2.0 GB each)"),
-    (1024, 3 * 2**40, "1.0 KB free, less than 2 checkpoints need (about 3072.0 GB each)"),
-    (2**20 - 1, 2**20, "1024.0 KB free, less than 2 checkpoints need (about 1.0 MB each)"),
+    (2 * 1536 - 1, 1536, "3.0 KB free, less than 2 checkpoints (about 1.5 KB each) need"),
+    (1023, 5 * 2**20, "1023 B free, less than 2 checkpoints (about 5.0 MB each) need"),
+    (3 * 2**30 + 2**29, 2**31, "3.5 GB free, less than 2 checkpoints (about 2.0 GB each) need"),
+    (1024, 3 * 2**40, "1.0 KB free, less than 2 checkpoints (about 3072.0 GB each) need"),
+    (2**20 - 1, 2**20, "1024.0 KB free, less than 2 checkpoints (about 1.0 MB each) need"),
 ])
 def test_the_space_warning_gives_free_and_needed_space_in_readable_units(tmp_path, monkeypatch, free, per_copy, said):
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: DiskUsage(10**13, 0, free))

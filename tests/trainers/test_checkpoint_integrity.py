@@ -292,14 +292,30 @@ def test_a_full_disk_at_the_final_save_keeps_the_checkpoints_and_resume_writes_f
         train(config(addition_jsonl), run, resume=True)
 
 
-def test_a_filesystem_without_room_for_two_checkpoints_is_warned_about_before_the_first(tmp_path, addition_jsonl, monkeypatch, caplog):
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
-    with caplog.at_level(logging.WARNING, logger="cohortrl"):
-        train(config(addition_jsonl, steps=1), tmp_path)
+@pytest.mark.parametrize("short", [1, 0])
+def test_the_space_check_counts_keep_plus_one_checkpoints_and_final(tmp_path, addition_jsonl, monkeypatch, caplog, short):
+    """keep_checkpoints=2 (the default) and a checkpoint every step: three exist at the peak (the new one is written
+    before the oldest goes), then final/ (all the weights); one byte short of that is warned about, before the first."""
+    with closing(GRPOTrainer(config(addition_jsonl), tmp_path)) as trainer:
+        per_copy, final = trainer._checkpoint_bytes(), checkpoint.tensor_bytes(trainer.model.state_dict())
+        free = 3 * per_copy + final - short
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - free, free))
+        with caplog.at_level(logging.WARNING, logger="cohortrl"):
+            trainer.train()
     warnings = [r.getMessage() for r in caplog.records if r.name == "cohortrl" and r.levelno == logging.WARNING]
-    assert warnings[0].startswith(f"{tmp_path} has 1000 B free, less than 2 checkpoints need (about ")
-    assert warnings[0].endswith(" each): a checkpoint write may fail with a full disk; free space or use another --run-dir")
+    human = checkpoint._human
+    assert warnings[:1] == ([f"{tmp_path} has {human(free)} free, less than 3 checkpoints (about {human(per_copy)} each) "
+                             f"and final/ (about {human(final)}) need: a checkpoint write may fail with a full disk; free "
+                             "space or use another --run-dir"] if short else [])
+
+
+@pytest.mark.parametrize("keep, every, steps, at_once", [(2, 1, 3, 3), (1, 1, 3, 2), (0, 1, 3, 3), (0, 2, 5, 3),
+                                                         (5, 1, 2, 2), (2, 0, 4, 1)])
+def test_the_checkpoints_at_once_are_keep_plus_one_at_most_those_written(tmp_path, addition_jsonl, keep, every, steps, at_once):
+    """0 keeps all: every one written (steps 2, 4 and the last, 5, with every=2); checkpoint_every=0: the last only."""
+    with closing(GRPOTrainer(config(addition_jsonl, keep_checkpoints=keep, checkpoint_every=every), tmp_path)) as trainer:
+        assert trainer._checkpoints_at_once(steps) == at_once
 
 
 # ---------------------------------------------------------------------------------------------- retention

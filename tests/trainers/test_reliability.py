@@ -30,13 +30,14 @@ KILL_RUN = [str(REPO / "configs" / "tiny_grpo.yaml"), "train.steps=4", "train.ch
             "train.progress=false"]
 
 
-def cohortrl(*args, fault=None, run_dir):
+def cohortrl(*args, fault=None, run_dir, new_session=False):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("COHORTRL_FAULT", None)
     if fault:
         env["COHORTRL_FAULT"] = fault
     cmd = [sys.executable, "-m", "cohortrl", "train", *args, "--run-dir", str(run_dir)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=new_session)  # its own process group, for a test's Ctrl-C
 
 
 def finish(proc, timeout=300):

@@ -50,7 +50,7 @@ def test_a_grpo_config_object_is_refused_with_the_reason():
     class GRPOConfigLike:
         num_generations = 8
 
-    with pytest.raises(ConfigError, match=r"^args= must be a dict of TRL GRPOConfig field names .* pass only the ones you set$"):
+    with pytest.raises(ConfigError, match=r"^args= must be cohortrl's GRPOConfig or SFTConfig .* got GRPOConfigLike$"):
         resolved(args=GRPOConfigLike())
 
 

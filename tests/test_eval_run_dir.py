@@ -1,0 +1,75 @@
+"""``cohortrl eval RUN_DIR`` evaluates a run's final/ with the run's own config and held-out set, and says which
+set that is; ``evaluate()`` with nothing held out says so instead of reporting an accuracy of 0 over 0 prompts;
+``cohortrl config show`` without a CONFIG prints the defaults."""
+
+import json
+from contextlib import closing
+
+import pytest
+import yaml
+
+from cohortrl import Config, GRPOTrainer, cli
+from cohortrl.config import ConfigError
+from tests.trainers.test_grpo import tiny_config
+
+ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(8)]
+
+
+def completions(path) -> list[tuple[str, str]]:
+    """(prompt, greedy completion) of each response in an evaluation's JSONL file."""
+    return [(r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"]), r["completion"])
+            for r in map(json.loads, path.read_text().splitlines())]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_eval_run_dir_measures_final_on_the_runs_own_held_out_set(tmp_path, addition_jsonl, capsys, lora):
+    cfg = tiny_config(addition_jsonl, train={"steps": 1}, eval={"n_prompts": 4, "batch_size": 4},
+                      model={"name": "tiny-llama", "system_prompt": None, "lora": {"enabled": lora, "r": 4}})
+    run = tmp_path / "run"
+    with closing(GRPOTrainer(cfg, run)) as trainer:
+        trainer.train()
+    capsys.readouterr()
+    assert cli.main(["eval", str(run), "--json", "--responses", str(tmp_path / "responses.jsonl")]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["eval/n"] == 4
+    assert (f"evaluating {run / 'final'} with {run / 'config.yaml'} on 4 held-out prompts: those jsonl:{addition_jsonl} "
+            "holds out (data.eval_size=8, train.seed=0)") in out.err
+    # the run's own last evaluation: the same weights on the same problems, so the same greedy responses
+    assert completions(tmp_path / "responses.jsonl") == completions(run / "eval_completions.jsonl")
+
+
+def test_eval_run_dir_of_a_run_from_python_rows_uses_its_saved_held_out_rows(tmp_path, capsys):
+    cfg = Config(model={"name": "tiny-llama"}, sampling={"max_new_tokens": 4}, algorithm={"group_size": 2, "prompts_per_step": 2},
+                 train={"steps": 1, "progress": False}, eval={"before": False, "n_prompts": 3},
+                 reward={"functions": [{"name": "accuracy"}], "correctness": "accuracy"})
+    run = tmp_path / "run"
+    with closing(GRPOTrainer(cfg, run, train_dataset=ROWS[:5], eval_dataset=ROWS[5:])) as trainer:
+        trainer.train()
+    assert [json.loads(line) for line in (run / "eval_rows.jsonl").read_text().splitlines()] == ROWS[5:]
+    capsys.readouterr()
+    assert cli.main(["eval", str(run), "--json", "--responses", str(tmp_path / "responses.jsonl")]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["eval/n"] == 3 and f"on 3 held-out prompts: {run / 'eval_rows.jsonl'}" in out.err
+    assert completions(tmp_path / "responses.jsonl") == completions(run / "eval_completions.jsonl")
+
+
+def test_eval_run_dir_without_final_says_how_to_finish_it(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text(Config().to_yaml())
+    assert cli.main(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"config error: {tmp_path} has no final/ (the run has not finished)")
+
+
+def test_evaluate_with_nothing_held_out_says_so(tmp_path):
+    cfg = Config(model={"name": "tiny-llama"}, sampling={"max_new_tokens": 4}, algorithm={"group_size": 2, "prompts_per_step": 2},
+                 train={"steps": 1, "progress": False})
+    with closing(GRPOTrainer(cfg, tmp_path / "run", train_dataset=ROWS)) as trainer:  # own rows: nothing held out
+        with pytest.raises(ConfigError, match=r"^nothing to evaluate: there are no held-out rows \(pass eval_dataset="):
+            trainer.evaluate()
+
+
+def test_config_show_without_a_config_prints_the_defaults(capsys):
+    assert cli.main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# cohortrl's defaults (no CONFIG given") and yaml.safe_load(out) == Config().to_dict()
+    assert cli.main(["config", "show", "algorithm.group_size=4"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["algorithm"]["group_size"] == 4

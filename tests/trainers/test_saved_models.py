@@ -1,0 +1,108 @@
+"""A saved model is checked against its manifest whenever it is loaded: a run's final/ given as model.init or as
+model.name, to ``cohortrl eval`` or as its --adapter, stops with one line naming the damaged file instead of
+training from (or evaluating) corrupt weights; ``cohortrl verify PATH`` checks a run, one checkpoint or a final/."""
+
+import shutil
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from cohortrl import cli
+from cohortrl.trainers import checkpoint
+from cohortrl.trainers.grpo import GRPOTrainer
+from tests.trainers.test_grpo import tiny_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny_grpo.yaml")
+QUICK = ["train.progress=false", "eval.n_prompts=2", "eval.batch_size=2", "sampling.max_new_tokens=4", "eval.before=false"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, addition_jsonl) -> dict[str, Path]:
+    """Two finished one-step runs of the tiny Llama: all weights in final/, and a LoRA adapter in final/."""
+    out = {}
+    for name, lora in (("full", {}), ("lora", {"lora": {"enabled": True, "r": 4}})):
+        run = tmp_path_factory.mktemp(name) / "run"
+        cfg = tiny_config(addition_jsonl, train={"steps": 1}, eval={"n_prompts": 0},
+                          model={"name": "tiny-llama", "system_prompt": None, **lora})
+        with closing(GRPOTrainer(cfg, run)) as trainer:
+            trainer.train()
+        out[name] = run
+    return out
+
+
+def damaged_copy(final: Path, tmp_path: Path, file: str, how: str) -> Path:
+    """A copy of ``final`` with ``file`` damaged: two bytes of its weights flipped, or its header's length field
+    overwritten (safetensors then fails to parse it)."""
+    copy = tmp_path / "final"
+    shutil.copytree(final, copy)
+    data = bytearray((copy / file).read_bytes())
+    where = [len(data) - 10, len(data) - 9] if how == "weights" else range(8)
+    for i in where:
+        data[i] ^= 0xFF
+    (copy / file).write_bytes(bytes(data))
+    return copy
+
+
+def last_error(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def sha_line(copy: Path, file: str) -> str:
+    return f"{copy / file}: SHA-256 differs from the manifest (changed after it was written: bit rot, a bad copy or an edit)"
+
+
+@pytest.mark.parametrize("how", ["weights", "header"])
+def test_a_damaged_final_as_model_init_stops_before_training_naming_the_file(runs, tmp_path, capsys, how):
+    copy = damaged_copy(runs["full"] / "final", tmp_path, "model.safetensors", how)
+    run = tmp_path / "new"
+    rc = cli.main(["train", TINY, "--run-dir", str(run), "--steps", "1", f"model.init={copy}", *QUICK])
+    assert rc == 2
+    assert last_error(capsys) == f"error: model.init {copy} is damaged, not loaded: {sha_line(copy, 'model.safetensors')}"
+    assert not run.exists()  # the failed start left nothing behind
+
+
+def test_an_intact_final_as_model_init_trains(runs, tmp_path, capsys):
+    rc = cli.main(["train", TINY, "--run-dir", str(tmp_path / "new"), "--steps", "1",
+                   f"model.init={runs['full'] / 'final'}", *QUICK])
+    assert rc == 0, capsys.readouterr().err
+
+
+def test_eval_of_a_damaged_final_as_model_name_stops_naming_the_file(runs, tmp_path, capsys):
+    copy = damaged_copy(runs["full"] / "final", tmp_path, "model.safetensors", "weights")
+    assert cli.main(["eval", TINY, f"model.name={copy}", *QUICK]) == 2
+    assert last_error(capsys) == f"error: model.name {copy} is damaged, not loaded: {sha_line(copy, 'model.safetensors')}"
+
+
+def test_eval_of_a_damaged_adapter_stops_naming_the_file(runs, tmp_path, capsys):
+    copy = damaged_copy(runs["lora"] / "final", tmp_path, "adapter_model.safetensors", "weights")
+    lora = ["model.lora.enabled=true", "model.lora.r=4"]
+    assert cli.main(["eval", TINY, "--adapter", str(copy), *lora, *QUICK]) == 2
+    assert last_error(capsys) == f"error: --adapter {copy} is damaged, not loaded: {sha_line(copy, 'adapter_model.safetensors')}"
+    assert cli.main(["eval", TINY, "--adapter", str(runs["lora"] / "final"), *lora, *QUICK, "--json"]) == 0
+
+
+def test_verify_accepts_a_run_a_checkpoint_or_a_final(runs, tmp_path, capsys):
+    run = runs["full"]
+    step = run / "checkpoints" / "step_000001"
+    assert cli.main(["verify", str(run)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"ok   {step}", f"ok   {run / 'final'}"]
+    assert cli.main(["verify", str(run / "final")]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"ok   {run / 'final'}"]
+    assert cli.main(["verify", str(step)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"ok   {step}"]
+    copy = damaged_copy(run / "final", tmp_path, "model.safetensors", "weights")  # a final/ moved out of its run
+    assert cli.main(["verify", str(copy)]) == 1
+    assert capsys.readouterr().out.splitlines() == [f"BAD  {sha_line(copy, 'model.safetensors')}"]
+    assert cli.main(["verify", str(tmp_path / "new")]) == 1
+    assert "nothing to verify" in last_error(capsys)
+
+
+def test_check_saved_leaves_paths_cohortrl_did_not_write_alone(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a model saved by another library: no manifest to check against
+    assert checkpoint.check_saved(tmp_path, "model.name") is None
+    assert checkpoint.check_saved("tiny-llama", "model.name") is None
+    (tmp_path / checkpoint.FINAL_MARKER).write_text("{}")  # cohortrl's final/ whose manifest is gone
+    with pytest.raises(checkpoint.CheckpointError, match=f"model.name {tmp_path} is damaged, not loaded: {tmp_path}: no "):
+        checkpoint.check_saved(tmp_path, "model.name")
