@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 
-from cohortrl.tools.base import Tool, ToolError, Toolset, ToolSetupError
+from cohortrl.tools.base import Tool, ToolError, Toolset, ToolSetupError, loads
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -64,16 +64,16 @@ def _name_and_arguments(body: str) -> tuple[str, dict]:
     JSON string holding the object (OpenAI's wire form). Raises :class:`ToolError` saying what is wrong."""
     form = 'a call is the JSON object {"name": NAME, "arguments": {...}} between the tool_call tags'
     try:
-        call = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise ToolError(f"the call is not valid JSON ({e.msg} at character {e.pos}); {form}") from None
+        call = loads(body)
+    except ToolError as e:
+        raise ToolError(f"the call is {e}; {form}") from None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         raise ToolError(f"the call has no tool name; {form}")
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = loads(arguments)
+        except ToolError:
             pass
     if not isinstance(arguments, dict):
         raise ToolError(f"the arguments of {call['name']} are not a JSON object; {form}")

@@ -17,10 +17,9 @@ supervised warm starts.
 
 from __future__ import annotations
 
-import json
 import re
 
-from cohortrl.tools.base import Tool, ToolError, Toolset
+from cohortrl.tools.base import Tool, ToolError, Toolset, loads
 from cohortrl.tools.calculator import CalculatorError, evaluate, format_value
 from cohortrl.tools.chat import CALL_RESPONSE, RESPONSE_CLOSE, RESPONSE_OPEN, call_text, render_call
 
@@ -75,8 +74,8 @@ def parse_call(text: str, toolset: Toolset) -> tuple[Tool, dict]:
     if tool.text_parameter:
         return tool, {tool.text_parameter: argument.strip()}
     try:
-        arguments = json.loads(argument)
-    except json.JSONDecodeError:
+        arguments = loads(argument)
+    except ToolError:
         arguments = None
     if not isinstance(arguments, dict):
         raise ToolError(f"the argument of {tool.name} is a JSON object with {', '.join(tool.parameters)}")
