@@ -139,7 +139,7 @@ class FunctionSteps(StepSource):
         from cohortrl.rewards.scoring import _call
 
         prompts = [r["prompt"] for r in rollout.rows]
-        return _call(self.fn, self.name, prompts, rollout.completions, columns, self.timeout_s)
+        return _call(self.fn, self.name, prompts, rollout.completions, columns, self.timeout_s, failed=[])  # no steps
 
 
 def build_step_source(name: str, kwargs: dict | None, *, timeout_s: float | None = None, policy=None,
