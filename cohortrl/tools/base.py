@@ -186,6 +186,11 @@ def _as_text(outcome: tuple[bool, Any] | None, timeout_s: float, max_chars: int)
     return printable(text), False
 
 
+def failed(result: str) -> bool:
+    """Whether a tool's result (as fed back to the model) is the error text of a failed call."""
+    return result.strip().startswith("error:")
+
+
 def printable(text: str) -> str:
     """``text`` as a tool result may hold it: valid UTF-8 (a lone surrogate, which a JSON escape such as
     ``"\\ud800"`` can put in an argument and so in an error message, becomes ``?``: tokenizers raise on
