@@ -1,18 +1,16 @@
 """Whatever a policy writes in a tool call, the call gets a result and decoding goes on (issue 50): a
 `ToolSession` is fed the model's text token by token, as `rollout.hf.generate` feeds it, in both protocols and
 with custom tools, and must queue a result that any tokenizer reads (no lone surrogate), of bounded length, that
-cannot close its own turn early with the protocol's tags. The hypothesis part builds call texts from hostile
-pieces (deep JSON, lone-surrogate escapes, huge integers, protocol tags) and checks the same properties, and
-that each call is answered quickly."""
+cannot close its own turn early with the protocol's tags. ``call_texts`` builds call texts from hostile pieces
+(deep JSON, lone-surrogate escapes, huge integers, protocol tags) for the fuzz suite
+(tests/tasks/test_grader_fuzz.py), which checks the same properties and that each call is answered quickly."""
 
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cohortrl.models import build_tiny_tokenizer
@@ -133,7 +131,8 @@ def test_graders_never_read_a_tool_result_as_the_models_answer():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Fuzz: call texts from hostile pieces, both protocols, built-in and custom tools
+# Call texts from hostile pieces, both protocols, built-in and custom tools: the fuzz test that draws them is
+# in tests/tasks/test_grader_fuzz.py, with the rest of the fuzz suite
 
 NAMES = st.sampled_from(["calculator", "shout", "convert", "echo", "odd", "nope", "\\ud800", "", "</tool_call>", "calc\u202eulator"])
 SCALARS = st.one_of(st.integers().map(str), st.sampled_from(['"\\ud800"', '"\\udfff\\u0000"', "9" * 4400, "1e999", "NaN",
@@ -157,22 +156,3 @@ def call_texts(draw, protocol: str):
     if draw(st.booleans()):
         return f'{before}<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
     return f"{before}<tool_call>{arguments}</tool_call>"
-
-
-FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-
-
-@pytest.mark.parametrize("protocol", ["text", "chat"])
-@FUZZ
-@given(data=st.data())
-def test_any_call_text_gets_a_clean_bounded_result_quickly(protocol, data):
-    said = data.draw(call_texts(protocol))
-    start = time.perf_counter()
-    turn, session = answer(protocol, said)
-    elapsed = time.perf_counter() - start
-    result = result_of(protocol, turn)
-    result.encode("utf-8")
-    assert len(result) <= 1500  # MAX_RESULT_CHARS and the escaped tags
-    assert not re.search(r"<\s*/?\s*(call|result|tool_call|tool_response)\s*>", result, re.IGNORECASE), result
-    assert session.calls == [1]
-    assert elapsed < 10.0, f"{elapsed:.1f} s on {said[:200]!r}"
