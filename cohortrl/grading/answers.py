@@ -85,7 +85,7 @@ def answers_match(predicted: str, gold, rel_tol: float = 1e-6, abs_tol: float = 
     from math_verify import verify  # imported lazily: it pulls in sympy
 
     gold_read = _symbolic(str(gold))
-    predicted_read = None if _prose(predicted) else _symbolic(predicted)
+    predicted_read = None if _prose(predicted) or _items(predicted) > _items(str(gold)) else _symbolic(predicted)
     if gold_read is None or predicted_read is None:
         return False
     # math-verify bounds its own time with signal.alarm, which only the main thread may set. Off the main thread
@@ -110,16 +110,29 @@ _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")
 _FUNCTION_NAMES = {"sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "log",
                    "ln", "exp", "sqrt", "pi"}
 _JUXTAPOSED = re.compile(r"[\w)}\]]\s+[\w(\[{]")  # "6 99", "x (0)": two answers side by side, no operator
+_RANGE = re.compile(rf"^\s*{NUMBER}\s*[-–]\s*\d")  # "72-80": a hedge to the gym (`answer_format.hedged`), not 72 - 80
 
 
 def _prose(answer: str) -> bool:
     """Whether a model's answer holds words (``not``, ``or``, ``apples``: a run of letters that is no LaTeX
-    command or function name) or two terms side by side with no operator between them: text around or between
-    values, which math-verify would read as a product of single-letter symbols. Not read symbolically; a plain
-    number followed by words (``72 apples``) is read as that number before this (`_leading_number`)."""
+    command or function name), two terms side by side with no operator between them, or starts as a range
+    (``72-80``): text around or between values, which math-verify would read as a product of single-letter
+    symbols or as arithmetic. Not read symbolically; a plain number followed by words (``72 apples``) is read
+    as that number before this (`_leading_number`)."""
     words = (w.lower() for w in _WORD.findall(answer))
     operands_only = re.sub(r"\\[A-Za-z]+", "\\\\", answer)  # a LaTeX command (\cdot, \pi) is never a bare term
-    return any(w not in _FUNCTION_NAMES for w in words) or _JUXTAPOSED.search(operands_only) is not None
+    return (any(w not in _FUNCTION_NAMES for w in words) or _JUXTAPOSED.search(operands_only) is not None
+            or _RANGE.match(answer) is not None)
+
+
+def _items(text: str) -> int:
+    """How many comma-separated values ``text`` lists outside brackets: more than the gold answer lists is a
+    hedge, even when math-verify's set of them collapses to the gold one (``0, 0`` is {0}; ``0/0, 0`` is 0)."""
+    depth, items = 0, 1
+    for c in text:
+        depth += (c in "([{") - (c in ")]}")
+        items += c == "," and depth <= 0
+    return items
 
 
 def _symbolic(text: str) -> list | None:

@@ -24,7 +24,7 @@ def accuracy(completion: str, gold: str, reader=ACCURACY) -> float:
 
 @pytest.mark.parametrize("answer, gold", [
     ("80 (not 72)", "72"), ("72 (not 80)", "72"), ("72 (or 80)", "72"), ("6 or 99", "99"), ("6 or 99", "6"),
-    ("72-80", "72"), ("72, 80", "80"), ("\\frac{1}{2} (not \\frac{1}{3})", "\\frac{1}{3}"), ("\\boxed{5} and 6", "6"),
+    ("72-80", "72"), ("72, 80", "80"), ("72, 72", "72"), ("0/0, 0", "0"), ("1-0", "1"), ("\\frac{1}{2} (not \\frac{1}{3})", "\\frac{1}{3}"), ("\\boxed{5} and 6", "6"),
 ])
 def test_a_trailing_alternative_is_a_hedge_for_accuracy_and_format(answer, gold):
     assert accuracy(f"Work.\nANSWER: {answer}", gold) == 0.0
@@ -57,7 +57,7 @@ def test_undefined_values_never_equal_anything(predicted, gold):
     ("10^{-3}", "10", False), ("(1, 2)", "2", False), ("2^{10}", "2", False),  # math-verify read a part of these
     ("2^{10}", "1024", True), ("2^10", "1024", True), ("\\frac{1}{2}", "0.5", True), ("1/2", "\\frac{1}{2}", True),
     ("x^2+1", "1+x^2", True), ("72 apples", "72", True), ("72.0 kN", "72", True), ("3\\pi", "3\\pi", True),
-    ("\\sqrt{8}", "2\\sqrt{2}", True), ("$1,000", "1000", True),
+    ("\\sqrt{8}", "2\\sqrt{2}", True), ("$1,000", "1000", True), ("2, 1", "1, 2", True), ("(1, 2)", "(1, 2)", True),
 ])
 def test_math_verify_reads_the_whole_answer_as_one_expression(predicted, gold, expected):
     assert answers_match(predicted, gold) is expected

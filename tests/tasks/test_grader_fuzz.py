@@ -413,17 +413,21 @@ def test_the_answer_readers_never_credit_an_answer_other_than_the_gold_one(gold,
     result, an error text), and scores quickly, whatever the wrong answer costs to evaluate."""
     if "answer" in before.lower() or wrong.lstrip("-").isdigit() and int(wrong) == gold:
         return  # the drawn noise may commit by itself; the wrong answer must be wrong
+    if hedge and not order and not any(c.isdigit() for c in wrong):
+        return  # "ANSWER: 5 (not x)" offers no second number: a remark, and 5 is the answer
     x = str(gold)
     # the gold number offered after the wrong one, or the wrong one after the gold: either way a hedge
     answer = wrong + hedge.replace("{x}", x) if order or not hedge else x + hedge.replace("{x}", wrong)
-    completion = f"{before}\n{turn.replace('{x}', x)}\nANSWER: {answer}"
+    cut = turn.endswith("ANSWER: {x}")  # a result cut by the token budget ends the response
+    turn = turn.replace("{x}", x)
+    completion = f"{before}\nANSWER: {answer}\n{turn}" if cut else f"{before}\n{turn}\nANSWER: {answer}"
     start = time.process_time()
     grader_errors.drain()
     assert make_accuracy()(["q"], [completion], answer=[x]) == [0.0], completion[-300:]
     assert make_accuracy(mode="last_number")(["q"], [completion], answer=[x]) == [0.0], completion[-300:]
     assert grader_errors.drain() == []
     assert time.process_time() - start < SLOW_S, completion[-300:]
-    # the same line with the gold answer alone is credited (the property is not vacuous); a turn cut by the
-    # budget ends a response, so nothing after it is read
-    if not hedge and not turn.endswith("ANSWER: {x}"):
-        assert make_accuracy()(["q"], [f"{before}\n{turn.replace('{x}', wrong)}\nANSWER: {x}"], answer=[x]) == [1.0]
+    # the same line with the gold answer alone is credited (the property is not vacuous)
+    if not hedge:
+        right = completion.replace(f"ANSWER: {answer}", f"ANSWER: {x}")
+        assert make_accuracy()(["q"], [right], answer=[x]) == [1.0], right[-300:]
