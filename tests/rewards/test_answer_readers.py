@@ -32,7 +32,7 @@ def test_a_trailing_alternative_is_a_hedge_for_accuracy_and_format(answer, gold)
     assert FORMAT(["q"], [f"ANSWER: {answer}"]) == [0.0]
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "gsm8k", "axial_stress", "truss"])
+@pytest.mark.parametrize("name", ["arithmetic", "gsm8k", "axial_stress", "beam_bending", "truss"])
 def test_a_parenthesised_second_number_is_a_hedge_in_every_family(name):
     family = tasks.get(name)
     sample = family.sample(1, seed=3, level=family.levels[0])[0]
