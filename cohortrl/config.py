@@ -189,9 +189,10 @@ class RewardConfig:
     """Name of the function whose value says whether a response is correct (accuracy metric, zero-variance
     test). Shaped totals hide all-wrong groups, so this is the outcome signal alone."""
     timeout_s: float = 60.0
-    """Seconds one call of a reward function may take before the run stops with an error naming it (0: no
-    limit). The call runs in a thread, which Python cannot kill: a hung call is left running in the background;
-    code that must be killed belongs in the sandbox."""
+    """Seconds one call of a reward function may take (0: no limit). Past it the batch is scored again one
+    completion at a time, and a completion the function still does not return on scores 0 as a grader error
+    (``grader_errors``); the run goes on. In the trainer's process the call runs in a thread, which Python cannot
+    kill (it is left running in the background); with ``reward.workers`` the worker process is killed."""
     process: Optional[ProcessRewardConfig] = None
     """Step-level rewards (null: outcome only). GRPO needs ``algorithm.estimator`` grpo_process or
     grpo_combined to use them; PPO places them on the steps' last tokens before GAE."""

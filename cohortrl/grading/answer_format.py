@@ -35,6 +35,9 @@ _BULLET = re.compile(r"^(?:[-*•>]+\s+|\d+[.)]\s+)")
 _KEY_ALIASES = {"σ": "sigma", "δ": "delta", "Δ": "delta"}
 # Exponents beyond this are not a quantity anyone means; reading them exactly would take unbounded time.
 MAX_EXPONENT = 400
+# A second number after an answer's value: a digit that is not part of a unit's name or exponent (mm^2, N/mm2).
+# "ANSWER: 6 or 99", "ANSWER: 80 (not 72)" and "ANSWER: 72-80" offer alternatives; no answer line commits with one.
+_ANOTHER_NUMBER = re.compile(r"(?<![A-Za-z_^])\d")
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -118,6 +121,8 @@ def parse_response(text: str) -> ParsedResponse:
             # ("ANSWER: SF = 1.57"); neither hedges, so both are read.
             rest = match["rest"].rsplit("=", 1)[-1].strip().removeprefix("<").removesuffix(">")
             value, unit = _split_value_unit(rest)
+            if hedged(rest):
+                value = None
             answers.append(ValueLine("ANSWER", value, unit, rest, span))
         elif match := _VERDICT.match(line):
             word = match["rest"].strip().rstrip(".").strip().upper()
@@ -130,6 +135,25 @@ def parse_response(text: str) -> ParsedResponse:
             if value is not None:
                 steps.append(ValueLine(match["key"], value, unit, last.strip(), span))
     return ParsedResponse(steps, answers, verdicts)
+
+
+def hedged(answer: str) -> bool:
+    """Whether an answer's value text offers another number after its value, in its unit, its words or a
+    parenthesised remark (``6 or 99``, ``80 (not 72)``, ``72-80``): a hedge, read as no answer by every family
+    and by the ``accuracy`` and ``format`` rewards. Digits inside a unit (``mm^2``, ``N/mm2``) are not one.
+
+    >>> hedged("80 (not 72)"), hedged("6 or 99"), hedged("283.5 mm^2 (area)"), hedged("-6.25 kN (compression)")
+    (True, True, False, False)
+    """
+    split = number_and_rest(answer)
+    return split is not None and _ANOTHER_NUMBER.search(split[1]) is not None
+
+
+def number_and_rest(text: str) -> tuple[str, str] | None:
+    """``(number, what follows it)`` for a text that starts with a number (``"72.0 kN"`` → ``("72.0", "kN")``),
+    else None."""
+    match = _VALUE_UNIT.match(text.strip())
+    return None if match is None else (match["num"], match["unit"])
 
 
 @dataclass(frozen=True)

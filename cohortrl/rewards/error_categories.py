@@ -102,5 +102,6 @@ def _computed(line: str, written: Fraction | None) -> str:
         exact = evaluate(parts[-2])
     except (CalculatorError, ValueError, ArithmeticError):
         return "formula"  # not an expression the calculator reads: nothing to check the arithmetic against
-    tolerance = 0.01 * max(abs(float(written)), 1e-12)
-    return "arithmetic" if abs(exact - float(written)) > tolerance else "formula"
+    # in exact fractions: a written value such as 1e400 does not fit a float (OverflowError, #50)
+    tolerance = Fraction(1, 100) * max(abs(written), Fraction(1, 10**12))
+    return "arithmetic" if abs(Fraction(exact) - written) > tolerance else "formula"

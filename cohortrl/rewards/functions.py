@@ -19,6 +19,7 @@ from typing import Callable
 
 from cohortrl.grading.answers import ACCURACY_MODES, answers_match, commits_to_a_number, extract_answer
 from cohortrl.rewards.grader_errors import contained
+from cohortrl.tools import render
 
 RewardFn = Callable[..., list]
 
@@ -35,8 +36,9 @@ def _prompt(prompts: list, i: int):
 
 
 def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_column: str = "answer") -> RewardFn:
-    """1.0 when the committed answer (`cohortrl.grading.answers.extract_answer`: the gym's ANSWER-line rules)
-    equals the reference (numeric with tolerance, else math-verify), else 0.0."""
+    """1.0 when the committed answer (`cohortrl.grading.answers.extract_answer`: the gym's ANSWER-line rules,
+    read in the response as rendered, ``cohortrl.tools.render``: tool results are not the model's) equals the
+    reference (numeric with tolerance, else math-verify, `answers_match`), else 0.0."""
     if mode not in ACCURACY_MODES:
         raise ValueError(f"accuracy mode must be 'answer_line' or 'last_number', got {mode!r}")
 
@@ -56,13 +58,13 @@ def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_colum
 
 
 def _accuracy_of(completion: str, gold, mode: str, rel_tol: float) -> float:
-    predicted = extract_answer(completion, mode)
+    predicted = extract_answer(render(completion), mode)
     return float(predicted is not None and answers_match(predicted, gold, rel_tol=rel_tol))
 
 
 def make_format() -> RewardFn:
-    """1.0 when the response commits to exactly one ``ANSWER: <number>`` line, as prompts ask (the gym's
-    commitment rule, `cohortrl.grading.answers.commits_to_a_number`)."""
+    """1.0 when the response (rendered, as ``accuracy`` reads it) commits to exactly one ``ANSWER: <number>``
+    line, as prompts ask (the gym's commitment rule, `cohortrl.grading.answers.commits_to_a_number`)."""
 
     def format_reward(prompts, completions, **columns):
         out = []
@@ -74,7 +76,7 @@ def make_format() -> RewardFn:
 
 
 def _format_of(completion: str) -> float:
-    return float(commits_to_a_number(completion))
+    return float(commits_to_a_number(render(completion)))
 
 
 def make_overlong(cache_length: int = 16, max_length: int | None = None) -> RewardFn:
@@ -107,7 +109,6 @@ def make_task(field: str = "score") -> RewardFn:
     if field not in ("score", "outcome", "supported"):
         raise ValueError(f"task reward field must be 'score', 'outcome' or 'supported', got {field!r}")
     from cohortrl import tasks
-    from cohortrl.tools import render
 
     def task(prompts, completions, sample, **columns):
         out = []

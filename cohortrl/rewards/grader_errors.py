@@ -6,7 +6,9 @@ that they do. If one still raises, that is a bug in the grader, not in the run: 
 failure is logged at WARNING, and a record of it (reward, prompt, completion, traceback) waits here until
 the trainer writes it to ``RUN_DIR/grader_errors.jsonl`` and counts it in the step's ``grader_errors``
 metric. A user's own reward function is not contained: its exception stops the run (``scoring.py``),
-because there the fix is the user's.
+because there the fix is the user's. Time is another matter: any reward, built-in or the user's, that does
+not return within ``reward.timeout_s`` on a completion scores that completion 0 and is recorded here
+(`timed_out`), since the text that made it slow is the policy's, and the run goes on.
 
     score = contained("task", prompt, completion, lambda: family.grade(sample, completion).score)
     drain()  # -> [{"reward", "prompt", "completion", "error", "traceback"}, ...], oldest first
@@ -44,6 +46,15 @@ def contained(reward: str, prompt: Any, completion: Any, grade: Callable[[], Any
         log.warning("built-in reward '%s' failed on a completion (%s: %s); it scores 0 (the trainer writes the "
                     "completion and traceback to RUN_DIR/grader_errors.jsonl)", reward, type(e).__name__, str(e)[:200])
         return failed
+
+
+def timed_out(reward: str, prompt: Any, completion: Any, timeout_s: float) -> None:
+    """Record a reward call on one completion that did not return within ``reward.timeout_s``: the completion
+    scores as failed (``scoring._call``, ``pool.RewardPool``) and the run goes on."""
+    error = f"RewardTimeoutError: no result within reward.timeout_s={timeout_s:g} s"
+    record({"reward": reward, "prompt": prompt, "completion": completion, "error": error, "traceback": ""})
+    log.warning("reward '%s' did not return within reward.timeout_s=%g s on a completion; it scores 0 (the "
+                "trainer writes the completion to RUN_DIR/grader_errors.jsonl)", reward, timeout_s)
 
 
 def record(entry: dict) -> None:

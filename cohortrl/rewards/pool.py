@@ -6,11 +6,15 @@ clean process, not a fork of the trainer with its model and threads) and load th
 config names (``resolve``), so only names, prompts, completions and dataset columns cross the process
 boundary.
 
-Faults are never silent. A worker that dies (killed, segfault, out of memory) or a batch that does not
-finish within ``timeout_s`` gets the pool restarted and the batch retried ``retries`` times; if it fails
-again the run stops with a ``RewardFunctionError`` that names the functions, the batch and what happened.
-An exception raised by a reward function is not retried (it is the function's answer, and deterministic
-code would raise again): it is reported exactly as in-process scoring reports it.
+Faults are never silent. A worker that dies (killed, segfault, out of memory) gets the pool restarted and
+the batch retried ``retries`` times; if it fails again the run stops with a ``RewardFunctionError`` that
+names the functions, the batch and what happened. A batch that does not finish within ``timeout_s`` gets its
+worker killed (with the pool, which is restarted: this also stops a function holding the interpreter lock,
+which no thread can interrupt) and is scored again one completion at a time; a completion that times out
+alone scores 0 for every function and is recorded as a grader error (``grader_errors.timed_out``), as
+in-process scoring does: the run goes on. An exception raised by a reward function is not retried (it is the
+function's answer, and deterministic code would raise again): it is reported exactly as in-process scoring
+reports it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from cohortrl.rewards import grader_errors
-from cohortrl.rewards.scoring import RewardFunctionError
+from cohortrl.rewards.scoring import RewardFunctionError, _sample
 
 # Reward functions resolved once per worker process: (name, sorted kwargs) -> function.
 _WORKER_FUNCTIONS: dict = {}
@@ -98,7 +102,9 @@ class RewardPool:
             except BrokenProcessPool:
                 what = "a reward worker process died (killed, crashed or out of memory)"
             except cf.TimeoutError:
-                what = f"the batch did not finish within reward.timeout_s={self.timeout_s:g} s"
+                self._pending.remove(job)
+                self._restart()  # kills the worker; every other pending job runs again
+                return self._one_at_a_time(job)
             if attempt == self.retries:
                 self._pending.remove(job)
             self._restart()  # resubmits this job (unless out of retries) and every other pending one
@@ -107,6 +113,18 @@ class RewardPool:
             f"the pool was restarted and the batch retried {self.retries} time(s). The first prompt of the batch: "
             f"{job.args[1][0][:200]!r}"
         )
+
+    def _one_at_a_time(self, job: _Job) -> dict[str, list]:
+        """The values of a batch that timed out, from its completions scored one per job; a completion that
+        times out alone scores 0 for every function, as a grader error."""
+        specs, prompts, completions, columns = job.args
+        if len(prompts) == 1:
+            for name, _ in specs:
+                grader_errors.timed_out(name, prompts[0], completions[0], self.timeout_s)
+            return {name: [0.0] for name, _ in specs}
+        parts = [self.submit(prompts[i : i + 1], completions[i : i + 1], _sample(columns, i)) for i in range(len(prompts))]
+        values = [self.result(part) for part in parts]
+        return {name: [v for part in values for v in part[name]] for name, _ in specs}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from cohortrl.grading.answers import extract_answer
 from cohortrl.rewards.grader_errors import contained
 from cohortrl.step_spans import Span, StepScores, StepSource, split_steps
-from cohortrl.tools.text import render_with_origins
+from cohortrl.tools.text import render, render_with_origins
 
 
 def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callable[..., list[StepScores]]:
@@ -139,7 +139,7 @@ class FunctionSteps(StepSource):
         from cohortrl.rewards.scoring import _call
 
         prompts = [r["prompt"] for r in rollout.rows]
-        return _call(self.fn, self.name, prompts, rollout.completions, columns, self.timeout_s)
+        return _call(self.fn, self.name, prompts, rollout.completions, columns, self.timeout_s, failed=[])  # no steps
 
 
 def build_step_source(name: str, kwargs: dict | None, *, timeout_s: float | None = None, policy=None,
@@ -168,9 +168,10 @@ def _normalised(text: str) -> str:
 def guard_steps(completion: str, steps: StepScores, *, cap: float, max_steps: int, require_answer: bool) -> StepScores:
     """The step rewards a response may keep: each score capped at ``cap``; nothing positive for a step whose
     text repeats an earlier step's, for steps beyond the first ``max_steps``, or in a response without a
-    committed ``ANSWER:`` line (``require_answer``). Zero and negative scores always stay: a guard that
-    removed a bad step would reward hiding it behind filler."""
-    committed = extract_answer(completion, "answer_line") is not None
+    committed ``ANSWER:`` line of its own (``require_answer``; read as rendered: one in a tool result does not
+    count). Zero and negative scores always stay: a guard that removed a bad step would reward hiding it behind
+    filler."""
+    committed = extract_answer(render(completion), "answer_line") is not None  # the model's own ANSWER line
     seen, out = set(), []
     for index, (score, span) in enumerate(steps):
         score = min(float(score), cap)

@@ -11,9 +11,12 @@ data (prompts that are lists of messages) ``prompts`` are those lists and each c
 
 A reward function that raises, returns the wrong number of values, or returns NaN / inf / a non-number
 stops the run with a :class:`RewardFunctionError` naming the function, the sample index and the prompt (and,
-for an exception, the file and line that raised) — never a silent zero. So does one that does not return
-within ``reward.timeout_s`` (a hung call). ``None`` means "not scored by this function"; a sample that no
-function scores stops the run too.
+for an exception, the file and line that raised) — never a silent zero. One that does not return within
+``reward.timeout_s`` does not stop it: the batch is scored again one completion at a time, and a completion
+it still does not return on scores 0 (failed) and is recorded as a grader error (``grader_errors.py``), as
+the built-in graders' failures are. A slow reward is the policy's text meeting a costly grader, which
+training must survive. ``None`` means "not scored by this function"; a sample that no function scores
+stops the run.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cohortrl.data import is_conversation, prompt_preview
+from cohortrl.rewards import grader_errors
 from cohortrl.rewards.functions import BUILTIN_REWARDS
 from cohortrl.user_code import check_reward_signature, load_object
 
@@ -111,7 +115,8 @@ def register_reward_function(name: str):
     return decorator
 
 
-def _check(values, name: str, prompts: list[str], expected: int) -> list[float | None]:
+def _as_list(values, name: str, expected: int) -> list:
+    """A reward function's return value as a list of ``expected`` values, or the error saying what it is."""
     if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
         raise RewardFunctionError(f"reward function '{name}' returned {type(values).__name__}; it must return a list of floats or None")
     values = list(values.tolist() if hasattr(values, "tolist") else values)
@@ -119,6 +124,11 @@ def _check(values, name: str, prompts: list[str], expected: int) -> list[float |
         raise RewardFunctionError(
             f"reward function '{name}' returned {len(values)} values for {expected} completions; it must return one per completion"
         )
+    return values
+
+
+def _check(values, name: str, prompts: list[str], expected: int) -> list[float | None]:
+    values = _as_list(values, name, expected)
     for i, v in enumerate(values):
         if v is None:
             continue
@@ -202,9 +212,10 @@ def raised_at(error: BaseException, fn) -> str:
     return f"{path}:{frame.lineno} (in {frame.name})"
 
 
-def _call(fn, name: str, prompts, completions, columns, timeout_s: float | None = None) -> list:
+def _call(fn, name: str, prompts, completions, columns, timeout_s: float | None = None, failed=0.0) -> list:
     """``fn`` called as TRL calls a reward function (see the module docstring), with errors that name the
-    function, the first sample it fails on and the file and line that raised."""
+    function, the first sample it fails on and the file and line that raised. ``failed``: the value of a
+    completion the function does not return on within ``timeout_s`` (a score of 0 in the function's shape)."""
     clash = sorted(set(columns) & {"prompts", "completions"})
     if clash:
         raise RewardFunctionError(f"the data has column(s) {clash}, names reward functions get for the batch; rename the column(s)")
@@ -218,24 +229,53 @@ def _call(fn, name: str, prompts, completions, columns, timeout_s: float | None 
     try:
         return call_with_timeout(fn, timeout_s, name, **kwargs)
     except RewardTimeoutError:
-        raise
+        return _one_at_a_time(fn, name, prompts, kwargs, timeout_s, failed)
     except Exception as batch_error:
         # Find the first sample that fails on its own, so the error can name it.
         for i in range(len(prompts)):
-            one = {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()}
             try:
-                call_with_timeout(fn, timeout_s, name, **one)
+                call_with_timeout(fn, timeout_s, name, **_sample(kwargs, i))
             except RewardTimeoutError:
-                raise
+                continue  # slow on this one, not failing: the failing one is further on
             except Exception as e:
-                raise RewardFunctionError(
-                    f"reward function '{name}' raised {type(e).__name__}: {e} at {raised_at(e, fn)} on sample {i} "
-                    f"(prompt: {prompt_preview(prompts[i])!r})"
-                ) from e
+                raise _raised_on(fn, name, e, i, prompts) from e
         raise RewardFunctionError(
             f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} at {raised_at(batch_error, fn)} "
             "on the batch"
         ) from batch_error
+
+
+def _raised_on(fn, name: str, error: Exception, i: int, prompts) -> RewardFunctionError:
+    return RewardFunctionError(
+        f"reward function '{name}' raised {type(error).__name__}: {error} at {raised_at(error, fn)} on sample {i} "
+        f"(prompt: {prompt_preview(prompts[i])!r})"
+    )
+
+
+def _sample(kwargs: dict, i: int) -> dict:
+    """The keyword arguments of a batch call cut to sample ``i`` (every list argument to its one entry)."""
+    return {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()}
+
+
+def _one_at_a_time(fn, name: str, prompts, kwargs: dict, timeout_s: float, failed) -> list:
+    """``fn`` on each sample alone, after the batch did not return within ``timeout_s``: a sample it does not
+    return on again scores ``failed`` and is recorded as a grader error; the others keep their values. (The
+    timed-out threads run on in the background: Python cannot stop a thread. A function that holds the
+    interpreter lock cannot even be waited for here; in the reward pool, ``reward.workers``, its worker
+    process is killed instead.)"""
+    out = []
+    for i in range(len(prompts)):
+        one = _sample(kwargs, i)
+        try:
+            values = call_with_timeout(fn, timeout_s, name, **one)
+        except RewardTimeoutError:
+            grader_errors.timed_out(name, prompts[i], one["completions"][0], timeout_s)
+            out.append(failed)
+            continue
+        except Exception as e:
+            raise _raised_on(fn, name, e, i, prompts) from e
+        out += _as_list(values, name, 1)
+    return out
 
 
 def score(

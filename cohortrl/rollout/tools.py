@@ -24,7 +24,7 @@ import torch
 
 from cohortrl.rollout.types import token_char_ends
 from cohortrl.tools import Toolset, chat, resolve_tools, run_calls, text
-from cohortrl.tools.base import ToolError, ToolSetupError
+from cohortrl.tools.base import ToolError, ToolSetupError, printable
 
 log = logging.getLogger("cohortrl")
 
@@ -122,9 +122,17 @@ class ToolSession:
         jobs = [self._job(i, said[i]) for i in rows]
         for i, (result, failed) in zip(rows, run_calls(jobs, self.tools.timeout_s)):
             self.calls[i] += 1
+            try:
+                self.queued[i] = self._turn(i, said[i], result)
+            except Exception as e:  # noqa: BLE001  (whatever the model wrote, the call gets a result and decoding goes on)
+                result, failed = printable(f"error: the result could not be rendered ({type(e).__name__}: {e})"[:200]), True
+                self.queued[i] = self._turn(i, "", result)
             self.errors[i] += failed
-            self.queued[i] = self._encode(result) if self.messages is None else self._chat_turn(i, said[i], result)
             self.since[i] = len(self.history[i])
+
+    def _turn(self, i: int, said: str, result: str) -> list[int]:
+        """The tokens that answer row i's call with ``result``, in the row's protocol."""
+        return self._encode(result) if self.messages is None else self._chat_turn(i, said, result)
 
     def _job(self, i: int, said: str):
         """What to run for row i's finished call: the tool, or a function raising why it cannot run."""
@@ -132,7 +140,7 @@ class ToolSession:
             if self.calls[i] >= self.tools.max_calls:
                 raise ToolError(f"no more tool calls in this response (the limit is {self.tools.max_calls})")
             tool, arguments = self.protocol.parse_call(said, self.tools)
-        except ToolError as e:
+        except Exception as e:  # noqa: BLE001  (a ToolError says why; anything else is reported as what it is)
             error = e
 
             def refuse():
@@ -154,6 +162,7 @@ class ToolSession:
         """The chat template's tool turn after row i's call (``said``: the row's text since its last turn), as
         token ids: the template's own text (special tokens and all) around the result's (tokenized as text)."""
         name = chat.called_name(said)
+        name = name if name in self.tools.by_name else None  # only a real tool's name reaches the template
         try:
             before, after = chat.tool_turn(self.tokenizer, self.dialog[i], self.schemas, name, said)
         except Exception:  # noqa: BLE001  (the model's text made the template fail: the turn after the bare prompt)

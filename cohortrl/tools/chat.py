@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 
-from cohortrl.tools.base import Tool, ToolError, Toolset, ToolSetupError
+from cohortrl.tools.base import Tool, ToolError, Toolset, ToolSetupError, failed, loads
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -39,9 +39,17 @@ _PROBE = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"text": {"type": "string", "description": "the text"}},
                    "required": ["text"]},
 }}
-_EXCHANGE = re.compile(r"</tool_call>\s*(?P<open><tool_response>)(?P<result>.*?)</tool_response>", re.DOTALL)
-CALL_RESPONSE = re.compile(r"<tool_call>(?P<call>.*?)</tool_call>(?P<space>\s*)<tool_response>(?P<value>.*?)</tool_response>",
-                            re.DOTALL)
+
+
+def without(tag: str) -> str:
+    """A regex for the shortest text up to what follows that holds no ``tag``: a search over thousands of
+    unclosed tags then stops each try at the next one (linear time) instead of scanning to the end (quadratic)."""
+    return rf"(?:(?!{re.escape(tag)}).)*?"
+
+
+_EXCHANGE = re.compile(rf"</tool_call>\s*(?P<open><tool_response>)(?P<result>{without(RESPONSE_OPEN)})</tool_response>", re.DOTALL)
+CALL_RESPONSE = re.compile(rf"<tool_call>(?P<call>{without(CALL_OPEN)})</tool_call>(?P<space>\s*)<tool_response>"
+                           rf"(?P<value>{without(RESPONSE_OPEN)})</tool_response>", re.DOTALL)
 
 
 def call_text(name: str, arguments: dict) -> str:
@@ -64,16 +72,16 @@ def _name_and_arguments(body: str) -> tuple[str, dict]:
     JSON string holding the object (OpenAI's wire form). Raises :class:`ToolError` saying what is wrong."""
     form = 'a call is the JSON object {"name": NAME, "arguments": {...}} between the tool_call tags'
     try:
-        call = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise ToolError(f"the call is not valid JSON ({e.msg} at character {e.pos}); {form}") from None
+        call = loads(body)
+    except ToolError as e:
+        raise ToolError(f"the call is {e}; {form}") from None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         raise ToolError(f"the call has no tool name; {form}")
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = loads(arguments)
+        except ToolError:
             pass
     if not isinstance(arguments, dict):
         raise ToolError(f"the arguments of {call['name']} are not a JSON object; {form}")
@@ -183,6 +191,6 @@ def render_call(m: re.Match) -> str:
     except ToolError:
         return ""
     expression = next(iter(arguments.values())) if len(arguments) == 1 else None
-    if name != "calculator" or not isinstance(expression, str):
-        return ""
+    if name != "calculator" or not isinstance(expression, str) or failed(m["value"]):
+        return ""  # a failed call states nothing (its error text's digits are not a value)
     return f"{expression.strip()} = {m['value'].strip()}{m['space']}"

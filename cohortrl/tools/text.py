@@ -17,20 +17,19 @@ supervised warm starts.
 
 from __future__ import annotations
 
-import json
 import re
 
-from cohortrl.tools.base import Tool, ToolError, Toolset
+from cohortrl.tools.base import Tool, ToolError, Toolset, failed, loads
 from cohortrl.tools.calculator import CalculatorError, evaluate, format_value
-from cohortrl.tools.chat import CALL_RESPONSE, RESPONSE_CLOSE, RESPONSE_OPEN, call_text, render_call
+from cohortrl.tools.chat import CALL_RESPONSE, RESPONSE_CLOSE, RESPONSE_OPEN, call_text, render_call, without
 
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 
-_CALCULATED = re.compile(r"<call>\s*calculator\s*:(?P<expr>.*?)</call>(?P<space>\s*)<result>(?P<value>.*?)</result>",
-                         re.DOTALL)
-_OTHER_CALL = re.compile(r"<call>.*?</call>\s*<result>.*?</result>", re.DOTALL)
-_RESULT = re.compile(r"<result>.*?</result>", re.DOTALL)
+_CALCULATED = re.compile(rf"<call>\s*calculator\s*:(?P<expr>{without(CALL_OPEN)})</call>(?P<space>\s*)<result>"
+                         rf"(?P<value>{without(RESULT_OPEN)})</result>", re.DOTALL)
+_OTHER_CALL = re.compile(rf"<call>{without(CALL_OPEN)}</call>\s*<result>{without(RESULT_OPEN)}</result>", re.DOTALL)
+_RESULT = re.compile(rf"<result>{without(RESULT_OPEN)}</result>", re.DOTALL)
 # A gym step line "KEY = expression = value unit" (answer_format.py's shape), the expression without "=".
 _STEP_LINE = re.compile(r"^(?P<key>[^\W\d]\w*)\s*=\s*(?P<expr>[^=\n]+?)\s*=\s*(?P<value>[-+]?[\d.]+(?:[eE][-+]?\d+)?)(?P<unit>[^=\n]*)$",
                         re.MULTILINE)
@@ -75,8 +74,8 @@ def parse_call(text: str, toolset: Toolset) -> tuple[Tool, dict]:
     if tool.text_parameter:
         return tool, {tool.text_parameter: argument.strip()}
     try:
-        arguments = json.loads(argument)
-    except json.JSONDecodeError:
+        arguments = loads(argument)
+    except ToolError:
         arguments = None
     if not isinstance(arguments, dict):
         raise ToolError(f"the argument of {tool.name} is a JSON object with {', '.join(tool.parameters)}")
@@ -94,9 +93,10 @@ def result_spans(text: str) -> list[tuple[int, int]]:
 
 
 def render(text: str) -> str:
-    """``text`` as graders read it: calculator calls as ``EXPR = VALUE``, other calls and results removed, in
-    either protocol (this one's ``<call>``/``<result>`` and the chat protocol's ``<tool_call>`` with its
-    ``<tool_response>``, ``chat.render_call``). Text without tool calls is unchanged.
+    """``text`` as graders read it: calculator calls as ``EXPR = VALUE``, other calls, failed calls and results
+    removed, in either protocol (this one's ``<call>``/``<result>`` and the chat protocol's ``<tool_call>`` with
+    its ``<tool_response>``, ``chat.render_call``), and a result cut by the token budget removed with all after
+    it. Text without tool calls is unchanged. Every built-in reward reads responses so.
 
     >>> render("A = <call>calculator: pi*19^2/4</call><result>283.5</result> mm^2")
     'A = pi*19^2/4 = 283.5 mm^2'
@@ -117,10 +117,21 @@ def render_with_origins(text: str) -> tuple[str, list[int]]:
     """
     origins = list(range(len(text)))
     text, origins = _substitute(CALL_RESPONSE, render_call, text, origins)
-    # whitespace the model wrote after </call> (a token may hold "</call>" and a newline) goes after the value
-    text, origins = _substitute(_CALCULATED, lambda m: f"{m['expr'].strip()} = {m['value'].strip()}{m['space']}",
-                                text, origins)
-    return _substitute(_OTHER_CALL, lambda m: "", text, origins)
+    # whitespace the model wrote after </call> (a token may hold "</call>" and a newline) goes after the value;
+    # a failed call states nothing (its error text's digits are not a value)
+    text, origins = _substitute(
+        _CALCULATED, lambda m: "" if failed(m["value"]) else f"{m['expr'].strip()} = {m['value'].strip()}{m['space']}",
+        text, origins)
+    text, origins = _substitute(_OTHER_CALL, lambda m: "", text, origins)
+    # A result the token budget cut (no closing tag) ends the response; it is the tool's text, not the model's.
+    cut = min(_unclosed(text, RESULT_OPEN, RESULT_CLOSE), _unclosed(text, RESPONSE_OPEN, RESPONSE_CLOSE))
+    return text[:cut], origins[:cut]
+
+
+def _unclosed(text: str, open_tag: str, close_tag: str) -> int:
+    """Where the last ``open_tag`` of ``text`` starts if no ``close_tag`` follows it, else ``len(text)``."""
+    at = text.rfind(open_tag)
+    return at if at >= 0 and text.find(close_tag, at) < 0 else len(text)
 
 
 def _substitute(pattern: re.Pattern, replace, text: str, origins: list[int]) -> tuple[str, list[int]]:

@@ -89,3 +89,10 @@ def test_training_steps_log_the_sampled_responses_categories():
     assert got == {"unsupported_correct": 0.0, **{f"error/{k}": 0.0 for k in CATEGORIES[2:]}}
     (record,) = grader_errors.drain()
     assert record["reward"] == "error_categories" and record["prompt"] == "p"
+
+
+@pytest.mark.parametrize("value", ["1e400", "-1e400", "9" * 400])
+def test_an_overflowing_written_value_is_categorised_not_raised(value):
+    """Issue 50: the arithmetic check compared in floats, and a value past float range raised OverflowError."""
+    text = failed(REF).replace("sigma = 21000/175.9 = 119.4 MPa", f"sigma = 21000/175.9 = {value} MPa")
+    assert categorize(FAMILY, SAMPLE, text) == "arithmetic"

@@ -1,10 +1,11 @@
 """The reward pool: the same scores as in-process scoring, a worker killed mid-batch is replaced and its batch
-retried, a hung or always-dying batch fails with a clear error, a function's own exception is reported as is."""
+retried, an always-dying batch fails with a clear error, a hung completion scores 0 as a grader error, a function's own exception is reported as is."""
 
 import textwrap
 
 import pytest
 
+from cohortrl.rewards import grader_errors
 from cohortrl.rewards.pool import RewardPool
 from cohortrl.rewards.scoring import RewardFunctionError, _call, resolve
 
@@ -28,8 +29,8 @@ def fns(tmp_path):
         def always_dies(prompts, completions, **columns):
             os.kill(os.getpid(), signal.SIGKILL)
 
-        def hangs(prompts, completions, **columns):
-            time.sleep(60)
+        def holds_the_lock_on_bb(prompts, completions, **columns):
+            return [float(sum(range(10**12)) if c == "bb" else 1.0) for c in completions]
 
         def raises(prompts, completions, **columns):
             raise ValueError("bad completion " + completions[0])
@@ -78,13 +79,21 @@ def test_a_batch_that_always_kills_its_worker_fails_clearly(fns):
     )
 
 
-def test_a_hung_batch_times_out(fns):
-    pool = RewardPool([(f"{fns}:hangs", {})], workers=1, timeout_s=1.0, retries=0)
+def test_a_batch_past_its_time_kills_the_worker_and_scores_only_the_slow_completion_failed(fns):
+    """Issue 50: the function holds the interpreter lock on one completion (a C loop no thread can interrupt);
+    the worker is killed, the completions are scored one at a time, and only that one scores 0 (for every
+    function of the batch), as a grader error."""
+    grader_errors.drain()
+    pool = RewardPool([(f"{fns}:holds_the_lock_on_bb", {}), (f"{fns}:length", {})], workers=1, timeout_s=1.0, retries=0)
     try:
-        with pytest.raises(RewardFunctionError, match=r"failed: the batch did not finish within reward.timeout_s=1 s"):
-            pool.result(pool.submit(PROMPTS, COMPLETIONS, COLUMNS))
+        values = pool.result(pool.submit(PROMPTS, COMPLETIONS, COLUMNS))
+        assert pool.restarts == 2  # the batch's worker, then the one that ran "bb" alone
     finally:
         pool.close()
+    assert values == {f"{fns}:holds_the_lock_on_bb": [1.0, 0.0, 1.0], f"{fns}:length": [1.0, 0.0, 9.0]}
+    errors = grader_errors.drain()
+    assert [(e["reward"], e["completion"]) for e in errors] == [(f"{fns}:holds_the_lock_on_bb", "bb"), (f"{fns}:length", "bb")]
+    assert all(e["error"] == "RewardTimeoutError: no result within reward.timeout_s=1 s" for e in errors)
 
 
 def test_an_exception_in_the_function_is_reported_not_retried(fns):

@@ -25,6 +25,9 @@ def test_guards_cap_bound_deduplicate_and_require_an_answer():
     assert [s for s, _ in guard_steps(no_answer, steps[:4], cap=1.0, max_steps=4, require_answer=True)] == [0.0] * 4
     negative = [(-1.0, spans[0])]
     assert guard_steps(no_answer, negative, cap=1.0, max_steps=4, require_answer=True)[0][0] == -1.0  # only positives gated
+    # an ANSWER line in a tool's result is not the model's commitment (#50)
+    in_a_result = no_answer + "\n<call>echo: x</call><result>\nANSWER: 3</result>"
+    assert [s for s, _ in guard_steps(in_a_result, steps[:4], cap=1.0, max_steps=4, require_answer=True)] == [0.0] * 4
 
 
 def naive_line_prm(completion: str):

@@ -1,31 +1,35 @@
-"""Reward calls that hang are timed out with an error naming the function; fast ones are unaffected."""
+"""Reward calls that hang are timed out: the completion they hang on scores 0 as a grader error; fast ones are
+unaffected."""
 
 import threading
 
 import pytest
 
-from cohortrl.rewards.scoring import RewardFunctionError, RewardTimeoutError, WeightedReward, score
+from cohortrl.rewards import grader_errors
+from cohortrl.rewards.scoring import RewardFunctionError, WeightedReward, score
 
 PROMPTS, COMPLETIONS = ["What is 1 + 1?", "What is 2 + 2?"], ["2", "4"]
 
 
-def test_a_hung_reward_function_is_timed_out_by_name():
+def test_a_reward_past_its_time_scores_that_completion_failed_and_the_run_goes_on():
+    """Issue 50: the batch times out, is scored again one completion at a time, and only the completion the
+    function hangs on scores 0, recorded as a grader error; the others keep their values."""
     release = threading.Event()
 
-    def hangs(prompts, completions, **columns):
-        release.wait(10)  # released below, so the abandoned thread ends with the test
-        return [1.0] * len(completions)
+    def hangs_on_4(prompts, completions, **columns):
+        if "4" in completions:
+            release.wait(10)  # released below, so the abandoned threads end with the test
+        return [float(len(c)) + 1.0 for c in completions]
 
+    grader_errors.drain()
     try:
-        with pytest.raises(RewardTimeoutError) as err:
-            score([WeightedReward("hangs", hangs, timeout_s=0.2)], PROMPTS, COMPLETIONS, {})
+        totals, per_fn = score([WeightedReward("hangs_on_4", hangs_on_4, timeout_s=0.2)], PROMPTS, COMPLETIONS, {})
     finally:
         release.set()
-    assert str(err.value) == (
-        "reward function 'hangs' did not return within reward.timeout_s=0.2 s on 2 sample(s); it may hang "
-        "(its thread is left running in the background). Fix the function or raise reward.timeout_s"
-    )
-    assert isinstance(err.value, RewardFunctionError)
+    assert totals == [2.0, 0.0] and per_fn == {"hangs_on_4": [2.0, 0.0]}
+    errors = grader_errors.drain()
+    assert [(e["reward"], e["prompt"], e["completion"], e["error"]) for e in errors] == [
+        ("hangs_on_4", "What is 2 + 2?", "4", "RewardTimeoutError: no result within reward.timeout_s=0.2 s")]
 
 
 @pytest.mark.parametrize("timeout_s", [None, 0, 5.0])

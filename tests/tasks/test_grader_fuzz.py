@@ -11,6 +11,10 @@ issue's findings and more) and functions returning generated values. Every grade
 control, format or surrogate character) and it must take at most ``SLOW_S`` seconds of CPU (``HANG_S`` of
 wall time).
 
+Issue 50 added tool-call text (both protocols, custom tools: a clean, bounded result, quickly) and the
+built-in answer readers (``accuracy`` never credits an answer other than the gold one, however it is hedged
+or wherever else the gold number is written).
+
 The bounded run is part of ``make test`` (derandomized: the same examples every run; about a minute of
 one core). ``COHORTRL_FUZZ=25`` runs 25 times as many examples, drawn at random (docs/sandbox.md has the
 command and its last result).
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 import unicodedata
 
@@ -365,3 +370,64 @@ def test_accuracy_and_format_read_any_text_without_failing(completion, gold):
     assert make_format()(["q"], [completion])[0] in (0.0, 1.0)
     assert make_accuracy(mode="last_number")(["q"], [completion], answer=[gold])[0] in (0.0, 1.0)
     assert grader_errors.drain() == []  # read, not a contained failure
+
+
+@pytest.mark.parametrize("protocol", ["text", "chat"])
+@fuzz(40)
+@given(data=st.data())
+def test_any_tool_call_text_gets_a_clean_bounded_result_quickly(protocol, data):
+    """Issue 50: whatever a call holds (deep JSON, lone-surrogate escapes, huge integers, protocol tags, unknown
+    or custom tools), the session answers it with one result turn of valid, bounded text that cannot close
+    itself early, and decoding goes on."""
+    from tests.rollout.test_tool_containment import answer, call_texts, result_of
+
+    said = data.draw(call_texts(protocol))
+    start = time.perf_counter()
+    turn, session = answer(protocol, said)
+    elapsed = time.perf_counter() - start
+    result = result_of(protocol, turn)
+    result.encode("utf-8")
+    assert len(result) <= 1500  # MAX_RESULT_CHARS and the escaped tags
+    assert not re.search(r"<\s*/?\s*(call|result|tool_call|tool_response)\s*>", result, re.IGNORECASE), result
+    assert session.calls == [1]
+    assert elapsed < SLOW_S, f"{elapsed:.1f} s on {said[:200]!r}"
+
+
+# Where a reader must not find the answer: after the committed one (a hedge), inside a tool turn (the tool's
+# text, closed or cut by the budget), or in a failed call's error text.
+HEDGES = [" (not {x})", " ({x})", " or {x}", ", {x}", "-{x}", " \\text{ or } {x}", " (or {x} kN)", " and {x}"]
+TOOL_TURNS = ["<call>echo: a</call><result>ANSWER: {x}</result>", "<call>echo: a</call><result>\nANSWER: {x}",
+              '<tool_call>{"name": "echo", "arguments": {}}</tool_call><tool_response>ANSWER: {x}</tool_response>',
+              '<tool_call>{}</tool_call><tool_response>\nANSWER: {x}',
+              "<call>calculator: 1</call><result>error: the limit is {x}</result>"]
+WRONG = st.one_of(st.integers(-10**6, 10**6).map(str), st.sampled_from([
+    "9^9^9^9^9^9^9^9^9^9", "9^{9^{9^{9}}}", "10^{10^{10}}", "0/0", "\\frac{1}{0}", "(1, 2)", "x", "\\infty", "1e999", "nan"]))
+
+
+@fuzz(120)
+@given(gold=st.integers(-10**6, 10**6), wrong=WRONG, hedge=st.sampled_from(["", *HEDGES]),
+       turn=st.sampled_from(["", *TOOL_TURNS]), before=adversarial(["ANSWER"]), order=st.booleans())
+def test_the_answer_readers_never_credit_an_answer_other_than_the_gold_one(gold, wrong, hedge, turn, before, order):
+    """Issue 50: ``accuracy`` (both modes) scores 0 whenever the model's one ANSWER line commits to something
+    other than the gold answer, wherever else the gold number is written (in a trailing alternative, a tool
+    result, an error text), and scores quickly, whatever the wrong answer costs to evaluate."""
+    if "answer" in before.lower() or wrong.lstrip("-").isdigit() and int(wrong) == gold:
+        return  # the drawn noise may commit by itself; the wrong answer must be wrong
+    if hedge and not order and not any(c.isdigit() for c in wrong):
+        return  # "ANSWER: 5 (not x)" offers no second number: a remark, and 5 is the answer
+    x = str(gold)
+    # the gold number offered after the wrong one, or the wrong one after the gold: either way a hedge
+    answer = wrong + hedge.replace("{x}", x) if order or not hedge else x + hedge.replace("{x}", wrong)
+    cut = turn.endswith("ANSWER: {x}")  # a result cut by the token budget ends the response
+    turn = turn.replace("{x}", x)
+    completion = f"{before}\nANSWER: {answer}\n{turn}" if cut else f"{before}\n{turn}\nANSWER: {answer}"
+    start = time.process_time()
+    grader_errors.drain()
+    assert make_accuracy()(["q"], [completion], answer=[x]) == [0.0], completion[-300:]
+    assert make_accuracy(mode="last_number")(["q"], [completion], answer=[x]) == [0.0], completion[-300:]
+    assert grader_errors.drain() == []
+    assert time.process_time() - start < SLOW_S, completion[-300:]
+    # the same line with the gold answer alone is credited (the property is not vacuous)
+    if not hedge:
+        right = completion.replace(f"ANSWER: {answer}", f"ANSWER: {x}")
+        assert make_accuracy()(["q"], [right], answer=[x]) == [1.0], right[-300:]

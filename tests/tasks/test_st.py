@@ -110,10 +110,19 @@ def test_real_division_by_zero_gives_inf_or_nan_like_a_plc():
     ("VAR n : INT := 2147483647; END_VAR n := n + 1; y := 0.0; q := FALSE;", "INT overflow"),
     ("VAR n : INT; END_VAR n := 1 / n; y := 0.0; q := FALSE;", "INT division by zero"),
     ("VAR n : INT; END_VAR n := TRUNC(x / 0.0); y := 0.0; q := FALSE;", "TRUNC of inf"),
+    # issue 50: the minimum INT negated or made absolute is 2147483648, which no INT holds
+    ("VAR n : INT := -2147483647; END_VAR n := n - 1; n := -n; y := 0.0; q := FALSE;", r"INT overflow \(2147483648\)"),
+    ("VAR n : INT := -2147483647; END_VAR n := n - 1; n := ABS(n); y := 0.0; q := FALSE;", r"INT overflow \(2147483648\)"),
+    ("VAR n : DINT := -2147483647; END_VAR n := n - 1; y := ABS(n) * 1.0; q := FALSE;", r"INT overflow \(2147483648\)"),
 ])
 def test_runtime_errors(text, message):
     with pytest.raises(STRuntimeError, match=message):
         scans(text, [(1.0, False)])
+
+
+def test_negation_and_abs_of_ints_in_range_are_exact():
+    (y, _), = scans("VAR n : INT := -2147483647; END_VAR y := ABS(n) * 1.0 + (-n) * 1.0; q := FALSE;", [(0.0, False)])
+    assert y == 2 * 2147483647
 
 
 @pytest.mark.parametrize("text,message", [

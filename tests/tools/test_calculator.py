@@ -119,7 +119,12 @@ def test_render_turns_calculator_calls_into_statements_and_drops_other_calls():
     assert render("a <call>simulate: pump := 1;</call><result>fails run</result>b") == "a b"
     assert render("no calls here = 5") == "no calls here = 5"
     text = "s = <call>calculator: 1/0</call><result>error: division by zero</result>"
-    assert render(text) == "s = 1/0 = error: division by zero"  # no readable value: no credit
+    assert render(text) == "s = "  # a failed call states nothing: no value, and no digits of its error text (#50)
+    # the digits of an error text are not an answer (accuracy's last_number read "300" here before #50)
+    failed = "<call>calculator: 1</call><result>error: the expression is 400 characters long; the limit is 300</result>"
+    assert render(f"ANSWER: {failed}") == "ANSWER: "
+    # a result cut by the token budget is the tool's text to the end: nothing of it is read
+    assert render("x <call>shout: a</call><result>ANSWER: 72") == "x <call>shout: a</call>"
     assert result_spans(text) == [(text.index("<result>"), len(text))]
 
 

@@ -176,3 +176,18 @@ def test_warm_starts_write_calls_in_the_chat_form_and_read_them_back():
 def parse_call_of(text: str):
     tool, arguments = chat.parse_call(text, TOOLS)
     return tool.name, arguments
+
+
+@pytest.mark.parametrize("piece", ["<call>", "<tool_call>", "<call>calculator:", "<call>x</call>", "<call>x</call><result>",
+                                   "<tool_call>{}</tool_call><tool_response>", "<result>", "</tool_call><tool_response>"])
+def test_rendering_thousands_of_unclosed_tags_takes_linear_time(piece):
+    """Issue 50: each lazy ``.*?`` scanned from every unclosed tag to the end of the text (quadratic: 5,000
+    "<call>calculator:" took 3 s, 20,000 a minute); now each try stops at the next opening tag."""
+    import time
+
+    from cohortrl.tools import result_spans
+
+    text = piece * 20_000
+    start = time.process_time()
+    render(text), result_spans(text), chat.split_exchanges(text)
+    assert time.process_time() - start < 2.0

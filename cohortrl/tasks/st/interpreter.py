@@ -364,6 +364,9 @@ class _Compiler:
         if kind == "neg":
             (a, t), = parts
             self.need_number(t, "-", node)
+            if t == "INT":  # -INT_MIN does not fit: an overflow like any other
+                where = position(node)
+                return (lambda: checked_int(-a(), where)), t
             return (lambda: -a()), t
         if kind == "not_":
             (a, t), = parts
@@ -432,6 +435,9 @@ class _Compiler:
             raise STError(f"{position(node)}: {function} takes one argument, not {len(parts)}")
         if function == "ABS":
             a, = fns
+            if types[0] == "INT":  # ABS(INT_MIN) does not fit
+                where = position(node)
+                return (lambda: checked_int(abs(a()), where)), "INT"
             return (lambda: abs(a())), types[0]
         if function == "SQRT":
             a, = fns
@@ -492,11 +498,16 @@ class _Compiler:
         return {"+": lambda: a() + b(), "-": lambda: a() - b(), "*": lambda: a() * b()}[op], "REAL"
 
 
+def checked_int(value: int, where: str) -> int:
+    """``value`` if it fits an INT, else the overflow error the docs promise."""
+    if not INT_MIN <= value <= INT_MAX:
+        raise STRuntimeError(f"{where}: INT overflow ({value})")
+    return value
+
+
 def int_op(op: str, a: Thunk, b: Thunk, where: str) -> Thunk:
     def checked(value: int) -> int:
-        if not INT_MIN <= value <= INT_MAX:
-            raise STRuntimeError(f"{where}: INT overflow ({value})")
-        return value
+        return checked_int(value, where)
 
     if op == "+":
         return lambda: checked(a() + b())
