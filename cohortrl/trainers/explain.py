@@ -37,6 +37,9 @@ AGGREGATION_WEIGHTS = {
     "token-mean": "w_t = 1 / (sum_i |o_i|): each token weighs the same   [DAPO]",
     "seq-mean-token-sum-norm": "w_t = 1 / (N x norm_length): a constant   [Dr. GRPO]",
 }
+# Each algorithm's extra per-token loss (``_extra_loss``): (its token-table column, the trace's name, its name)
+EXTRA_TERMS = {"ppo": ("value", "extra/value_loss", "value loss term"), "rft": ("-logp", "extra/nll", "supervised term")}
+KL_TERM = ("KL_t", "extra/kl", "KL term")
 KL_FORMULAS = {
     "k1": "KL_t = log pi - log pi_ref",
     "k2": "KL_t = (log pi - log pi_ref)^2 / 2",
@@ -230,11 +233,13 @@ def _objective(trace, rows, view, add) -> None:
         add(f"   dual clip: L_clip <= -{s['dual_clip']} A where A < 0   [arXiv 1912.09729]")
     if trace["algorithm"] == "ppo":
         add(f"   L_t = L_clip + {s['vf_coef']} x value loss 1/2 max((V - R)^2, (V_clip - R)^2)")
+    elif trace["algorithm"] == "rft":
+        add("   L_t = -log pi(token) at temperature 1 on the passed responses (A = 0: the surrogate adds 0)")
     elif trace["algorithm"] == "grpo" and s["beta"] > 0 and not s["kl_in_reward"]:
         add(f"   L_t = L_clip + beta KL_t, beta = {s['beta']}; {KL_FORMULAS[s['kl_kind']]}"[:WIDTH])
     add(f"   {AGGREGATION_WEIGHTS[s['aggregation']]}"[:WIDTH])
     add("   m: L in the loss, t a tool's result, - outside the loss; clip: the side the clip cut")
-    extra = "value" if trace["algorithm"] == "ppo" else "KL_t"
+    extra, extra_name, _ = EXTRA_TERMS.get(trace["algorithm"], KL_TERM)
     for i in rows:
         if view["update"][i] < 0:
             add(f"   response {i - rows.start}: not trained (no update held it)")
@@ -246,7 +251,7 @@ def _objective(trace, rows, view, add) -> None:
             get = lambda name: float(view[name][i, t]) if name in view else None  # noqa: E731
             ref = float(trace["ref_logp"][i, t]) if trace["ref_logp"] is not None else None
             side = CLIP_SIDES[int(view["clip"][i, t])] if "clip" in view else ""
-            ex = get("extra/value_loss") if trace["algorithm"] == "ppo" else get("extra/kl")
+            ex = get(extra_name)
             add(_token_row(str(t), _tok(trace["tokens"][i][t], 10), _mark(trace, i, t),
                            _f(float(trace["advantages"][i, t]), 8), _f(get("old_logp"), 9), _f(get("logp"), 8),
                            _f(ref, 9), _f(get("ratio"), 6), side, _f(ex, 8, 4), _f(get("weight"), 8, 4),
@@ -265,7 +270,7 @@ def _loss(trace, logged, prompt: int, rows, add) -> None:
     mine = torch.zeros(B, dtype=torch.bool)
     mine[rows.start: rows.stop] = True
     part, whole = reconcile(trace, mine), reconcile(trace)
-    extra = "value loss term" if trace["algorithm"] == "ppo" else "KL term"
+    extra = EXTRA_TERMS.get(trace["algorithm"], KL_TERM)[2]
     add(f"5. the step's loss: L = (1/U) sum_updates sum_(i,t) w_t L_t, U = {whole['updates']} update(s)")
     add(f"   this prompt's {G} responses: {part['loss']:.6g} (policy {part['policy']:.6g}, {extra} {part['extra']:.6g})")
     add(f"   all {len(trace['prompts'])} prompt(s):            {whole['loss']:.6g} (policy {whole['policy']:.6g}, "

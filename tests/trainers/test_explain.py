@@ -24,7 +24,7 @@ needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="headless Chromium is not installed (Debian: apt-get install -y chromium)")
 
 
-@pytest.mark.parametrize("name", ["grpo", "grpo_process", "kl_in_reward", "grpo_epochs2", "ppo", "tools"])
+@pytest.mark.parametrize("name", ["grpo", "grpo_process", "kl_in_reward", "grpo_epochs2", "ppo", "rft", "tools"])
 def test_the_terminal_walk_through_fits_100_columns_and_reconciles_the_logged_loss(traced_runs, name):
     run_dir, rows = traced_runs(name)
     step = rows[-1]["step"]
@@ -48,6 +48,8 @@ def test_the_terminal_walk_through_fits_100_columns_and_reconciles_the_logged_lo
             len(trace["tokens"][i]) for i in range(k * G, k * G + G))
     if name == "ppo":
         assert "GAE" in text and "V_t" in text
+    if name == "rft":
+        assert "supervised term" in text and "KL term" not in text
     if name == "tools":  # the tool's result is marked t, outside the loss
         assert re.search(r"^\s+\d+ .{10} t ", text, re.M)
 

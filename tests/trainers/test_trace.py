@@ -4,7 +4,7 @@ of it:
 * the traced per-token contributions w·L sum to the logged loss and policy loss, the traced KL averages to the
   logged KL, and the traced clipping sides count to the logged clip fractions, on the tiny model under GRPO,
   Dr. GRPO, a process reward, two epochs of two minibatches (ratios away from 1, clipping), PPO (the critic's
-  frozen warm-up step and a trained one) and a run whose responses call a tool;
+  frozen warm-up step and a trained one), RFT's supervised loss and a run whose responses call a tool;
 * each token's contribution is its weight times its policy loss plus the algorithm's extra loss; tokens
   outside the loss (a tool's result) contribute exactly 0;
 * the advantages of a hand-built group (a reward function that returns fixed numbers) are the formula's;
@@ -33,6 +33,7 @@ TRACED = {  # name: (the golden run's settings, more settings)
                                                           "clip_high": 0.4, "dual_clip": 1.5}}),
     "kl_in_reward": (RUNS["kl_in_reward"], {}),
     "ppo": (RUNS["ppo"], {}),
+    "rft": ({"algorithm": {"name": "rft", "beta": 0.0}}, {}),
 }
 
 
@@ -115,7 +116,10 @@ def test_traced_contributions_sum_to_the_logged_loss_kl_and_clip_fractions(trace
         if row["policy_loss"] is not None:
             assert close(r["policy"], row["policy_loss"], scale), (r["policy"], row["policy_loss"])
             assert abs(r["loss"] - r["policy"] - r["extra"]) <= 1e-6 * scale + 1e-9
-        assert r["kl"] == pytest.approx(row["kl"], rel=1e-5, abs=1e-9)
+        if name == "rft":  # no KL term, nothing logged as kl
+            assert r["kl"] is None and "kl" not in row
+        else:
+            assert r["kl"] == pytest.approx(row["kl"], rel=1e-5, abs=1e-9)
         loss_tokens = int(trace["loss_mask"].sum()) * trace["settings"]["epochs"]
         for k, side in ((1, "low"), (2, "high")):
             clipped = sum(int(((u["tensors"]["clip"] == k) & (torch.nan_to_num(u["tensors"]["loss_mask"]) > 0)).sum())
