@@ -41,9 +41,9 @@ AGGREGATION_WEIGHTS = {
 EXTRA_TERMS = {"ppo": ("value", "extra/value_loss", "value loss term"), "rft": ("-logp", "extra/nll", "supervised term")}
 KL_TERM = ("KL_t", "extra/kl", "KL term")
 KL_FORMULAS = {
-    "k1": "KL_t = log pi - log pi_ref",
-    "k2": "KL_t = (log pi - log pi_ref)^2 / 2",
-    "k3": "KL_t = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1   [Schulman's k3]",
+    "k1": "KL_t = logp - logp_ref   [k1]",
+    "k2": "KL_t = (logp - logp_ref)^2 / 2   [k2]",
+    "k3": "KL_t = exp(logp_ref - logp) - (logp_ref - logp) - 1   [k3]",
 }
 
 
@@ -164,7 +164,19 @@ def explain_text(trace: dict, logged: dict | None, prompt: int = 0, run_dir: str
 
     add("")
     _loss(trace, logged, prompt, rows, add)
-    return "\n".join(line.rstrip() for line in out)
+    return "\n".join(part for line in out for part in _fit(line.rstrip()))
+
+
+def _fit(line: str) -> list[str]:
+    """``line`` in lines of at most ``WIDTH``: broken at a space, continued under its own indentation + 2."""
+    indent = " " * (len(line) - len(line.lstrip()) + 2)
+    parts = []
+    while len(line) > WIDTH:
+        cut = line.rfind(" ", len(indent), WIDTH + 1)
+        cut = cut if cut > len(indent) else WIDTH
+        parts.append(line[:cut].rstrip())
+        line = indent + line[cut:].lstrip()
+    return [*parts, line]
 
 
 def _short(name: str) -> str:
@@ -185,14 +197,14 @@ def _wrap(text: str, width: int) -> list[str]:
 def _group_advantages(trace, prompt: int, rows, add) -> None:
     s = trace["settings"]
     add(f"3. advantages ({s['estimator']}):")
-    add(f"   {ESTIMATOR_FORMULAS.get(s['estimator'], 'the registered estimator ' + s['estimator'])}"[:WIDTH])
+    add(f"   {ESTIMATOR_FORMULAS.get(s['estimator'], 'the registered estimator ' + s['estimator'])}")
     rewards_B = trace["detail"].get("shaped_rewards", trace["rewards"])
     if "shaped_rewards" in trace["detail"]:
         add(f"   kl_in_reward: the estimator saw r_i - beta x sum_t KL_t (KL of the sampling policy), beta = {s['beta']}")
     r = [float(x) for x in rewards_B[rows.start: rows.stop]]
     g = group_arithmetic(r, s["eps"])
     terms = " + ".join(f"{x:.3f}" for x in r) if len(r) <= 8 else f"{r[0]:.3f} + ... + {r[-1]:.3f}"
-    add(f"   mean_g = ({terms}) / {len(r)} = {g['mean']:.4f}"[:WIDTH])
+    add(f"   mean_g = ({terms}) / {len(r)} = {g['mean']:.4f}")
     add(f"   std_g = sqrt(sum (r_i - mean_g)^2 / (G - 1)) = {g['std']:.4f}   eps = {s['eps']:g}")
     identical = bool(trace["identical"][prompt]) if trace["identical"] is not None and len(trace["identical"]) > prompt else False
     add("   #        r_i   r_i - mean  (r - mean)/(std + eps)   A (first token, as trained)")
@@ -211,7 +223,7 @@ def _ppo_advantages(trace, rows, view, add) -> None:
     s, d = trace["settings"], trace["detail"]
     beta = float(d["kl_coef"]) if "kl_coef" in d else s["beta"]
     add("3. advantages (PPO: the critic's values and GAE, no group baseline):")
-    add(f"   r_t = -beta x KL_t (+ the score on the last token), beta = {beta:.4g}; {KL_FORMULAS[s['kl_kind']]}"[:WIDTH])
+    add(f"   r_t = -beta x KL_t (+ the score on the last token), beta = {beta:.4g}; {KL_FORMULAS[s['kl_kind']]}")
     add(f"   delta_t = r_t + gamma V_(t+1) - V_t;  A_t = sum_l (gamma lam)^l delta_(t+l);  R_t = A_t + V_t")
     add(f"   gamma = {s['gamma']}, lam = {s['lam']}; A whitened over the batch: {s['whiten_advantages']}")
     for i in rows:
@@ -228,7 +240,7 @@ def _objective(trace, rows, view, add) -> None:
     U = len(trace["updates"])
     add(f"4. objective per token ({U} update(s); shown: the first update that trained each response):")
     add(f"   rho_t = exp(log pi - log pi_old); L_clip = -min(rho A, clip(rho, 1 - {s['clip_low']}, "
-        f"1 + {s['clip_high']}) A)  [PPO eq.7]"[:WIDTH])
+        f"1 + {s['clip_high']}) A)  [PPO eq.7]")
     if s["dual_clip"] is not None:
         add(f"   dual clip: L_clip <= -{s['dual_clip']} A where A < 0   [arXiv 1912.09729]")
     if trace["algorithm"] == "ppo":
@@ -236,8 +248,8 @@ def _objective(trace, rows, view, add) -> None:
     elif trace["algorithm"] == "rft":
         add("   L_t = -log pi(token) at temperature 1 on the passed responses (A = 0: the surrogate adds 0)")
     elif trace["algorithm"] == "grpo" and s["beta"] > 0 and not s["kl_in_reward"]:
-        add(f"   L_t = L_clip + beta KL_t, beta = {s['beta']}; {KL_FORMULAS[s['kl_kind']]}"[:WIDTH])
-    add(f"   {AGGREGATION_WEIGHTS[s['aggregation']]}"[:WIDTH])
+        add(f"   L_t = L_clip + beta KL_t, beta = {s['beta']}; {KL_FORMULAS[s['kl_kind']]}")
+    add(f"   {AGGREGATION_WEIGHTS[s['aggregation']]}")
     add("   m: L in the loss, t a tool's result, - outside the loss; clip: the side the clip cut")
     extra, extra_name, _ = EXTRA_TERMS.get(trace["algorithm"], KL_TERM)
     for i in rows:
