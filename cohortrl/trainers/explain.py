@@ -19,6 +19,7 @@ import torch
 from cohortrl.trainers.trace import CLIP_SIDES, contribution, load_trace, reconcile
 
 WIDTH = 100  # the terminal form's widest line
+HIGH_KL_FLOOR = 1e-3  # the page marks a token's KL as high only above this (nats), whatever the step's spread
 
 # What each estimator computes, named once (docs/algorithms.md has the derivations).
 ESTIMATOR_FORMULAS = {
@@ -291,6 +292,7 @@ def _loss(trace, logged, prompt: int, rows, add) -> None:
         add("   metrics.jsonl has no row for this step: nothing to reconcile with")
         return
     add(f"   logged loss (metrics.jsonl): {logged['loss']:.6g}; traced - logged = {whole['loss'] - logged['loss']:.2g}")
+    add(f"   (float32 rounding of a sum whose terms |w_t L_t| add up to {whole['abs']:.3g})")
     if logged.get("kl") is not None and whole["kl"] is not None:
         add(f"   logged kl: {logged['kl']:.6g}; traced mean KL_t over response tokens: {whole['kl']:.6g}")
 
@@ -329,7 +331,8 @@ def explain_html(trace: dict, logged: dict | None, run_dir: str = "RUN_DIR") -> 
     scale = float(pushed[trace["loss_mask"].bool()].abs().max()) if trace["loss_mask"].any() else 0.0
     kl = view.get("extra/kl", trace["detail"].get("kl"))
     kl_tokens = kl[trace["loss_mask"].bool()] if kl is not None else torch.zeros(0)
-    high_kl = float(torch.quantile(kl_tokens.double(), 0.95)) if len(kl_tokens) else float("inf")
+    # the step's top 5%, but never below 1e-3 nats: at the first step π_θ is π_ref and every KL_t is ~0
+    high_kl = max(float(torch.quantile(kl_tokens.double(), 0.95)), HIGH_KL_FLOOR) if len(kl_tokens) else float("inf")
     whole = reconcile(trace)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>cohortrl explain: step {trace['step']}</title>"
              f"<style>{CSS}</style></head><body>",
@@ -337,7 +340,7 @@ def explain_html(trace: dict, logged: dict | None, run_dir: str = "RUN_DIR") -> 
              "<p>" + e(", ".join(f"{k} {v}" for k, v in s.items() if v is not None)) + "</p>",
              "<p class='legend'><span>shade: A&middot;&rho; (green up, red down)</span>"
              "<span class='tok clip'>clipped</span>"
-             f"<span class='tok highkl'>KL_t &ge; {high_kl:.3g} (the step's 95th percentile)</span>"
+             f"<span class='tok highkl'>KL_t &ge; {high_kl:.3g} (the step's 95th percentile, at least {HIGH_KL_FLOOR:g})</span>"
              "<span class='tok masked'>outside the loss</span><span class='tok tool'>a tool's result</span></p>",
              "<h2>Loss decomposition</h2>", _html_loss_table(trace, logged, whole)]
     for k, prompt in enumerate(trace["prompts"]):
@@ -369,8 +372,8 @@ def _html_loss_table(trace, logged, whole) -> str:
     if logged is not None:
         body.append(f"<tr><td class='l'>logged (metrics.jsonl)</td><td>{logged.get('policy_loss') or 0:.6g}</td><td></td>"
                     f"<td>{logged['loss']:.6g}</td></tr>")
-        body.append(f"<tr><td class='l'>traced &minus; logged</td><td></td><td></td>"
-                    f"<td>{whole['loss'] - logged['loss']:.2g}</td></tr>")
+        body.append(f"<tr><td class='l'>traced &minus; logged (float32 rounding of terms whose |w&middot;L| add up to "
+                    f"{whole['abs']:.3g})</td><td></td><td></td><td>{whole['loss'] - logged['loss']:.2g}</td></tr>")
     return head + "".join(body) + "</table>"
 
 

@@ -173,20 +173,23 @@ def _wsum(update: dict, name: str, rows: torch.Tensor | None = None) -> float:
 
 def reconcile(trace: dict, rows: torch.Tensor | None = None) -> dict:
     """The step's loss from its recorded tokens: L = (1/U) Σ_updates Σ_t w_t·L_t, split into the policy term and
-    the algorithm's extra term (GRPO's β·KL, PPO's value loss); and the KL the step logs. ``rows`` (B,) bool:
-    the share of those responses only."""
+    the algorithm's extra term (GRPO's β·KL, PPO's value loss), with Σ|w·L| (``abs``); and the KL the step
+    logs. ``rows`` (B,) bool: the share of those responses only."""
     updates, U = trace["updates"], max(1, len(trace["updates"]))
     out = {"updates": len(updates),
            "loss": sum(contribution(u, rows) for u in updates) / U,
            "policy": sum(_wsum(u, "policy_loss", rows) for u in updates) / U,
-           "extra": sum(_wsum(u, "extra_loss", rows) for u in updates) / U}
+           "extra": sum(_wsum(u, "extra_loss", rows) for u in updates) / U,
+           "abs": sum(contribution(u, rows, absolute=True) for u in updates) / U}
     out["kl"] = _kl_mean(trace)
     return out
 
 
-def contribution(update: dict, rows: torch.Tensor | None = None) -> float:
-    """Σ w·L of one update's tokens (``rows`` (B,) bool: of those responses only)."""
+def contribution(update: dict, rows: torch.Tensor | None = None, absolute: bool = False) -> float:
+    """Σ w·L of one update's tokens (``rows`` (B,) bool: of those responses only; ``absolute``: Σ |w·L|, the
+    scale of the sum's float rounding)."""
     c = update["tensors"]["contribution"].double()
+    c = c.abs() if absolute else c
     if rows is not None:
         c = c[rows]
     return float(torch.nan_to_num(c).sum())

@@ -143,5 +143,6 @@ def test_the_html_page_loads_in_headless_chromium_and_shows_the_step(tmp_path, t
         assert header in parsed.headers, header
     assert f"{rows[-1]['loss']:.6g}" in text  # the logged loss, in the decomposition
     assert dom.stdout.count("class='response'") + dom.stdout.count('class="response"') == len(trace["tokens"])
-    if name == "tools":  # the tool's result is marked
+    if name == "tools":  # the tool's result is marked; at its step 1 the policy is the reference: no high KL
         assert 'class="tok tool"' in dom.stdout
+        assert len(re.findall(r'class="[^"]*highkl', dom.stdout)) == 1  # the legend's
