@@ -222,6 +222,18 @@ def test_tracing_on_logs_the_same_numbers_as_tracing_off(tmp_path, name):
             k: v for k, v in b.items() if not k.startswith(VOLATILE)}
 
 
+def test_a_resumed_run_may_trace_steps_the_first_part_did_not(tmp_path):
+    """Tracing changes no number, so --resume accepts a new train.trace_steps (the config check allows it)."""
+    cfg = config("grpo", trace_steps=(), steps=2)
+    trainer = make_trainer(cfg, tmp_path, reward_funcs=[starts_with_letter], train_dataset=ROWS)
+    trainer.train(steps=1)
+    trainer.close()
+    cfg["train"]["trace_steps"] = [2]
+    rows = train(tmp_path, cfg, reward_funcs=[starts_with_letter], reward_weights=[1.0], resume=True)
+    assert [r["step"] for r in rows] == [2]
+    assert load_trace(tmp_path, 2)["step"] == 2 and not (tmp_path / TRACE_DIR / "step_1.pt").exists()
+
+
 def test_trace_steps_are_counted_from_one():
     with pytest.raises(ConfigError, match="train.trace_steps"):
         Config.from_dict({"train": {"trace_steps": [0, 2]}})
