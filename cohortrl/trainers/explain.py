@@ -87,6 +87,23 @@ def group_arithmetic(rewards_G: list[float], eps: float) -> dict:
             "scaled": [(r - mean) / (std + eps) for r in rewards_G]}
 
 
+def formula_advantages(estimator: str, rewards_G: list[float], rewards_all: list[float], eps: float):
+    """An outcome estimator's A_i worked out by hand from the group's rewards (``rewards_all``: the batch's, for
+    grpo_batch's std), as (the column's name, the values); None for an estimator whose advantages vary along
+    the response (they are shown per token)."""
+    G, g = len(rewards_G), group_arithmetic(rewards_G, eps)
+    if estimator == "grpo":
+        return "(r - mean)/(std + eps)", g["scaled"]
+    if estimator == "dr_grpo":
+        return "r - mean", g["centred"]
+    if estimator == "grpo_batch":
+        std_all = group_arithmetic(rewards_all, eps)["std"]
+        return "(r - mean)/(std_batch + eps)", [c / (std_all + eps) for c in g["centred"]]
+    if estimator == "rloo" and G > 1:
+        return "r - mean of the others", [r - (sum(rewards_G) - r) / (G - 1) for r in rewards_G]
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- terminal
 def _f(x, width: int = 7, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -208,11 +225,12 @@ def _group_advantages(trace, prompt: int, rows, add) -> None:
     add(f"   mean_g = ({terms}) / {len(r)} = {g['mean']:.4f}")
     add(f"   std_g = sqrt(sum (r_i - mean_g)^2 / (G - 1)) = {g['std']:.4f}   eps = {s['eps']:g}")
     identical = bool(trace["identical"][prompt]) if trace["identical"] is not None and len(trace["identical"]) > prompt else False
-    add("   #        r_i   r_i - mean  (r - mean)/(std + eps)   A (first token, as trained)")
+    name, by_hand = formula_advantages(s["estimator"], r, [float(x) for x in rewards_B], s["eps"]) or ("", [None] * len(r))
+    add(f"   #        r_i   r_i - mean  {name:>28}   A (first token, as trained)")
     for k, i in enumerate(rows):
         m = trace["response_mask"][i].bool()
         a0 = float(trace["advantages"][i][m][0]) if m.any() else float("nan")
-        add(f"  {k:2d}  {_f(r[k], 9, 4)}  {_f(g['centred'][k], 11, 4)}  {_f(g['scaled'][k], 22, 4)}   {_f(a0, 10, 4)}")
+        add(f"  {k:2d}  {_f(r[k], 9, 4)}  {_f(g['centred'][k], 11, 4)}  {_f(by_hand[k], 28, 4)}   {_f(a0, 10, 4)}")
     if identical:
         add("   identical rewards (on the correctness signal): this group carries no learning signal"
             + (" and is dropped (zero_variance=filter)" if s["zero_variance"] == "filter" else ""))

@@ -54,17 +54,28 @@ def test_the_terminal_walk_through_fits_100_columns_and_reconciles_the_logged_lo
         assert re.search(r"^\s+\d+ .{10} t ", text, re.M)
 
 
-def test_a_hand_built_groups_arithmetic_is_shown(tmp_path):
+@pytest.mark.parametrize("estimator, by_hand", [
+    ("grpo", "-0.7833"),  # (0 − 0.375) / (0.4787136 + 1e-6)
+    ("dr_grpo", "-0.3750"),  # 0 − 0.375
+    ("rloo", "-0.5000"),  # 0 − (1 + 0.5 + 0) / 3
+    # the batch's 8 rewards 1, 0, 0.5, 0, 1, 1, 1, 1: mean 5.5 / 8 = 0.6875, squared deviations 0.09765625,
+    # 0.47265625, 0.03515625, 0.47265625, 4 x 0.09765625: sum 1.46875, / 7 = 0.2098214, std 0.4580627;
+    # −0.375 / (0.4580627 + 1e-6) = −0.8187
+    ("grpo_batch", "-0.8187"),
+])
+def test_a_hand_built_groups_arithmetic_is_shown(tmp_path, estimator, by_hand):
     from tests.trainers.test_trace import config, positional, train
 
-    train(tmp_path, config("grpo", trace_steps=[1], steps=1), reward_funcs=[positional], reward_weights=[1.0])
+    cfg = config("grpo", trace_steps=[1], steps=1)
+    cfg["algorithm"]["estimator"] = estimator
+    train(tmp_path, cfg, reward_funcs=[positional], reward_weights=[1.0])
     trace = load_trace(tmp_path, 1)
     text = explain_text(trace, logged_row(tmp_path, 1), prompt=0)
     assert "mean_g = (1.000 + 0.000 + 0.500 + 0.000) / 4 = 0.3750" in text
     assert "= 0.4787" in text  # the sample std
     assert "identical rewards (on the correctness signal): no" in text
-    # (0 − 0.375) / (0.4787136 + 1e-6) = −0.7833
-    assert re.search(r"^\s+1\s+0\.0000\s+-0\.3750\s+-0\.7833\s+-0\.7833$", text, re.M)
+    # response 1 (reward 0): its advantage by hand, then as the step trained on it: the same
+    assert re.search(rf"^\s+1\s+0\.0000\s+-0\.3750\s+{by_hand}\s+{by_hand}$", text, re.M), text
     other = explain_text(trace, logged_row(tmp_path, 1), prompt=1)
     assert "this group carries no learning signal" in other
 
