@@ -1,4 +1,4 @@
-"""The ``cohortrl`` command line: train, sft, sweep, verify, eval, train-rm, models, tasks, plot, report, plan, demo."""
+"""The ``cohortrl`` command line: train, sft, sweep, explain, verify, eval, train-rm, models, tasks, plot, report, plan, demo."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def cmd_train(args) -> int:
     from cohortrl.trainers.loop import RunCompleteError
 
     run_dir = Path(args.run_dir)
+    if getattr(args, "trace_steps", None):  # the same as the override train.trace_steps=[...]
+        args.overrides = [*(args.overrides or []), f"train.trace_steps=[{args.trace_steps}]"]
     cfg = _run_config(args, "train")
     trainer = make_trainer(cfg, run_dir, resume=args.resume, strict=getattr(args, "strict", False),  # GRPO or PPO
                            overwrite=getattr(args, "overwrite", False), callbacks=[_PrintEvaluations()])
@@ -75,6 +77,22 @@ def _eval_line(r: dict) -> str:
             f"(95% CI {r['eval/sampled_accuracy_ci_low']:.3f}-{r['eval/sampled_accuracy_ci_high']:.3f})"
         )
     return line
+
+
+def cmd_explain(args) -> int:
+    """Walk through one traced training step (train.trace_steps / --trace-steps): what was sampled, the rewards,
+    the advantages with the group's arithmetic, the objective token by token, and the step's loss reconciled
+    with the logged one."""
+    from cohortrl.trainers.explain import explain
+
+    try:
+        print(explain(args.run_dir, args.step, args.prompt, args.html))
+    except ValueError as e:  # --prompt out of range
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.html:
+        print(f"wrote {args.html}")
+    return 0
 
 
 def cmd_sft(args) -> int:
@@ -475,6 +493,14 @@ def _run_arguments(p: argparse.ArgumentParser, steps: str) -> None:
                    help="--run-dir holds an earlier run: delete its files first and start over (without it such a directory is refused)")
 
 
+def _step_list(text: str) -> str:
+    """``--trace-steps 1,5``: comma-separated step numbers, kept as the text of a YAML list's items."""
+    try:
+        return ",".join(str(int(x)) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected step numbers separated by commas, e.g. 1,5") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cohortrl import __version__
 
@@ -489,7 +515,17 @@ def build_parser() -> argparse.ArgumentParser:
     _run_arguments(p, steps="training steps")
     p.add_argument("--strict", action="store_true",
                    help="with --resume: refuse, rather than fall back to an older checkpoint, when the newest is damaged")
+    p.add_argument("--trace-steps", metavar="N,M", type=_step_list,
+                   help="record these steps token by token for `cohortrl explain` (train.trace_steps)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("explain", help="walk through one traced training step, token by token",
+                       description=cmd_explain.__doc__)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--step", type=int, required=True, help="a step the run traced (train.trace_steps)")
+    p.add_argument("--prompt", type=int, default=0, help="which of the step's prompts to walk through (default 0)")
+    p.add_argument("--html", metavar="FILE", help="also write one self-contained page with every prompt of the step")
+    p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("sft", help="supervised fine-tuning with a YAML config", description=cmd_sft.__doc__ + (
         " Its final/ starts an RL run as model.init (docs/python_api.md)."))

@@ -399,6 +399,12 @@ class TrainConfig:
     max_nonfinite_steps: int = 3
     """An update whose loss or gradient is NaN/inf is skipped (logged as ``skipped_nonfinite``, samples saved
     under RUN_DIR/nonfinite/); this many such steps in a row stop the run (0: never stop)."""
+    trace_steps: list[int] = field(default_factory=list)
+    """Steps (counted from 1, as ``metrics.jsonl`` counts them) whose computation is recorded token by token in
+    RUN_DIR/traces/step_N.pt: prompts, responses, rewards, the group arithmetic, advantages, and per response
+    token the log-probs, ratio, clipping, KL, weight and contribution to the loss (``trainers/trace.py``); read
+    with ``cohortrl explain RUN_DIR --step N``. Recording copies what the step computed and changes none of its
+    numbers; empty (the default): nothing is recorded. Under torchrun rank 0 records its own rows."""
 
 
 @dataclass
@@ -766,6 +772,8 @@ def validate(cfg: Config) -> None:
     _require(t.steps >= 0, "train.steps", t.steps, "must be >= 0")
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
     _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0 keeps all)")
+    _require(all(n >= 1 for n in t.trace_steps), "train.trace_steps", t.trace_steps,
+             "steps are counted from 1 (the first step is 1, as in metrics.jsonl)")
     _require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps, "must be >= 0 (0: never stop)")
     for key in ("cpu_linear", "cpu_allocator"):
         _require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system"),

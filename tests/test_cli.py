@@ -16,7 +16,7 @@ def run(*args, cwd=REPO):
     return subprocess.run([sys.executable, "-m", "cohortrl", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
 
-@pytest.mark.parametrize("sub", [[], ["train"], ["eval"], ["models"], ["plot"], ["report"], ["plan"], ["demo"], ["tasks"], ["tasks", "sample"]])
+@pytest.mark.parametrize("sub", [[], ["train"], ["eval"], ["models"], ["plot"], ["report"], ["plan"], ["demo"], ["tasks"], ["tasks", "sample"], ["explain"]])
 def test_every_subcommand_has_help(sub):
     out = run(*sub, "--help")
     assert out.returncode == 0, out.stderr

@@ -49,7 +49,8 @@ class GRPOTrainer(RLTrainer):
         advantages_all = self.estimator(rewards=d.gather_rows(rewards_B), response_mask=d.gather_rows(response_mask),
                                         group_size=a.group_size, eps=a.eps, **steps)
         advantages_BT = d.local_rows(advantages_all, a.group_size, response_mask.shape[1])
-        return Targets(advantages_BT, old_logp, ref_logp, metrics=metrics)
+        detail = {"shaped_rewards": rewards_B, "token_rewards": steps["token_rewards"]} if self._kl_in_reward() else {}
+        return Targets(advantages_BT, old_logp, ref_logp, metrics=metrics, detail=detail)
 
     def _kl_shaped_rewards(self, rewards_B, old_logp, ref_logp, response_mask):
         """KL in the reward (``algorithm.kl_in_reward``): r_t = [last]·r − β·KL_t, measured on the policy that

@@ -33,7 +33,7 @@ progress = logging.getLogger("cohortrl.progress")  # shown on stderr by the CLI
 RESUMABLE_CHANGES = {
     "train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb",
     "train.max_nonfinite_steps", "train.cpu_allocator", "train.reuse_rollout_forward", "train.keep_checkpoints",
-    "reward.timeout_s",
+    "train.trace_steps", "reward.timeout_s",
 }
 FINAL_MARKER = checkpoint.FINAL_MARKER
 

@@ -91,6 +91,8 @@ class PPOTrainer(RLTrainer):
 
         # GAE: δ_t = r_t + γV_{t+1} − V_t, A_t = Σ_l (γλ)^l δ_{t+l}, R_t = A_t + V_t (arXiv 1506.02438, eq. 16).
         advantages_BT, returns_BT = gae_advantages(token_rewards_BT, old_values_BT, response_mask, p.gamma, p.lam)
+        detail = {"kl": kl_BT, "token_rewards": token_rewards_BT, "gae_advantages": advantages_BT,
+                  "score": score_B, "kl_coef": torch.tensor(beta)}  # what a trace shows (trace.py)
         d, T = self.dist, response_mask.shape[1]
         if p.whiten_advantages:  # over the whole batch (every rank's rows under torchrun)
             whitened = masked_whiten(d.gather_rows(advantages_BT), d.gather_rows(loss_mask))
@@ -111,7 +113,7 @@ class PPOTrainer(RLTrainer):
             "explained_variance": _explained_variance(values_all, returns_all, mask_all),
             "critic_lr": self.optimised["critic"].scheduler.get_last_lr()[0],
         }
-        return Targets(advantages_BT, old_logp, ref_logp, old_values_BT, returns_BT, metrics)
+        return Targets(advantages_BT, old_logp, ref_logp, old_values_BT, returns_BT, metrics, detail=detail)
 
     def _token_rewards(self, batch: ScoredBatch, score_B: torch.Tensor) -> torch.Tensor:
         """(B, T) rewards before the KL penalty: each response's score on its last token, plus, with

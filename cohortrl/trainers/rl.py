@@ -56,6 +56,7 @@ from cohortrl.trainers.sampler import Sampler, ScoredBatch, reward_pool
 from cohortrl.trainers.setup import (
     Optimised, Reference, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler, load_configured_model,
 )
+from cohortrl.trainers.trace import StepTrace
 from cohortrl.trainers.update import (
     PlainForward, ReplayedForward, is_whole_rollout, micro_batches, minibatch_rows, optimizer_step,
 )
@@ -74,6 +75,9 @@ class Targets:
     returns: torch.Tensor | None = None  # (B, T) PPO: GAE returns, the critic's regression target
     metrics: dict = field(default_factory=dict)  # the algorithm's numbers for the step's log row
     is_weights: torch.Tensor | None = None  # (B, T) truncated importance weights for a vLLM sampler; None: 1
+    # intermediate tensors of the algorithm's step 4 that only a trace reads (``trace.py``), e.g. PPO's
+    # KL-penalised token rewards; the update never looks here
+    detail: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class RLTrainer(Trainer):
@@ -295,6 +299,7 @@ class RLTrainer(Trainer):
         """One training step: rollout → rewards → advantages → loss → update. Returns its metrics."""
         with linear_kernels(self.cpu_linear, *self.kernel_models):  # the CPU fast path's kernel, for this step only
             timer, started = PhaseTimer(), time.perf_counter()
+            trace = self._start_trace()  # None unless this step is in train.trace_steps
 
             # 1-2. rollout and rewards (with step rewards under reward.process)
             batch = self.sampler.sample(self.step_count, timer, record=self.rollout_forward_reusable)
@@ -311,17 +316,28 @@ class RLTrainer(Trainer):
             targets = self._targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
             if rollout.sampling_logp is not None:  # sampled by vLLM: correct for its numerics
                 self._add_importance_weights(targets, rollout, old_logp)
+            if trace is not None:
+                trace.scored(batch, rewards_B, keep_B, loss_mask, targets)
 
             # 5. loss and update: μ epochs over minibatches of whole groups
             with timer("train"):
-                update_metrics = self._update(rollout, loss_mask, targets, timer)
+                update_metrics = self._update(rollout, loss_mask, targets, timer, trace)
             self.guard.after_step(self.step_count + 1, update_metrics, batch)  # saves skipped steps' samples; may stop the run
 
             # 6. metrics, over the whole batch (every rank's rows, under torchrun)
             errors = log_grader_errors(self.dist, self.grader_log, self.step_count + 1)  # built-in graders that raised
+            if trace is not None:
+                trace.save(self.run_dir)
             return step_metrics(self.dist, batch, rewards_B, keep_B, targets, update_metrics,
                                 group_size=self.cfg.algorithm.group_size, correctness=self.correctness.name,
                                 lr=self.scheduler.get_last_lr()[0], timer=timer, started=started, grader_errors=errors)
+
+    def _start_trace(self) -> StepTrace | None:
+        """The recording of this step when ``train.trace_steps`` names it (under torchrun rank 0 records its own
+        rows), else None: nothing of ``trace.py`` runs."""
+        if self.step_count + 1 not in self.cfg.train.trace_steps or not self.dist.is_main:
+            return None
+        return StepTrace(self.step_count + 1, self.cfg, self.tokenizer, self.name, {r.name: r.weight for r in self.rewards})
 
     def _reuse_rollout_forward(self) -> bool:
         """Whether the run's updates can differentiate decoding's forward (``train.reuse_rollout_forward``):
@@ -370,9 +386,10 @@ class RLTrainer(Trainer):
                                       self._micro_batches(rollout.batch_size), temperature=self.sampling.temperature)
 
     # ------------------------------------------------------------------------------------------ 5. loss, update
-    def _update(self, rollout: Rollout, loss_mask, targets: Targets, timer: PhaseTimer) -> dict:
+    def _update(self, rollout: Rollout, loss_mask, targets: Targets, timer: PhaseTimer, trace: StepTrace | None = None) -> dict:
         """μ epochs over minibatches of whole groups; in each, every micro-batch's loss is accumulated into the
-        gradients, then one optimiser step per trained model. Returns the update's metrics."""
+        gradients, then one optimiser step per trained model. Returns the update's metrics. ``trace``: this
+        step's recording, or None."""
         a, d = self.cfg.algorithm, self.dist
         # Token weights come from the whole batch's loss mask (every rank's rows under torchrun), so an
         # aggregation over the batch (token-mean) divides by the global token count.
@@ -397,10 +414,12 @@ class RLTrainer(Trainer):
             for o in trained:
                 o.optimizer.zero_grad(set_to_none=True)
             update_loss = 0.0
+            if trace is not None:
+                trace.begin_update()
             for mb in batches:
                 # DDP / FSDP2 sync gradients on the last micro-batch only; the forwards belong inside too.
                 with d.no_sync(self._synced_modules(train_policy), mb.sync):
-                    loss = self._micro_batch_loss(mb, forward if train_policy else None, inputs, targets, totals)
+                    loss = self._micro_batch_loss(mb, forward if train_policy else None, inputs, targets, totals, trace)
                 totals.add_loss(mb, loss)
                 update_loss += loss
             totals.replayed += int(forward.replayed)
@@ -414,12 +433,12 @@ class RLTrainer(Trainer):
         rollout.replay = None  # used up (or unused): free decoding's activations
         return totals.result(d, int(loss_mask_all.sum()) * a.epochs, [o.metric for o in trained], train_policy)
 
-    def _micro_batch_loss(self, mb, forward, inputs, targets: Targets, totals: UpdateTotals) -> float:
+    def _micro_batch_loss(self, mb, forward, inputs, targets: Targets, totals: UpdateTotals, trace=None) -> float:
         """Σ w·L over micro-batch ``mb``, backpropagated: the clipped surrogate on the log-probs ``forward``
         computes (None while the policy is frozen: no surrogate) plus the algorithm's extra loss. ``inputs``: the
         rollout's (input ids, attention mask). Returns the loss's value."""
         a, dev = self.cfg.algorithm, self.device
-        logp, loss_BT = None, torch.zeros(mb.loss_mask.shape, device=dev)
+        logp, old, loss_BT = None, None, torch.zeros(mb.loss_mask.shape, device=dev)
         if forward is not None:
             logp, entropy = forward.logprobs(mb.rows)
             old = targets.old_logp[mb.rows].to(dev) if targets.old_logp is not None else logp.detach()
@@ -430,11 +449,15 @@ class RLTrainer(Trainer):
             if targets.is_weights is not None:  # vLLM sampled: w_t = min(π_old / π_vLLM, C) per token
                 loss_BT = loss_BT * targets.is_weights[mb.rows].to(dev)
             totals.add_policy(mb, loss_BT, entropy, pg_metrics)
+        policy_BT = loss_BT
         extra_BT, extra_metrics = self._extra_loss(mb.rows, mb.loss_mask, logp, *inputs, targets)
         if extra_BT is not None:
             loss_BT = loss_BT + extra_BT
         totals.add_extra(mb, extra_metrics)
-        loss = torch.where(mb.weights != 0, mb.weights * loss_BT, 0.0).sum()
+        contribution_BT = torch.where(mb.weights != 0, mb.weights * loss_BT, 0.0)
+        loss = contribution_BT.sum()
+        if trace is not None:
+            trace.micro_batch(mb, logp, old, targets.advantages[mb.rows], policy_BT, extra_BT, extra_metrics, contribution_BT)
         if forward is None:  # the policy is frozen: only the algorithm's own model (PPO's critic) learns
             loss.backward()
         else:
