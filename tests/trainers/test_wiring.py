@@ -7,7 +7,8 @@
   aggregation mode;
 * the LR of every optimiser step follows the schedule's formula (warm-up, then constant / linear / cosine),
   written out as numbers below, for the policy and PPO's critic, and a resumed run continues it exactly;
-* the weights synced into a (stand-in) vLLM engine are the policy's merged weights, tensor by tensor.
+* the weights synced into a (stand-in) vLLM engine are the policy's merged weights, tensor by tensor, and a
+  resumed run syncs the checkpoint's before its first step samples.
 
 The step's tensors are read by wrapping the trainer's own methods on the instance (``_targets``,
 ``policy_loss``) and by optimiser hooks; nothing in the library is changed.
@@ -370,6 +371,37 @@ def test_the_weights_synced_into_vllm_are_the_updated_policys_merged_weights(tmp
         torch.testing.assert_close(synced[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
     assert any(synced[k].abs().max() > 0 for k in moved)
     assert math.isfinite(sum(float(v.float().abs().sum()) for v in synced.values()))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_resumed_vllm_run_samples_its_first_step_from_the_checkpoints_weights(tmp_path, monkeypatch, lora):
+    """The engine is built from the model as loaded, before the checkpoint's weights replace it: the first
+    resumed step must sync the engine before it generates, or it samples from the initial policy."""
+    fake = FakeVLLM()
+    monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    sections = dict(sampling={"backend": "vllm", "max_new_tokens": 3}, optim={"lr": 5e-2},
+                    model={"lora": {"enabled": lora, "r": 4, "alpha": 8}})
+    first = build(tmp_path, reward_funcs=[sample_index_is_even], reward_weights=[1.0], **sections)
+    initial = merged_by_peft(first.model)
+    first.train(steps=1)  # checkpoints step 1
+    first.close()
+    checkpointed = merged_by_peft(first.model)
+    assert any(not torch.equal(initial[k], checkpointed[k]) for k in initial), "step 1 did not move the policy"
+
+    resumed = make_trainer(first.cfg, tmp_path, resume=True, reward_funcs=[sample_index_is_even], reward_weights=[1.0],
+                           train_dataset=ROWS)
+    engine = resumed.generator.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    engine.load_weights = lambda items: fake.loaded.append({k: v.detach().clone() for k, v in items})
+    synced_before_generating = []
+    generate = resumed.generator.generate
+    resumed.generator.generate = lambda *a, **kw: synced_before_generating.append(len(fake.loaded)) or generate(*a, **kw)
+    resumed.train(steps=2)
+    resumed.close()
+    assert synced_before_generating == [1], "the resumed run's first step sampled before the engine got the checkpoint"
+    synced = fake.loaded[0]
+    assert sorted(synced) == sorted(checkpointed)
+    for key, value in checkpointed.items():
+        torch.testing.assert_close(synced[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
 # ---------------------------------------------------------------------------------------------- the step's settings
