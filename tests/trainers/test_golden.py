@@ -5,7 +5,7 @@ pinned in ``tests/golden/golden_runs.json`` to a relative 1e-5. A silent numeric
 rollout -> reward -> advantage -> loss -> update fails here, naming the run, the step and the metric.
 
 The numbers are pinned per torch version and CPU vendor (``golden_key``): with another, these tests skip,
-saying how to pin them.
+saying how to pin them; so does a run pinned on other machines only (added after their numbers were pinned).
 After an intended change: ``python -m tests.golden.regenerate`` (prints what moved, then writes)."""
 
 import json
@@ -35,7 +35,13 @@ def test_golden_run_reproduces_its_pinned_numbers(tmp_path, golden_threads, name
     if PINNED is None:
         pytest.skip(f"no golden numbers for {KEY} (pinned: {', '.join(PINNED_BY_KEY)}); "
                     f"pin them with `{REGENERATE}`")
-    assert name in PINNED, f"golden run {name!r} has no pinned numbers for {KEY}; run `{REGENERATE} {name}`"
+    if name not in PINNED:
+        # A run added since another machine's numbers were pinned is pinned for the machines it was run on: it
+        # skips elsewhere (saying which), and fails only when no machine has pinned it.
+        elsewhere = [key for key, runs in PINNED_BY_KEY.items() if name in runs]
+        assert elsewhere, f"golden run {name!r} has no pinned numbers for any machine; run `{REGENERATE} {name}`"
+        pytest.skip(f"golden run {name!r} is pinned only for {', '.join(elsewhere)}, not for {KEY}; "
+                    f"pin it here with `{REGENERATE} {name}`")
     got = run(name, tmp_path)
     differences = compare(PINNED[name], got)
     assert not differences, (
