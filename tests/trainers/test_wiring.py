@@ -33,6 +33,7 @@ from cohortrl.algorithms import (
 from cohortrl.trainers import make_trainer
 from tests.golden.rewards import letter_words, starts_with_letter, starts_with_vowel
 from tests.golden.runs import BASE, PROCESS_REWARD, ROWS, THREADS
+from tests.rollout.test_tools import _says_five as says_five, scripted
 from tests.rollout.test_vllm_backend import FakeVLLM
 
 WEIGHTS = (1.0, 0.5)  # starts_with_letter, starts_with_vowel
@@ -169,34 +170,28 @@ def test_grpo_without_a_kl_term_trains_on_the_policy_loss_alone(tmp_path):
         assert row["loss"] == pytest.approx(row["policy_loss"], rel=1e-6, abs=1e-9)
 
 
-def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path):
-    beta, penalty = 0.05, 0.1
-    trainer = build(tmp_path, algorithm={
-        "name": "ppo", "group_size": 1, "prompts_per_step": 8, "beta": beta, "kl_estimator": "k1",
-        "ppo": {"kl_controller": "fixed", "gamma": 0.9, "lam": 0.8, "missing_eos_penalty": penalty},
-    }, train={"steps": 2})
-    seen, losses = record_targets(trainer), record_policy_loss(trainer)
-    reference = copy.deepcopy(trainer.model)  # the initial policy: what π_ref must be
-    trainer.train()
-    step = seen[1]  # step 2: the policy has moved, so the KL term is not 0
+def check_ppo_targets(step: dict, beta: float, penalty: float, gamma: float, lam: float) -> None:
+    """PPO's step ``step`` (from ``record_targets``) trained on whitened GAE of score − β·k1, worked out by hand
+    from its tensors: the score on each response's last token, GAE over the row's response tokens in order (a
+    masked tool result between two of them is skipped, as if absent), whitened over the loss mask."""
     batch, t = step["batch"], step["targets"]
     rollout, mask = batch.rollout, batch.rollout.response_mask
-    torch.testing.assert_close(step["ref_logp"], plain_logprobs(reference, rollout, 1.0), rtol=1e-4, atol=1e-5)
     kl = (step["old_logp"] - step["ref_logp"]) * mask  # k1, by hand
     assert kl.abs().max() > 1e-3
     score = step["rewards"] - penalty * rollout.truncated.float()
-    last = mask.sum(-1) - 1
     token_rewards = -beta * kl
-    token_rewards[torch.arange(len(score)), last] += score  # the score on each response's last token
-    # GAE by hand: δ_t = r_t + γ V_{t+1} − V_t (V = 0 after the last token), A_t = δ_t + γλ A_{t+1}.
-    gamma, lam, V = 0.9, 0.8, t.old_values * mask
+    positions = [row.nonzero().flatten().tolist() for row in mask]  # each row's response tokens, holes skipped
+    for i, row in enumerate(positions):
+        token_rewards[i, row[-1]] += score[i]  # the score on the last response token
+    # GAE by hand: δ_t = r_t + γ V_next − V_t (V = 0 after the last token), A_t = δ_t + γλ A_next, where next is
+    # the row's next response token.
+    V = t.old_values * mask
     adv = torch.zeros_like(V)
-    for i in range(len(V)):
-        running = 0.0
-        for k in reversed(range(int(last[i]) + 1)):
-            next_v = V[i, k + 1] if k < last[i] else 0.0
+    for i, row in enumerate(positions):
+        running, next_v = 0.0, 0.0
+        for k in reversed(row):
             running = token_rewards[i, k] + gamma * next_v - V[i, k] + gamma * lam * running
-            adv[i, k] = running
+            adv[i, k], next_v = running, V[i, k]
     torch.testing.assert_close(t.returns * mask, (adv + V) * mask, rtol=1e-5, atol=1e-6)
     m = step["loss_mask"].bool()
     whitened = (adv - adv[m].mean()) / (adv[m].var() + 1e-8).sqrt()  # masked_whiten: unbiased variance, eps 1e-8
@@ -205,9 +200,44 @@ def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_
     lib = masked_whiten(gae_advantages(outcome_token_rewards(score, mask) - beta * masked_fill_padding(
         kl_penalty(step["old_logp"], step["ref_logp"], "k1"), mask), t.old_values, mask, gamma, lam)[0], m)
     torch.testing.assert_close(t.advantages * m, lib * m, rtol=1e-5, atol=1e-6)
+
+
+PPO_GAE = {"name": "ppo", "group_size": 1, "beta": 0.05, "kl_estimator": "k1",
+           "ppo": {"kl_controller": "fixed", "gamma": 0.9, "lam": 0.8, "missing_eos_penalty": 0.1}}
+
+
+def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path):
+    trainer = build(tmp_path, algorithm={**PPO_GAE, "prompts_per_step": 8}, train={"steps": 2})
+    seen, losses = record_targets(trainer), record_policy_loss(trainer)
+    reference = copy.deepcopy(trainer.model)  # the initial policy: what π_ref must be
+    trainer.train()
+    step = seen[1]  # step 2: the policy has moved, so the KL term is not 0
+    torch.testing.assert_close(step["ref_logp"], plain_logprobs(reference, step["batch"].rollout, 1.0), rtol=1e-4, atol=1e-5)
+    check_ppo_targets(step, beta=0.05, penalty=0.1, gamma=0.9, lam=0.8)
     # one update per step (1 epoch, 1 minibatch): step 2's policy loss is handed exactly those advantages
     assert len(losses) == 2
-    torch.testing.assert_close(losses[1]["advantages"], t.advantages, rtol=0, atol=0)
+    torch.testing.assert_close(losses[1]["advantages"], step["targets"].advantages, rtol=0, atol=0)
+
+
+def test_ppo_gae_skips_the_tool_results_inside_a_response(tmp_path):
+    """A scripted model calls the calculator mid-response, so the response mask has holes where the results
+    were fed (``tests/rollout/test_tools.py``): GAE runs from each model token to the next one across them, the
+    score lands on the last model token, and the holes carry no advantage."""
+    model, tok = scripted({"What is": "x = <call>calculator: 2+3</call>\nANSWER: 5\n"}, bias=10.0)
+    cfg = copy.deepcopy(BASE)
+    cfg.update(algorithm={**PPO_GAE, "prompts_per_step": 4}, sampling={"max_new_tokens": 56},
+               rollout={"tools": ["calculator"]}, train={"steps": 2, "progress": False})
+    trainer = make_trainer(cfg, tmp_path, model=model, tokenizer=tok, reward_funcs=[says_five], train_dataset=ROWS)
+    seen = record_targets(trainer)
+    trainer.train()
+    step = seen[1]  # step 2: the policy has moved, so the KL term is not 0
+    rollout = step["batch"].rollout
+    mask = rollout.response_mask.bool()
+    before_last = mask.flip(-1).long().cumsum(-1).flip(-1) > 0  # at or before each row's last response token
+    holes = rollout.tool_mask.bool() & ~mask & before_last
+    assert holes.any(), "no tool result inside a response: nothing to skip"
+    check_ppo_targets(step, beta=0.05, penalty=0.1, gamma=0.9, lam=0.8)
+    assert not step["targets"].advantages[holes].any()
 
 
 # ---------------------------------------------------------------------------------------------- the loss
