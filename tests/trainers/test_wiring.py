@@ -170,10 +170,11 @@ def test_grpo_without_a_kl_term_trains_on_the_policy_loss_alone(tmp_path):
         assert row["loss"] == pytest.approx(row["policy_loss"], rel=1e-6, abs=1e-9)
 
 
-def check_ppo_targets(step: dict, beta: float, penalty: float, gamma: float, lam: float) -> None:
-    """PPO's step ``step`` (from ``record_targets``) trained on whitened GAE of score − β·k1, worked out by hand
-    from its tensors: the score on each response's last token, GAE over the row's response tokens in order (a
-    masked tool result between two of them is skipped, as if absent), whitened over the loss mask."""
+def check_ppo_targets(step: dict, beta: float, penalty: float, gamma: float, lam: float, whiten: bool = True) -> None:
+    """PPO's step ``step`` (from ``record_targets``) trained on GAE of score − β·k1, worked out by hand from its
+    tensors: the score on each response's last token, GAE over the row's response tokens in order (a masked tool
+    result between two of them is skipped, as if absent), whitened over the loss mask (unless ``whiten`` is
+    False: then as they are)."""
     batch, t = step["batch"], step["targets"]
     rollout, mask = batch.rollout, batch.rollout.response_mask
     kl = (step["old_logp"] - step["ref_logp"]) * mask  # k1, by hand
@@ -194,11 +195,13 @@ def check_ppo_targets(step: dict, beta: float, penalty: float, gamma: float, lam
             adv[i, k], next_v = running, V[i, k]
     torch.testing.assert_close(t.returns * mask, (adv + V) * mask, rtol=1e-5, atol=1e-6)
     m = step["loss_mask"].bool()
-    whitened = (adv - adv[m].mean()) / (adv[m].var() + 1e-8).sqrt()  # masked_whiten: unbiased variance, eps 1e-8
-    torch.testing.assert_close(t.advantages * m, whitened * m, rtol=1e-4, atol=1e-5)
+    if whiten:
+        adv = (adv - adv[m].mean()) / (adv[m].var() + 1e-8).sqrt()  # masked_whiten: unbiased variance, eps 1e-8
+    torch.testing.assert_close(t.advantages * m, adv * m, rtol=1e-4, atol=1e-5)
     # sanity of the by-hand path against the library's pieces, so a mistake here is not a test that passes
-    lib = masked_whiten(gae_advantages(outcome_token_rewards(score, mask) - beta * masked_fill_padding(
-        kl_penalty(step["old_logp"], step["ref_logp"], "k1"), mask), t.old_values, mask, gamma, lam)[0], m)
+    lib = gae_advantages(outcome_token_rewards(score, mask) - beta * masked_fill_padding(
+        kl_penalty(step["old_logp"], step["ref_logp"], "k1"), mask), t.old_values, mask, gamma, lam)[0]
+    lib = masked_whiten(lib, m) if whiten else lib
     torch.testing.assert_close(t.advantages * m, lib * m, rtol=1e-5, atol=1e-6)
 
 
@@ -206,14 +209,17 @@ PPO_GAE = {"name": "ppo", "group_size": 1, "beta": 0.05, "kl_estimator": "k1",
            "ppo": {"kl_controller": "fixed", "gamma": 0.9, "lam": 0.8, "missing_eos_penalty": 0.1}}
 
 
-def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path):
-    trainer = build(tmp_path, algorithm={**PPO_GAE, "prompts_per_step": 8}, train={"steps": 2})
+@pytest.mark.parametrize("whiten", [True, False])
+def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path, whiten):
+    """``ppo.whiten_advantages: false``: the same GAE, not whitened."""
+    ppo = {**PPO_GAE["ppo"], "whiten_advantages": whiten}
+    trainer = build(tmp_path, algorithm={**PPO_GAE, "ppo": ppo, "prompts_per_step": 8}, train={"steps": 2})
     seen, losses = record_targets(trainer), record_policy_loss(trainer)
     reference = copy.deepcopy(trainer.model)  # the initial policy: what π_ref must be
     trainer.train()
     step = seen[1]  # step 2: the policy has moved, so the KL term is not 0
     torch.testing.assert_close(step["ref_logp"], plain_logprobs(reference, step["batch"].rollout, 1.0), rtol=1e-4, atol=1e-5)
-    check_ppo_targets(step, beta=0.05, penalty=0.1, gamma=0.9, lam=0.8)
+    check_ppo_targets(step, beta=0.05, penalty=0.1, gamma=0.9, lam=0.8, whiten=whiten)
     # one update per step (1 epoch, 1 minibatch): step 2's policy loss is handed exactly those advantages
     assert len(losses) == 2
     torch.testing.assert_close(losses[1]["advantages"], step["targets"].advantages, rtol=0, atol=0)
