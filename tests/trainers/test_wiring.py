@@ -503,25 +503,26 @@ def test_old_logprobs_are_computed_exactly_when_an_update_can_be_off_policy(tmp_
     assert row["time/reference"] >= 0  # the phase that computes them (and π_ref's) is timed under its name
 
 
-def test_one_epoch_of_two_minibatches_trains_the_second_against_the_rollouts_logprobs(tmp_path):
-    """π_old is the policy that sampled, for every minibatch, also with a single epoch: the second minibatch's
-    ratio is π_θ (moved by the first minibatch's update) over the rollout's log-probs, not 1. A π_old taken
-    from the current policy unless ``epochs > 1`` passes every test that runs two epochs or one minibatch."""
-    trainer = build(tmp_path, algorithm={"epochs": 1, "minibatches": 2}, train={"steps": 2})
+@pytest.mark.parametrize("epochs, minibatches", [(1, 2), (2, 1)])
+def test_every_update_after_the_first_trains_against_the_rollouts_logprobs(tmp_path, epochs, minibatches):
+    """π_old is the policy that sampled, for every minibatch of every epoch, whichever of the two makes the second
+    update: its ratio is π_θ (moved by the first update) over the rollout's log-probs, not 1. A π_old taken from
+    the current policy unless ``epochs > 1`` (or unless ``minibatches > 1``) passes every run with both."""
+    trainer = build(tmp_path, algorithm={"epochs": epochs, "minibatches": minibatches}, train={"steps": 2})
     seen, calls = record_targets(trainer), record_policy_loss(trainer)
     trainer.train()
-    assert len(calls) == 2 * 2  # per step, one call per minibatch (each one group, one micro-batch)
+    assert len(calls) == 2 * 2  # per step, one call per update (each one micro-batch)
     moved = 0
     for s, step in enumerate(seen):
         old_BT, G = step["old_logp"], 4
-        groups = [old_BT[g * G:(g + 1) * G] for g in range(2)]
-        for m, call in enumerate(calls[2 * s:2 * s + 2]):
-            assert any(torch.equal(call["old_logp"], group) for group in groups), \
-                f"step {s + 1} minibatch {m + 1}: π_old is not the rollout's log-probs of a group"
+        rows = [old_BT[g * G:(g + 1) * G] for g in range(2)] if minibatches == 2 else [old_BT]  # a group, or all
+        for u, call in enumerate(calls[2 * s:2 * s + 2]):
+            assert any(torch.equal(call["old_logp"], r) for r in rows), \
+                f"step {s + 1} update {u + 1}: π_old is not the rollout's log-probs"
         second = calls[2 * s + 1]
         mask = second["response_mask"].bool()
         moved += bool((second["logp"] - second["old_logp"])[mask].abs().max() > 1e-4)
-    assert moved, "the first minibatch's update never moved the policy: the ratio of the second would be 1 anyway"
+    assert moved, "the first update never moved the policy: the ratio of the second would be 1 anyway"
 
 
 def test_reward_functions_see_how_many_steps_are_done(tmp_path):
