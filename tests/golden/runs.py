@@ -18,6 +18,7 @@ What each run covers (one run per registry entry, so a silently swapped entry ch
     kl_in_reward             β·KL (k1) moved into the reward (GRPO)
     grpo_epochs2             2 epochs x 2 minibatches: log π_old, ratios away from 1, clipping
     grpo_minibatches2        1 epoch x 2 minibatches: the second minibatch's ratio against the rollout's π_old
+    gspo                     the sequence-level policy loss (GSPO), 1 epoch x 2 minibatches so its ratio leaves 1
     ppo                      PPO: critic (one warm-up step with the policy frozen), GAE, adaptive β
     sft                      SFTTrainer (a run with an ``sft`` section, built by ``_sft_trainer``, not
                              ``make_trainer``) on SFT_ROWS, the same 40 additions as prompt/completion rows;
@@ -86,6 +87,7 @@ RUNS: dict[str, dict] = {
     "kl_in_reward": {"algorithm": {"kl_in_reward": True, "kl_estimator": "k1"}},
     "grpo_epochs2": {"algorithm": {"epochs": 2, "minibatches": 2}},
     "grpo_minibatches2": {"algorithm": {"minibatches": 2}},
+    "gspo": {"algorithm": {"policy_loss": "gspo", "minibatches": 2}},
     "ppo": {
         "algorithm": {
             "name": "ppo", "group_size": 1, "prompts_per_step": 8, "beta": 0.05, "epochs": 2, "minibatches": 2,

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES
+from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, POLICY_LOSSES
 from tests.golden.runs import GOLDEN_FILE, REGENERATE, RUNS, THREADS, compare, config, golden_key, is_sft, run
 
 KEY = golden_key()
@@ -51,12 +51,14 @@ def test_golden_run_reproduces_its_pinned_numbers(tmp_path, golden_threads, name
 
 
 def test_every_estimator_and_aggregation_mode_has_a_golden_run():
-    """A newly registered estimator or mode gets its own golden run; so does the SFT trainer."""
+    """A newly registered estimator, mode or policy loss gets its own golden run; so does the SFT trainer."""
     rl = [n for n in RUNS if not is_sft(n)]  # an SFT run's algorithm section is BASE's, unused
     estimators = {config(n)["algorithm"].get("estimator", "grpo") for n in rl if config(n)["algorithm"].get("name") != "ppo"}
     aggregations = {config(n)["algorithm"].get("aggregation", "seq-mean-token-mean") for n in rl}
     assert set(ADVANTAGE_ESTIMATORS) <= estimators, sorted(set(ADVANTAGE_ESTIMATORS) - estimators)
     assert set(AGGREGATION_MODES) <= aggregations, sorted(set(AGGREGATION_MODES) - aggregations)
+    policy_losses = {config(n)["algorithm"].get("policy_loss", "clip") for n in rl}
+    assert set(POLICY_LOSSES) <= policy_losses, sorted(set(POLICY_LOSSES) - policy_losses)
     assert any(config(n)["algorithm"].get("kl_in_reward") for n in RUNS)
     assert any(config(n)["algorithm"].get("name") == "ppo" for n in RUNS)
     assert any(is_sft(n) for n in RUNS)
