@@ -170,17 +170,24 @@ def test_grpo_without_a_kl_term_trains_on_the_policy_loss_alone(tmp_path):
         assert row["loss"] == pytest.approx(row["policy_loss"], rel=1e-6, abs=1e-9)
 
 
-def check_ppo_targets(step: dict, beta: float, penalty: float, gamma: float, lam: float, whiten: bool = True) -> None:
+def check_ppo_targets(step: dict, beta: float, penalty: float, gamma: float, lam: float, whiten: bool = True,
+                      process_coef: float = 0.0) -> None:
     """PPO's step ``step`` (from ``record_targets``) trained on GAE of score − β·k1, worked out by hand from its
-    tensors: the score on each response's last token, GAE over the row's response tokens in order (a masked tool
-    result between two of them is skipped, as if absent), whitened over the loss mask (unless ``whiten`` is
-    False: then as they are)."""
+    tensors: the score on each response's last token (and ``process_coef`` x each step reward on its step's last
+    token), GAE over the row's response tokens in order (a masked tool result between two of them is skipped, as
+    if absent), whitened over the loss mask (unless ``whiten`` is False: then as they are)."""
     batch, t = step["batch"], step["targets"]
     rollout, mask = batch.rollout, batch.rollout.response_mask
     kl = (step["old_logp"] - step["ref_logp"]) * mask  # k1, by hand
     assert kl.abs().max() > 1e-3
     score = step["rewards"] - penalty * rollout.truncated.float()
-    token_rewards = -beta * kl
+    steps = torch.zeros_like(kl)  # process_coef x each step's reward on the step's last token
+    if process_coef:
+        assert batch.step_rewards is not None and any(batch.step_rewards)
+        for i, (scores, ends) in enumerate(zip(batch.step_rewards, batch.step_ends)):
+            for value, end in zip(scores, ends):
+                steps[i, end] += process_coef * value
+    token_rewards = -beta * kl + steps
     positions = [row.nonzero().flatten().tolist() for row in mask]  # each row's response tokens, holes skipped
     for i, row in enumerate(positions):
         token_rewards[i, row[-1]] += score[i]  # the score on the last response token
@@ -199,7 +206,7 @@ def check_ppo_targets(step: dict, beta: float, penalty: float, gamma: float, lam
         adv = (adv - adv[m].mean()) / (adv[m].var() + 1e-8).sqrt()  # masked_whiten: unbiased variance, eps 1e-8
     torch.testing.assert_close(t.advantages * m, adv * m, rtol=1e-4, atol=1e-5)
     # sanity of the by-hand path against the library's pieces, so a mistake here is not a test that passes
-    lib = gae_advantages(outcome_token_rewards(score, mask) - beta * masked_fill_padding(
+    lib = gae_advantages(outcome_token_rewards(score, mask) + steps - beta * masked_fill_padding(
         kl_penalty(step["old_logp"], step["ref_logp"], "k1"), mask), t.old_values, mask, gamma, lam)[0]
     lib = masked_whiten(lib, m) if whiten else lib
     torch.testing.assert_close(t.advantages * m, lib * m, rtol=1e-5, atol=1e-6)
@@ -209,17 +216,20 @@ PPO_GAE = {"name": "ppo", "group_size": 1, "beta": 0.05, "kl_estimator": "k1",
            "ppo": {"kl_controller": "fixed", "gamma": 0.9, "lam": 0.8, "missing_eos_penalty": 0.1}}
 
 
-@pytest.mark.parametrize("whiten", [True, False])
-def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path, whiten):
-    """``ppo.whiten_advantages: false``: the same GAE, not whitened."""
-    ppo = {**PPO_GAE["ppo"], "whiten_advantages": whiten}
-    trainer = build(tmp_path, algorithm={**PPO_GAE, "ppo": ppo, "prompts_per_step": 8}, train={"steps": 2})
+@pytest.mark.parametrize("variant", ["whitened", "unwhitened", "process"])
+def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path, variant):
+    """``ppo.whiten_advantages: false``: the same GAE, not whitened. ``reward.process``: each step's reward,
+    times its coefficient, joins the token rewards on the step's last token."""
+    ppo = {**PPO_GAE["ppo"], "whiten_advantages": variant != "unwhitened"}
+    process = {"reward": {"process": PROCESS_REWARD}} if variant == "process" else {}
+    trainer = build(tmp_path, algorithm={**PPO_GAE, "ppo": ppo, "prompts_per_step": 8}, train={"steps": 2}, **process)
     seen, losses = record_targets(trainer), record_policy_loss(trainer)
     reference = copy.deepcopy(trainer.model)  # the initial policy: what π_ref must be
     trainer.train()
     step = seen[1]  # step 2: the policy has moved, so the KL term is not 0
     torch.testing.assert_close(step["ref_logp"], plain_logprobs(reference, step["batch"].rollout, 1.0), rtol=1e-4, atol=1e-5)
-    check_ppo_targets(step, beta=0.05, penalty=0.1, gamma=0.9, lam=0.8, whiten=whiten)
+    check_ppo_targets(step, beta=0.05, penalty=0.1, gamma=0.9, lam=0.8, whiten=variant != "unwhitened",
+                      process_coef=PROCESS_REWARD["coef"] if variant == "process" else 0.0)
     # one update per step (1 epoch, 1 minibatch): step 2's policy loss is handed exactly those advantages
     assert len(losses) == 2
     torch.testing.assert_close(losses[1]["advantages"], step["targets"].advantages, rtol=0, atol=0)
