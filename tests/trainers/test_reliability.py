@@ -130,7 +130,8 @@ def test_resuming_at_an_epoch_boundary_does_the_remaining_steps(tmp_path, tmp_pa
     assert [r["step"] for r in resumed.train()] == [3]
 
 
-def test_a_resume_checkpointed_inside_the_second_epoch_continues_as_the_uninterrupted_run(tmp_path, tmp_path_factory):
+def test_a_resume_checkpointed_inside_the_second_epoch_continues_as_the_uninterrupted_run(tmp_path, tmp_path_factory,
+                                                                                         monkeypatch, request):
     """4 training prompts, 2 per step: the checkpoint after step 3 lies half way through the second epoch, whose
     order is its own shuffle. The resumed step 4 takes that epoch's other two prompts, in the uninterrupted
     run's order, and computes its numbers. (A checkpoint at the end of an epoch, as above, hides a resume that
@@ -138,6 +139,10 @@ def test_a_resume_checkpointed_inside_the_second_epoch_continues_as_the_uninterr
     data = tmp_path_factory.mktemp("d") / "six.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(6)))
     cfg = tiny_config(data, data={"eval_size": 2}, train={"steps": 4, "checkpoint_every": 3}, eval={"n_prompts": 0})
+    monkeypatch.setattr("cohortrl.trainers.loop.plot_curves", lambda run_dir: None)  # nothing here reads the plots
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the golden runs: a quarter of the time on 2 busy cores
+    request.addfinalizer(lambda: torch.set_num_threads(before))
 
     def taking(trainer) -> list[list[str]]:
         """The prompts of each of the trainer's takes from its stream, in order."""

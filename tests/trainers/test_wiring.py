@@ -1,7 +1,10 @@
 """The trainer's wiring checked against the step's own tensors, not against itself:
 
 * the advantages a GRPO step trains on are the configured estimator's output on the step's rewards (every
-  registered estimator), and PPO's are GAE on the score − β·KL token rewards and the critic's values, whitened;
+  registered estimator), and PPO's are GAE on the score − β·KL token rewards (plus step rewards under
+  ``reward.process``) and the critic's values, whitened (or not, as configured), across the holes that tool
+  results leave in a response;
+* every update after a step's first (another minibatch or epoch) trains against the rollout's log-probs as π_old;
 * the logged loss is the policy loss plus β·KL, recomputed by hand from the step's log-probs, the reference's
   log-probs (checked against a plain forward of a copy of the initial model) and the advantages, for every
   aggregation mode;
