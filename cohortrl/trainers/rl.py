@@ -150,6 +150,8 @@ class RLTrainer(Trainer):
         self.config_hash = config_hash(self.cfg.to_dict())  # in every checkpoint's manifest
         self.strict = strict
         self._open_run(self._run_claim.resumes, callbacks, logs=(self.grader_log,))
+        if self._run_claim.resumes:  # the vLLM engine was built from the initial weights, before the checkpoint's were loaded
+            self.sampler.policy_updated()
 
     def _start_run(self, run_dir, resume: bool, overwrite: bool) -> None:
         """The run directory, the process (torchrun or not), the device and the seeds, before anything loads."""

@@ -68,7 +68,8 @@ class Sampler:
         self._engine_stale = False  # the policy changed since the engine last got its weights
 
     def policy_updated(self) -> None:
-        """The policy took an optimiser step: the vLLM engine needs its weights again before it samples."""
+        """The policy's weights changed (an optimiser step, or a resume's checkpoint loaded): the vLLM engine
+        needs them again before it samples."""
         self._engine_stale = self.generator is not None
 
     def close(self) -> None:

@@ -17,11 +17,15 @@ What each run covers (one run per registry entry, so a silently swapped entry ch
     agg_*                    the other two aggregation modes (estimator grpo)
     kl_in_reward             β·KL (k1) moved into the reward (GRPO)
     grpo_epochs2             2 epochs x 2 minibatches: log π_old, ratios away from 1, clipping
+    grpo_minibatches2        1 epoch x 2 minibatches: the second minibatch's ratio against the rollout's π_old
+    gspo                     the sequence-level policy loss (GSPO), 1 epoch x 2 minibatches so its ratio leaves 1
     ppo                      PPO: critic (one warm-up step with the policy frozen), GAE, adaptive β
     sft                      SFTTrainer (a run with an ``sft`` section, built by ``_sft_trainer``, not
                              ``make_trainer``) on SFT_ROWS, the same 40 additions as prompt/completion rows;
                              batch size 2 x 2 micro-batches of gradient accumulation in every step, with
                              different loss-token counts in step 1's two micro-batches (14 and 10)
+    sft_spans                SFT as ``sft`` on SFT_SPAN_ROWS: every completion holds tokens without loss (a
+                             calculator's result, or a second user turn), so loss tokens < completion tokens
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ RUNS: dict[str, dict] = {
     "agg_seq_mean_token_sum_norm": {"algorithm": {"aggregation": "seq-mean-token-sum-norm"}},
     "kl_in_reward": {"algorithm": {"kl_in_reward": True, "kl_estimator": "k1"}},
     "grpo_epochs2": {"algorithm": {"epochs": 2, "minibatches": 2}},
+    "grpo_minibatches2": {"algorithm": {"minibatches": 2}},
+    "gspo": {"algorithm": {"policy_loss": "gspo", "minibatches": 2}},
     "ppo": {
         "algorithm": {
             "name": "ppo", "group_size": 1, "prompts_per_step": 8, "beta": 0.05, "epochs": 2, "minibatches": 2,
@@ -91,6 +97,8 @@ RUNS: dict[str, dict] = {
     },
     # SFT (a run with an "sft" section; built by SFTTrainer on SFT_ROWS): 3 steps of 2 micro-batches of 2.
     "sft": {"sft": {"batch_size": 2, "grad_accum": 2}},
+    # SFT on SFT_SPAN_ROWS: completions with a calculator's result or a second user turn inside, without loss.
+    "sft_spans": {"sft": {"batch_size": 2, "grad_accum": 2}},
 }
 
 # 40 additions, fixed: the runs depend on the trainer, not on the gym's task generators.
@@ -100,6 +108,25 @@ ROWS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(5
 # numbers of loss tokens (a loss averaged per micro-batch then differs from the step's mean).
 SFT_ROWS = [{"prompt": f"What is {a} + {b}?", "completion": str(a + b) if b % 2 == 0 else f"{a} + {b} = {a + b}"}
             for a in range(5) for b in range(8)]
+
+
+def _span_row(a: int, b: int) -> dict:
+    """An SFT row whose completion holds tokens without loss: for even b, a calculator's result (a text
+    completion with ``no_loss_spans`` over ``<result>...</result>``); for odd b, a second user turn between two
+    assistant turns (a conversation)."""
+    if b % 2 == 0:
+        completion = f"<call>{a}+{b}</call><result>{a + b}</result> {a + b}"
+        start = completion.index("<result>")
+        return {"prompt": f"What is {a} + {b}?", "completion": completion,
+                "no_loss_spans": [[start, start + len(f"<result>{a + b}</result>")]]}
+    return {"messages": [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)},
+                         {"role": "user", "content": "Twice that?"}, {"role": "assistant", "content": str(2 * (a + b))}]}
+
+
+# The same additions with untrained spans inside every completion: a loss divided by the completion's length
+# instead of its loss tokens changes the numbers only on rows like these.
+SFT_SPAN_ROWS = [_span_row(a, b) for a in range(5) for b in range(8)]
+SFT_DATASETS = {"sft_spans": SFT_SPAN_ROWS}  # an SFT run's rows when not SFT_ROWS
 
 
 def golden_key() -> str:
@@ -160,7 +187,7 @@ def _sft_trainer(name: str, run_dir: str | Path):
     """The SFT trainer of run ``name`` on ``SFT_ROWS`` (no advantages to record)."""
     from cohortrl.trainers.sft import SFTTrainer
 
-    return SFTTrainer(config(name), run_dir, train_dataset=SFT_ROWS), None
+    return SFTTrainer(config(name), run_dir, train_dataset=SFT_DATASETS.get(name, SFT_ROWS)), None
 
 
 def run(name: str, run_dir: str | Path) -> list[dict]:

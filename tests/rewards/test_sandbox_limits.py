@@ -104,3 +104,19 @@ def test_a_job_gives_its_start_slot_up_after_fast_s_or_when_it_ends():
         assert ended.ok and queued.ok and 0.2 <= queued.queued_s < 0.5, queued.queued_s
     finally:
         sandbox.close()
+
+
+def test_a_job_queued_longer_than_its_own_limit_still_gets_its_whole_limit():
+    """The limit counts from the job's start, not from its arrival: behind a 0.8 s job holding the one start
+    slot, a 0.1 s job with a 0.5 s limit waits longer than its limit in the queue, then runs and succeeds. (A
+    deadline counted from arrival has passed when it starts: it is killed at once as a timeout.)"""
+    sandbox = Sandbox(max_workers=1, fast_s=5.0).start()
+    sleep = "import time\ndef f(s):\n    time.sleep(s)\n    return s\n"
+    try:
+        held, queued = sandbox.run_many([Job(sleep, "f", [[0.8]], timeout_s=3.0), Job(sleep, "f", [[0.1]], timeout_s=0.5)])
+        assert held.ok, held.reason
+        assert queued.queued_s > 0.5, queued.queued_s  # it did wait past its own limit
+        assert queued.ok and queued.calls[0].value == 0.1, queued.reason
+        assert queued.seconds >= 0.1
+    finally:
+        sandbox.close()

@@ -148,6 +148,53 @@ def _plain_logprobs(model, ids, mask, response_ids, temperature):
     return logp_all.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1), entropy
 
 
+def _rollout_ending_early(model, tok):
+    """Two groups of 3 responses of up to 9 tokens, two of them cut short: a random tiny model rarely samples EOS,
+    and rows that ended early put padding after the end into the batch."""
+    torch.manual_seed(0)
+    rollout, _ = generate(model, tok, ROWS, 3, Sampling(temperature=1.0, max_new_tokens=9))
+    for row, end in ((0, 5), (4, 1)):
+        rollout.response_mask[row, end:] = 0
+        rollout.response_ids[row, end:] = tok.pad_token_id
+    return rollout
+
+
+class _OwnHead(torch.nn.Linear):
+    """An LM head that is not a plain ``nn.Linear`` (as a model that changes its logits after the head has, or a
+    DDP-wrapped one): ``response_logprobs`` cannot apply it itself and runs the model's own forward instead."""
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_the_models_own_head_gives_the_full_forwards_logprobs_entropy_and_gradients(share):
+    """The path torchrun's gradient forward takes (DDP: the model's own head, prompts not shared), here in one
+    process: left-padded prompts of two lengths, rows that end early, temperature 0.7."""
+    from cohortrl.rollout.hf import _plain_lm_head
+
+    model, tok = load_model("tiny-llama", seed=3)
+    head = model.get_output_embeddings()
+    own = _OwnHead(head.in_features, head.out_features, bias=False)
+    own.weight = head.weight  # tied, as in the tiny model
+    model.lm_head = own
+    assert _plain_lm_head(model) is None
+    rollout = _rollout_ending_early(model, tok)
+    ids, mask, resp = rollout.input_ids(), rollout.attention_mask(), rollout.response_ids
+    assert (mask[:, 0] == 0).any()  # a left-padded prompt: positions must be rebuilt from the mask
+    m = rollout.response_mask.bool()
+    weights = torch.linspace(-1.0, 2.0, resp.numel()).view_as(resp) * m
+    model.train()
+    results = []
+    for compute in (lambda: _plain_logprobs(model, ids, mask, resp, 0.7),
+                    lambda: response_logprobs(model, ids, mask, resp, temperature=0.7, with_entropy=True, share_prompts=share)):
+        model.zero_grad()
+        logp, entropy = compute()
+        (logp * weights).sum().backward()
+        results.append((logp.detach(), entropy.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    (want_logp, want_entropy, want_grads), (logp, entropy, grads) = results
+    torch.testing.assert_close(logp[m], want_logp[m], rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy[m], want_entropy[m], rtol=0, atol=1e-5)
+    assert want_grads.norm() > 0 and ((grads - want_grads).norm() / want_grads.norm()).item() < 1e-5
+
+
 @pytest.mark.parametrize("probabilities", ["kept", "recomputed"])
 @pytest.mark.parametrize("case", ["full", "lora", "untied_with_bias", "shared_prompts"])
 def test_chunked_head_equals_full_vocabulary_logits_in_value_and_gradient(case, probabilities, monkeypatch):
@@ -169,12 +216,7 @@ def test_chunked_head_equals_full_vocabulary_logits_in_value_and_gradient(case, 
         model.config.tie_word_embeddings = False
     if case == "lora":
         model = lora(model)
-    torch.manual_seed(0)
-    rollout, _ = generate(model, tok, ROWS, 3, Sampling(temperature=1.0, max_new_tokens=9))
-    # rows that ended early (a random tiny model rarely samples EOS): padding after the end is in the batch
-    for row, end in ((0, 5), (4, 1)):
-        rollout.response_mask[row, end:] = 0
-        rollout.response_ids[row, end:] = tok.pad_token_id
+    rollout = _rollout_ending_early(model, tok)
     ids, mask, resp = rollout.input_ids(), rollout.attention_mask(), rollout.response_ids
     m = rollout.response_mask.bool()
     weights = torch.linspace(-1.0, 2.0, resp.numel()).view_as(resp) * m

@@ -1,3 +1,5 @@
+from decimal import Decimal
+
 import pytest
 
 from cohortrl import tasks
@@ -58,6 +60,27 @@ def test_inverse_design_is_checked_by_plugging_back():
     assert family.grade(sample, f"{head}ANSWER: {h * 1.05:.5g} mm").outcome == 0.0  # safe, but not the smallest
     assert family.grade(sample, f"{head}ANSWER: {h:.5g}").outcome == 0.0  # no unit
     assert family.grade(sample, f"{head}ANSWER: {h:.5g} kN").outcome == 0.0
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_inverse_design_band_holds_at_both_edges(index):
+    """The depth's band, rel_tol = 1%: sigma = 6 M / (b h^2) within [allow / 1.01^2, allow * 1.01], i.e.
+    h within [h* / sqrt(1.01), 1.01 h*] for h* = sqrt(6 M / (b allow)). A millionth inside each edge passes and a
+    millionth beyond fails (28 significant digits, so the written value is the intended one)."""
+    family = tasks.get("beam_bending")
+    sample = family.sample(3, seed=0, level=5)[index]
+    m, b, allow = (Decimal(str(sample.extra[k])) for k in ("moment_Nmm", "width_mm", "sigma_allow_MPa"))
+    h_star = (6 * m / (b * allow)).sqrt()
+    slack, eps = Decimal("1.01"), Decimal("1e-6")
+    shallowest, deepest = h_star / slack.sqrt(), h_star * slack
+    head = sample.reference_solution.rsplit("ANSWER:", 1)[0]
+
+    def outcome(h: Decimal) -> float:
+        return family.grade(sample, f"{head}ANSWER: {h:.28g} mm").outcome
+
+    assert outcome(shallowest * (1 + eps)) == 1.0 and outcome(deepest * (1 - eps)) == 1.0
+    assert outcome(shallowest * (1 - eps)) == 0.0  # overstressed by just over 1%
+    assert outcome(deepest * (1 + eps)) == 0.0  # just over 1% deeper than needed
 
 
 def test_references_write_the_choices_as_calculator_expressions():

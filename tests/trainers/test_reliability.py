@@ -131,6 +131,48 @@ def test_resuming_at_an_epoch_boundary_does_the_remaining_steps(tmp_path, tmp_pa
     assert [r["step"] for r in resumed.train()] == [3]
 
 
+def test_a_resume_checkpointed_inside_the_second_epoch_continues_as_the_uninterrupted_run(tmp_path, tmp_path_factory,
+                                                                                         monkeypatch, request):
+    """4 training prompts, 2 per step: the checkpoint after step 3 lies half way through the second epoch, whose
+    order is its own shuffle. The resumed step 4 takes that epoch's other two prompts, in the uninterrupted
+    run's order, and computes its numbers. (A checkpoint at the end of an epoch, as above, hides a resume that
+    restores the position but not the epoch.)"""
+    data = tmp_path_factory.mktemp("d") / "six.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    cfg = tiny_config(data, data={"eval_size": 2}, train={"steps": 4, "checkpoint_every": 3}, eval={"n_prompts": 0})
+    monkeypatch.setattr("cohortrl.trainers.loop.plot_curves", lambda run_dir: None)  # nothing here reads the plots
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the golden runs: a quarter of the time on 2 busy cores
+    request.addfinalizer(lambda: torch.set_num_threads(before))
+
+    def taking(trainer) -> list[list[str]]:
+        """The prompts of each of the trainer's takes from its stream, in order."""
+        taken, take = [], trainer.stream.take
+
+        def recording(n):
+            rows = take(n)
+            taken.append([r["prompt"] for r in rows])
+            return rows
+
+        trainer.stream.take = recording
+        return taken
+
+    full = GRPOTrainer(cfg, tmp_path / "full")
+    full_prompts = taking(full)
+    full_rows = {r["step"]: r for r in full.train() if "loss" in r}
+    GRPOTrainer(cfg, tmp_path / "split").train(steps=3)
+    resumed = GRPOTrainer(cfg, tmp_path / "split", resume=True)
+    assert resumed.stream.state_dict() == {"epoch": 1, "index": 2, "n_rows": 4}
+    resumed_prompts = taking(resumed)
+    resumed_rows = {r["step"]: r for r in resumed.train() if "loss" in r}
+    assert sorted(full_prompts[2] + full_prompts[3]) == sorted(full_prompts[0] + full_prompts[1])  # epoch 2: all 4
+    assert full_prompts[2] != full_prompts[0]  # with its own order (else a lost epoch would not show)
+    assert resumed_prompts == [full_prompts[3]]
+    for key, value in full_rows[4].items():
+        if not key.startswith(VOLATILE):
+            assert resumed_rows[4][key] == pytest.approx(value, abs=1e-6), key
+
+
 # ---------------------------------------------------------------------------------------------- numeric guards
 def nan_policy_loss(trainer):
     inner = trainer.policy_loss

@@ -2,6 +2,7 @@
 hand-computed cross-entropy), the three TRL data formats, bad rows named, exact resume, the CLI, and RL
 (GRPO, PPO) starting from an SFT run's final/ with the SFT model as its KL reference."""
 
+import copy
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from cohortrl.trainers.loop import RunCompleteError
 from cohortrl.trainers.run_dir import RunDirectoryError
 from cohortrl.trainers.ppo import PPOTrainer
 from cohortrl.trainers.sft import SFTTrainer, collate, completion_loss, held_out_row, row_segments, tokenize_example
+from tests.golden.runs import SFT_SPAN_ROWS
 
 REPO = Path(__file__).resolve().parents[2]
 VOLATILE = ("time/", "tokens_per_s", "peak_rss_mb")
@@ -100,6 +102,30 @@ def test_gradient_accumulation_gives_the_whole_batch_mean(tmp_path, cpu_path):
     assert out[0]["tokens"] == out[1]["tokens"]
     assert out[0]["loss"] == pytest.approx(out[1]["loss"], rel=1e-6)
     assert out[0]["grad_norm"] == pytest.approx(out[1]["grad_norm"], rel=1e-5)
+
+
+def test_a_step_divides_by_its_loss_tokens_on_rows_with_untrained_spans(tmp_path):
+    """Rows whose completion holds tokens without loss (a calculator's result; a second user turn between two
+    assistant turns): the step's loss is Σ −log p over the loss tokens divided by their count, worked out here
+    with a plain forward of each example. On rows without such spans a division by the completions' length
+    gives the same number; here it does not."""
+    cfg = sft_config(data={"eval_size": None}, sft={"batch_size": 2, "grad_accum": 2})
+    trainer = SFTTrainer(cfg, tmp_path, train_dataset=SFT_SPAN_ROWS[:4])  # two of each kind
+    model = copy.deepcopy(trainer.model)  # the weights the step computes its loss with
+    taken, take = [], trainer.stream.take
+    trainer.stream.take = lambda n: taken.extend(take(n)) or taken[-n:]
+    row = trainer.step()
+    n_loss = sum(sum(e.loss_mask) for e in taken)
+    assert len(taken) == 4 and n_loss < sum(len(e.completion_ids) for e in taken)  # untrained tokens inside
+    nll = 0.0
+    with torch.no_grad():
+        for e in taken:
+            ids = torch.tensor([e.prompt_ids + e.completion_ids])
+            start = len(e.prompt_ids)
+            per_token = F.cross_entropy(model(input_ids=ids).logits[0, start - 1:-1], ids[0, start:], reduction="none")
+            nll += float((per_token * torch.tensor(e.loss_mask)).sum())
+    assert row["tokens"] == n_loss
+    assert row["loss"] == pytest.approx(nll / n_loss, rel=1e-5)
 
 
 def test_no_loss_spans_exclude_every_token_they_touch(tiny):

@@ -1,13 +1,17 @@
 """The trainer's wiring checked against the step's own tensors, not against itself:
 
 * the advantages a GRPO step trains on are the configured estimator's output on the step's rewards (every
-  registered estimator), and PPO's are GAE on the score − β·KL token rewards and the critic's values, whitened;
+  registered estimator), and PPO's are GAE on the score − β·KL token rewards (plus step rewards under
+  ``reward.process``) and the critic's values, whitened (or not, as configured), across the holes that tool
+  results leave in a response;
+* every update after a step's first (another minibatch or epoch) trains against the rollout's log-probs as π_old;
 * the logged loss is the policy loss plus β·KL, recomputed by hand from the step's log-probs, the reference's
   log-probs (checked against a plain forward of a copy of the initial model) and the advantages, for every
   aggregation mode;
 * the LR of every optimiser step follows the schedule's formula (warm-up, then constant / linear / cosine),
   written out as numbers below, for the policy and PPO's critic, and a resumed run continues it exactly;
-* the weights synced into a (stand-in) vLLM engine are the policy's merged weights, tensor by tensor.
+* the weights synced into a (stand-in) vLLM engine are the policy's merged weights, tensor by tensor, and a
+  resumed run syncs the checkpoint's before its first step samples.
 
 The step's tensors are read by wrapping the trainer's own methods on the instance (``_targets``,
 ``policy_loss``) and by optimiser hooks; nothing in the library is changed.
@@ -32,6 +36,7 @@ from cohortrl.algorithms import (
 from cohortrl.trainers import make_trainer
 from tests.golden.rewards import letter_words, starts_with_letter, starts_with_vowel
 from tests.golden.runs import BASE, PROCESS_REWARD, ROWS, THREADS
+from tests.rollout.test_tools import _says_five as says_five, scripted
 from tests.rollout.test_vllm_backend import FakeVLLM
 
 WEIGHTS = (1.0, 0.5)  # starts_with_letter, starts_with_vowel
@@ -168,45 +173,90 @@ def test_grpo_without_a_kl_term_trains_on_the_policy_loss_alone(tmp_path):
         assert row["loss"] == pytest.approx(row["policy_loss"], rel=1e-6, abs=1e-9)
 
 
-def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path):
-    beta, penalty = 0.05, 0.1
-    trainer = build(tmp_path, algorithm={
-        "name": "ppo", "group_size": 1, "prompts_per_step": 8, "beta": beta, "kl_estimator": "k1",
-        "ppo": {"kl_controller": "fixed", "gamma": 0.9, "lam": 0.8, "missing_eos_penalty": penalty},
-    }, train={"steps": 2})
+def check_ppo_targets(step: dict, beta: float, penalty: float, gamma: float, lam: float, whiten: bool = True,
+                      process_coef: float = 0.0) -> None:
+    """PPO's step ``step`` (from ``record_targets``) trained on GAE of score − β·k1, worked out by hand from its
+    tensors: the score on each response's last token (and ``process_coef`` x each step reward on its step's last
+    token), GAE over the row's response tokens in order (a masked tool result between two of them is skipped, as
+    if absent), whitened over the loss mask (unless ``whiten`` is False: then as they are)."""
+    batch, t = step["batch"], step["targets"]
+    rollout, mask = batch.rollout, batch.rollout.response_mask
+    kl = (step["old_logp"] - step["ref_logp"]) * mask  # k1, by hand
+    assert kl.abs().max() > 1e-3
+    score = step["rewards"] - penalty * rollout.truncated.float()
+    steps = torch.zeros_like(kl)  # process_coef x each step's reward on the step's last token
+    if process_coef:
+        assert batch.step_rewards is not None and any(batch.step_rewards)
+        for i, (scores, ends) in enumerate(zip(batch.step_rewards, batch.step_ends)):
+            for value, end in zip(scores, ends):
+                steps[i, end] += process_coef * value
+    token_rewards = -beta * kl + steps
+    positions = [row.nonzero().flatten().tolist() for row in mask]  # each row's response tokens, holes skipped
+    for i, row in enumerate(positions):
+        token_rewards[i, row[-1]] += score[i]  # the score on the last response token
+    # GAE by hand: δ_t = r_t + γ V_next − V_t (V = 0 after the last token), A_t = δ_t + γλ A_next, where next is
+    # the row's next response token.
+    V = t.old_values * mask
+    adv = torch.zeros_like(V)
+    for i, row in enumerate(positions):
+        running, next_v = 0.0, 0.0
+        for k in reversed(row):
+            running = token_rewards[i, k] + gamma * next_v - V[i, k] + gamma * lam * running
+            adv[i, k], next_v = running, V[i, k]
+    torch.testing.assert_close(t.returns * mask, (adv + V) * mask, rtol=1e-5, atol=1e-6)
+    m = step["loss_mask"].bool()
+    if whiten:
+        adv = (adv - adv[m].mean()) / (adv[m].var() + 1e-8).sqrt()  # masked_whiten: unbiased variance, eps 1e-8
+    torch.testing.assert_close(t.advantages * m, adv * m, rtol=1e-4, atol=1e-5)
+    # sanity of the by-hand path against the library's pieces, so a mistake here is not a test that passes
+    lib = gae_advantages(outcome_token_rewards(score, mask) + steps - beta * masked_fill_padding(
+        kl_penalty(step["old_logp"], step["ref_logp"], "k1"), mask), t.old_values, mask, gamma, lam)[0]
+    lib = masked_whiten(lib, m) if whiten else lib
+    torch.testing.assert_close(t.advantages * m, lib * m, rtol=1e-5, atol=1e-6)
+
+
+PPO_GAE = {"name": "ppo", "group_size": 1, "beta": 0.05, "kl_estimator": "k1",
+           "ppo": {"kl_controller": "fixed", "gamma": 0.9, "lam": 0.8, "missing_eos_penalty": 0.1}}
+
+
+@pytest.mark.parametrize("variant", ["whitened", "unwhitened", "process"])
+def test_ppo_trains_on_whitened_gae_of_the_kl_penalised_rewards_and_the_critics_values(tmp_path, variant):
+    """``ppo.whiten_advantages: false``: the same GAE, not whitened. ``reward.process``: each step's reward,
+    times its coefficient, joins the token rewards on the step's last token."""
+    ppo = {**PPO_GAE["ppo"], "whiten_advantages": variant != "unwhitened"}
+    process = {"reward": {"process": PROCESS_REWARD}} if variant == "process" else {}
+    trainer = build(tmp_path, algorithm={**PPO_GAE, "ppo": ppo, "prompts_per_step": 8}, train={"steps": 2}, **process)
     seen, losses = record_targets(trainer), record_policy_loss(trainer)
     reference = copy.deepcopy(trainer.model)  # the initial policy: what π_ref must be
     trainer.train()
     step = seen[1]  # step 2: the policy has moved, so the KL term is not 0
-    batch, t = step["batch"], step["targets"]
-    rollout, mask = batch.rollout, batch.rollout.response_mask
-    torch.testing.assert_close(step["ref_logp"], plain_logprobs(reference, rollout, 1.0), rtol=1e-4, atol=1e-5)
-    kl = (step["old_logp"] - step["ref_logp"]) * mask  # k1, by hand
-    assert kl.abs().max() > 1e-3
-    score = step["rewards"] - penalty * rollout.truncated.float()
-    last = mask.sum(-1) - 1
-    token_rewards = -beta * kl
-    token_rewards[torch.arange(len(score)), last] += score  # the score on each response's last token
-    # GAE by hand: δ_t = r_t + γ V_{t+1} − V_t (V = 0 after the last token), A_t = δ_t + γλ A_{t+1}.
-    gamma, lam, V = 0.9, 0.8, t.old_values * mask
-    adv = torch.zeros_like(V)
-    for i in range(len(V)):
-        running = 0.0
-        for k in reversed(range(int(last[i]) + 1)):
-            next_v = V[i, k + 1] if k < last[i] else 0.0
-            running = token_rewards[i, k] + gamma * next_v - V[i, k] + gamma * lam * running
-            adv[i, k] = running
-    torch.testing.assert_close(t.returns * mask, (adv + V) * mask, rtol=1e-5, atol=1e-6)
-    m = step["loss_mask"].bool()
-    whitened = (adv - adv[m].mean()) / (adv[m].var() + 1e-8).sqrt()  # masked_whiten: unbiased variance, eps 1e-8
-    torch.testing.assert_close(t.advantages * m, whitened * m, rtol=1e-4, atol=1e-5)
-    # sanity of the by-hand path against the library's pieces, so a mistake here is not a test that passes
-    lib = masked_whiten(gae_advantages(outcome_token_rewards(score, mask) - beta * masked_fill_padding(
-        kl_penalty(step["old_logp"], step["ref_logp"], "k1"), mask), t.old_values, mask, gamma, lam)[0], m)
-    torch.testing.assert_close(t.advantages * m, lib * m, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(step["ref_logp"], plain_logprobs(reference, step["batch"].rollout, 1.0), rtol=1e-4, atol=1e-5)
+    check_ppo_targets(step, beta=0.05, penalty=0.1, gamma=0.9, lam=0.8, whiten=variant != "unwhitened",
+                      process_coef=PROCESS_REWARD["coef"] if variant == "process" else 0.0)
     # one update per step (1 epoch, 1 minibatch): step 2's policy loss is handed exactly those advantages
     assert len(losses) == 2
-    torch.testing.assert_close(losses[1]["advantages"], t.advantages, rtol=0, atol=0)
+    torch.testing.assert_close(losses[1]["advantages"], step["targets"].advantages, rtol=0, atol=0)
+
+
+def test_ppo_gae_skips_the_tool_results_inside_a_response(tmp_path):
+    """A scripted model calls the calculator mid-response, so the response mask has holes where the results
+    were fed (``tests/rollout/test_tools.py``): GAE runs from each model token to the next one across them, the
+    score lands on the last model token, and the holes carry no advantage."""
+    model, tok = scripted({"What is": "x = <call>calculator: 2+3</call>\nANSWER: 5\n"}, bias=10.0)
+    cfg = copy.deepcopy(BASE)
+    cfg.update(algorithm={**PPO_GAE, "prompts_per_step": 4}, sampling={"max_new_tokens": 56},
+               rollout={"tools": ["calculator"]}, train={"steps": 2, "progress": False})
+    trainer = make_trainer(cfg, tmp_path, model=model, tokenizer=tok, reward_funcs=[says_five], train_dataset=ROWS)
+    seen = record_targets(trainer)
+    trainer.train()
+    step = seen[1]  # step 2: the policy has moved, so the KL term is not 0
+    rollout = step["batch"].rollout
+    mask = rollout.response_mask.bool()
+    before_last = mask.flip(-1).long().cumsum(-1).flip(-1) > 0  # at or before each row's last response token
+    holes = rollout.tool_mask.bool() & ~mask & before_last
+    assert holes.any(), "no tool result inside a response: nothing to skip"
+    check_ppo_targets(step, beta=0.05, penalty=0.1, gamma=0.9, lam=0.8)
+    assert not step["targets"].advantages[holes].any()
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -372,6 +422,37 @@ def test_the_weights_synced_into_vllm_are_the_updated_policys_merged_weights(tmp
     assert math.isfinite(sum(float(v.float().abs().sum()) for v in synced.values()))
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_resumed_vllm_run_samples_its_first_step_from_the_checkpoints_weights(tmp_path, monkeypatch, lora):
+    """The engine is built from the model as loaded, before the checkpoint's weights replace it: the first
+    resumed step must sync the engine before it generates, or it samples from the initial policy."""
+    fake = FakeVLLM()
+    monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    sections = dict(sampling={"backend": "vllm", "max_new_tokens": 3}, optim={"lr": 5e-2},
+                    model={"lora": {"enabled": lora, "r": 4, "alpha": 8}})
+    first = build(tmp_path, reward_funcs=[sample_index_is_even], reward_weights=[1.0], **sections)
+    initial = merged_by_peft(first.model)
+    first.train(steps=1)  # checkpoints step 1
+    first.close()
+    checkpointed = merged_by_peft(first.model)
+    assert any(not torch.equal(initial[k], checkpointed[k]) for k in initial), "step 1 did not move the policy"
+
+    resumed = make_trainer(first.cfg, tmp_path, resume=True, reward_funcs=[sample_index_is_even], reward_weights=[1.0],
+                           train_dataset=ROWS)
+    engine = resumed.generator.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    engine.load_weights = lambda items: fake.loaded.append({k: v.detach().clone() for k, v in items})
+    synced_before_generating = []
+    generate = resumed.generator.generate
+    resumed.generator.generate = lambda *a, **kw: synced_before_generating.append(len(fake.loaded)) or generate(*a, **kw)
+    resumed.train(steps=2)
+    resumed.close()
+    assert synced_before_generating == [1], "the resumed run's first step sampled before the engine got the checkpoint"
+    synced = fake.loaded[0]
+    assert sorted(synced) == sorted(checkpointed)
+    for key, value in checkpointed.items():
+        torch.testing.assert_close(synced[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
 # ---------------------------------------------------------------------------------------------- the step's settings
 @pytest.mark.parametrize("setting", ["mask_truncated", "filter", "both"])
 def test_the_loss_mask_keeps_exactly_the_responses_the_settings_train_on(tmp_path, setting):
@@ -433,6 +514,28 @@ def test_old_logprobs_are_computed_exactly_when_an_update_can_be_off_policy(tmp_
     row = trainer.step()
     assert (seen[0]["old_logp"] is not None) == off_policy
     assert row["time/reference"] >= 0  # the phase that computes them (and π_ref's) is timed under its name
+
+
+@pytest.mark.parametrize("epochs, minibatches", [(1, 2), (2, 1)])
+def test_every_update_after_the_first_trains_against_the_rollouts_logprobs(tmp_path, epochs, minibatches):
+    """π_old is the policy that sampled, for every minibatch of every epoch, whichever of the two makes the second
+    update: its ratio is π_θ (moved by the first update) over the rollout's log-probs, not 1. A π_old taken from
+    the current policy unless ``epochs > 1`` (or unless ``minibatches > 1``) passes every run with both."""
+    trainer = build(tmp_path, algorithm={"epochs": epochs, "minibatches": minibatches}, train={"steps": 2})
+    seen, calls = record_targets(trainer), record_policy_loss(trainer)
+    trainer.train()
+    assert len(calls) == 2 * 2  # per step, one call per update (each one micro-batch)
+    moved = 0
+    for s, step in enumerate(seen):
+        old_BT, G = step["old_logp"], 4
+        rows = [old_BT[g * G:(g + 1) * G] for g in range(2)] if minibatches == 2 else [old_BT]  # a group, or all
+        for u, call in enumerate(calls[2 * s:2 * s + 2]):
+            assert any(torch.equal(call["old_logp"], r) for r in rows), \
+                f"step {s + 1} update {u + 1}: π_old is not the rollout's log-probs"
+        second = calls[2 * s + 1]
+        mask = second["response_mask"].bool()
+        moved += bool((second["logp"] - second["old_logp"])[mask].abs().max() > 1e-4)
+    assert moved, "the first update never moved the policy: the ratio of the second would be 1 anyway"
 
 
 def test_reward_functions_see_how_many_steps_are_done(tmp_path):
