@@ -154,7 +154,8 @@ class Dist:
 
         # broadcast_buffers=False: buffers (rotary frequencies) never change, and broadcasting them would make
         # every forward a collective, which ranks with different micro-batch counts could not match.
-        device_ids = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+        device = next(model.parameters()).device
+        device_ids = [device] if device.type == "cuda" else None  # the model's GPU, or None on a CPU
         return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
     @contextlib.contextmanager
@@ -270,18 +271,29 @@ def _fsdp_modules(model) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def from_env(strategy: str = "ddp") -> Dist:
-    """A ``Dist`` for this process: torchrun's (initialising the process group, gloo on CPU, NCCL on GPU) when
-    ``WORLD_SIZE`` is set, else the single-process identity."""
+def process_group_backend(cuda: bool) -> str:
+    """The backend string of the process group: gloo alone without a GPU; with one, gloo for CPU tensors and
+    NCCL for CUDA tensors. NCCL serves only CUDA tensors, and the trainer's own collectives (gathered rows,
+    summed metrics, the largest micro-batch count, the objects) are on small CPU tensors; DDP's and FSDP2's
+    gradients and shards, on the GPU, go through NCCL."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def from_env(strategy: str = "ddp", timeout_s: float = 1800.0) -> Dist:
+    """A ``Dist`` for this process: torchrun's (initialising the process group, ``process_group_backend``, with
+    collectives that wait at most ``timeout_s`` for the other ranks) when ``WORLD_SIZE`` is set, else the
+    single-process identity."""
     if "WORLD_SIZE" not in os.environ:
         return Dist()
+    import datetime
+
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        cuda = torch.cuda.is_available()
+        if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(process_group_backend(cuda), timeout=datetime.timedelta(seconds=timeout_s))
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), launched=True, strategy=strategy)
 
 

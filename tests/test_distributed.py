@@ -23,11 +23,11 @@ VOLATILE = ("time/", "tokens_per_s", "peak_rss_mb")
 RUN_TIMEOUT_S = 600  # a run hung in a collective fails its test after this
 
 
-def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str) -> str:
-    """Run ``cohortrl train`` under torchrun; returns its log (stderr, at INFO level)."""
+def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str, module: str = "cohortrl") -> str:
+    """Run ``cohortrl train`` (through ``module``'s ``__main__``) under torchrun; returns its log (stderr, at INFO level)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "cohortrl", "-v", "train", str(config), "--run-dir", str(run_dir), *extra]
+           "-m", module, "-v", "train", str(config), "--run-dir", str(run_dir), *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
@@ -223,3 +223,16 @@ def test_ranks_with_responses_of_different_lengths_match_one_process(config_path
     calls = [json.loads(line) for line in (tmp_path / "lengths_2.jsonl").read_text().splitlines()]
     widths = {(c["step"], c["rank"]): max(c["lengths"]) for c in calls}
     assert any(widths[(step, 0)] != widths[(step, 1)] for step in (0, 1)), widths
+
+
+def test_a_step_runs_where_the_gpu_backend_serves_only_cuda_tensors(config_path, tmp_path):
+    """As on a GPU machine, where NCCL serves CUDA tensors only: the trainer's own collectives on CPU tensors
+    (gathered rows, summed metrics, the objects) must reach a backend that serves them. ``tests/nccl_standin.py``
+    puts a stand-in for NCCL that refuses CPU tensors as NCCL does; two processes run a whole step (sampling,
+    advantages over the gathered batch, DDP's update, metrics, a checkpoint) within the configured timeout."""
+    log = torchrun(2, config_path, tmp_path / "run", "--steps", "1", "train.device=cpu", "train.dist_timeout_s=123",
+                   module="tests.nccl_standin")
+    assert sorted(re.findall(r"nccl stand-in: rank (\d) of 2, timeout (\S+) s", log)) == [("0", "123"), ("1", "123")], log[-3000:]
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [1] and rows[0]["trained_responses"] == 8
+    assert (tmp_path / "run" / "final").is_dir()

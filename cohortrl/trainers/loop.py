@@ -32,7 +32,7 @@ log = logging.getLogger("cohortrl")
 RESUMABLE_CHANGES = {
     "train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb",
     "train.max_nonfinite_steps", "train.cpu_allocator", "train.reuse_rollout_forward", "train.keep_checkpoints",
-    "reward.timeout_s",
+    "reward.timeout_s", "train.dist_timeout_s",
 }
 # Written into RUN_DIR/final/ with the step it was saved at: a resume can tell a finished run from one
 # killed between its last checkpoint and its final save.

@@ -154,7 +154,7 @@ class RLTrainer(Trainer):
         self._run_claim = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite,
                                         main=os.environ.get("RANK", "0") == "0")
         self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss)  # names already checked by config.validate
-        self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
+        self.dist = distributed.from_env(cfg.train.strategy, cfg.train.dist_timeout_s)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
         # process-wide while held: released by close()
         self._holds_allocator = apply_cpu_allocator(cpu.allocator(cfg.train, self.device))
