@@ -240,7 +240,9 @@ class Dist:
 
 def shard(model) -> None:
     """FSDP2 (``fully_shard``) on each decoder layer, then on the whole (base) model: a layer's parameters are
-    gathered just before it runs and freed after, so no rank ever holds every layer at once."""
+    gathered just before it runs and freed after, so no rank ever holds every layer at once. A model in bf16 /
+    fp16 (``model.dtype``) is sharded with ``mixed_precision_policy``: its trainable parameters kept in float32
+    (each rank's shard is the master copy the optimiser steps), computed in the model's dtype."""
     from torch.distributed.fsdp import fully_shard
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -248,11 +250,28 @@ def shard(model) -> None:
     layers = [m for m in model.modules() if type(m).__name__ in layer_types]
     if not layers:
         raise ValueError(f"train.strategy=fsdp: no decoder layers ({sorted(layer_types) or 'none declared'}) found in {type(base).__name__}")
+    policy = mixed_precision_policy(model)
+    if policy.param_dtype is not None:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.float32)
     for layer in layers:
-        fully_shard(layer)
+        fully_shard(layer, mp_policy=policy)
     # The root is the transformers model itself, not a PEFT wrapper around it: generation calls it directly,
     # and FSDP2 takes the first sharded module that runs as the root of its lazy initialisation.
-    fully_shard(base)
+    fully_shard(base, mp_policy=policy)
+
+
+def mixed_precision_policy(model):
+    """FSDP2's ``MixedPrecisionPolicy`` for a model whose weights are in a 16-bit dtype: parameters all-gathered
+    in that dtype for the forward and backward, gradients reduced over ranks in float32 (a bf16 sum over many
+    ranks loses the low bits each rank contributes). For a float32 model, FSDP2's default: no casts."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {p.dtype for p in model.parameters()} & {torch.bfloat16, torch.float16}
+    if not low:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=low.pop(), reduce_dtype=torch.float32)
 
 
 def held_elements(model) -> tuple[int, int]:

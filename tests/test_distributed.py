@@ -236,3 +236,36 @@ def test_a_step_runs_where_the_gpu_backend_serves_only_cuda_tensors(config_path,
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in rows] == [1] and rows[0]["trained_responses"] == 8
     assert (tmp_path / "run" / "final").is_dir()
+
+
+FSDP2_BF16 = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from cohortrl.config import OptimConfig
+from cohortrl.distributed import shard
+from cohortrl.models import load_model
+from cohortrl.trainers.setup import build_optimizer
+model, _ = load_model("tiny-llama", dtype="bfloat16")
+shard(model)
+held = sorted({{str(p.dtype) for p in model.parameters()}})
+logits = model(input_ids=torch.randint(0, 100, (2, 6))).logits
+logits.float().logsumexp(-1).mean().backward()
+grads = sorted({{str(p.grad.dtype) for p in model.parameters()}})
+print(held, str(logits.dtype), grads, type(build_optimizer(model, OptimConfig())).__name__)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_shards_a_bf16_model_in_float32_and_computes_in_bf16():
+    """``model.dtype: bfloat16`` under FSDP2: each rank's shards (what AdamW steps) in float32, the forward and
+    backward in bf16 (parameters all-gathered in bf16), gradients reduced and kept in float32; the optimiser is
+    plain AdamW on the float32 shards. One process (gloo): what FSDP2 does with the policy does not depend on N."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-c", FSDP2_BF16.format(port=port)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "['torch.float32'] torch.bfloat16 ['torch.float32'] AdamW"

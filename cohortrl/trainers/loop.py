@@ -359,12 +359,15 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step_count)
 
     def _seed_process(self, resume: bool) -> None:
-        """Before any model is built: a resumed run's config checked against its own, the thread count set, and
-        torch's and Python's RNGs seeded from ``train.seed``."""
+        """Before any model is built: a resumed run's config checked against its own, the thread count and (on a
+        GPU) the float32 matmul precision set, and torch's and Python's RNGs seeded from ``train.seed``."""
         if resume:
             self._check_resume_config()
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
+        precision = float32_matmul_precision(self.device, self.cfg.train.tf32)
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)
         torch.manual_seed(self.cfg.train.seed)
         random.seed(self.cfg.train.seed)
 
@@ -377,6 +380,14 @@ class Trainer:
         if differ:
             detail = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
             raise ConfigError(f"--resume with a different config than the run was started with ({detail})")
+
+
+def float32_matmul_precision(device: torch.device, tf32: bool) -> str | None:
+    """``train.tf32`` on a GPU: float32 matrix products in TF32 ("high") or in full float32 ("highest"); None on a
+    CPU, where the setting changes nothing and is left alone."""
+    if device.type != "cuda":
+        return None
+    return "high" if tf32 else "highest"
 
 
 def _check_distributed(cfg: Config, algorithm: str, dist: distributed.Dist) -> None:

@@ -187,7 +187,8 @@ class RLTrainer(Trainer):
         self.optimised: dict[str, Optimised] = {}
         self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
-        self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer)
+        self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer,
+                                                  activation_checkpointing=cfg.train.activation_checkpointing)
         self.model.to(self.device)
         guards.check_run_fits(cfg, self.model, n_train_rows)
         self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None

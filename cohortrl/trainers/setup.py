@@ -14,10 +14,21 @@ from cohortrl.config import ConfigError
 from cohortrl.models import load_model
 
 
-def build_policy(model_cfg, seed: int, model=None, tokenizer=None):
-    """(model, tokenizer): loaded from the spec unless given; wrapped with a LoRA adapter if enabled."""
+def build_policy(model_cfg, seed: int, model=None, tokenizer=None, *, activation_checkpointing: bool = False):
+    """(model, tokenizer): loaded from the spec unless given; wrapped with a LoRA adapter if enabled; with
+    ``activation_checkpointing`` (``train.activation_checkpointing``), each decoder layer recomputes its
+    activations in the backward pass (transformers' gradient checkpointing, active only in training mode with
+    gradients on: generation and the no-grad log-prob passes run as before)."""
     if model is None:
         model, tokenizer = load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed, init=model_cfg.init)
+    if activation_checkpointing:
+        # Non-reentrant checkpointing: gradients reach a LoRA adapter even though the embeddings feeding the
+        # first checkpointed layer are frozen (the reentrant form needs inputs that require grad), and it
+        # composes with FSDP2. transformers 5 renamed the method (the old name warns); 4.x has only the old one.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if model_cfg.lora.enabled:
         from peft import LoraConfig, get_peft_model
         from transformers.pytorch_utils import Conv1D

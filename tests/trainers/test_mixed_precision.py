@@ -5,9 +5,10 @@ float32; activation checkpointing gives the loss and gradients of the plain forw
 import pytest
 import torch
 
-from cohortrl.config import OptimConfig
+from cohortrl.config import LoraConfig, ModelConfig, OptimConfig
 from cohortrl.models import load_model
-from cohortrl.trainers.setup import MasterWeightAdamW, build_optimizer
+from cohortrl.trainers.loop import float32_matmul_precision
+from cohortrl.trainers.setup import MasterWeightAdamW, build_optimizer, build_policy
 from cohortrl.trainers.sft import SFTTrainer
 from tests.trainers.test_sft import sft_config
 
@@ -58,3 +59,50 @@ def test_master_copies_are_checkpointed_in_float32():
 def test_float32_training_keeps_plain_adamw():
     model, _ = load_model("tiny-llama")
     assert type(build_optimizer(model, OptimConfig())) is torch.optim.AdamW
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_gives_the_same_loss_and_gradients():
+    """``train.activation_checkpointing``: each decoder layer's forward runs again in the backward (its MLP counted), and
+    the loss and every gradient equal the plain forward's to float rounding. With LoRA too (the adapter's
+    gradients must pass layers whose inputs, the frozen embeddings, need no gradient)."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (2, 12))
+    for lora in (False, True):
+        results = []
+        for checkpointing in (False, True):
+            torch.manual_seed(1)  # the same initial adapter
+            model, _ = build_policy(ModelConfig(name="tiny-llama", lora=LoraConfig(enabled=lora, r=4)), seed=0,
+                                    activation_checkpointing=checkpointing)
+            layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+            calls = []
+            for layer in layers:
+                layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # inside the checkpointed forward
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+            assert grads and all(g is not None for g in grads.values())
+            results.append((loss.item(), grads, len(calls), len(layers)))
+        (loss0, grads0, calls0, n), (loss1, grads1, calls1, _) = results
+        assert calls0 == n and calls1 == 2 * n, (lora, calls0, calls1, n)
+        assert loss1 == pytest.approx(loss0, rel=1e-6)
+        for name in grads0:
+            torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_tf32_is_set_on_a_gpu_only():
+    assert float32_matmul_precision(torch.device("cuda", 0), tf32=True) == "high"
+    assert float32_matmul_precision(torch.device("cuda"), tf32=False) == "highest"
+    assert float32_matmul_precision(torch.device("cpu"), tf32=True) is None
+
+
+def test_both_trainers_turn_activation_checkpointing_on_from_the_config(tmp_path, addition_jsonl):
+    from tests.trainers.test_grpo import tiny_config
+
+    from cohortrl.trainers.grpo import GRPOTrainer
+
+    for on in (False, True):
+        sft = SFTTrainer(sft_config(train={"activation_checkpointing": on}), tmp_path / f"sft{on}")
+        grpo = GRPOTrainer(tiny_config(addition_jsonl, train={"activation_checkpointing": on}), tmp_path / f"grpo{on}")
+        assert sft.model.is_gradient_checkpointing == grpo.model.is_gradient_checkpointing == on
+        sft.close()
+        grpo.close()
