@@ -403,6 +403,11 @@ def _check_distributed(cfg: Config, algorithm: str, dist: distributed.Dist) -> N
             "config key 'reward.process.name' = 'implicit_prm': not supported under torchrun yet (each rank would "
             "train its own implicit PRM); run it in one process"
         )
+    if cfg.sampling.backend == "vllm":
+        raise ConfigError(
+            "config key 'sampling.backend' = 'vllm': not supported under torchrun yet (each rank would start its own "
+            "engine, and FSDP2 would hand it sharded weights); run it in one process, or use sampling.backend=hf under torchrun"
+        )
     if algorithm != "grpo" and cfg.train.strategy == "fsdp":
         raise ConfigError(
             "config key 'train.strategy' = 'fsdp': PPO's critic is not sharded yet; use train.strategy=ddp for PPO"
