@@ -128,3 +128,24 @@ def test_vllm_under_torchrun_is_refused_in_one_line(addition_jsonl):
                                           r"run it in one process, or use sampling.backend=hf under torchrun$"):
         _check_distributed(cfg, "grpo", Dist(rank=0, world=2, launched=True))
     _check_distributed(tiny_config(addition_jsonl), "grpo", Dist(rank=0, world=2, launched=True))
+
+
+def record_syncs(monkeypatch) -> list[dict[str, torch.Tensor]]:
+    """Each weight sync's tensors by name, as the engine's workers received them: a spy on the worker extension's
+    method (which runs inside the stand-in's engine, after the process boundary), one dict per ``sync_weights``."""
+    from cohortrl.rollout.vllm import WeightSyncExtension
+
+    syncs: list[dict] = []
+    load, sync = WeightSyncExtension.cohortrl_load_weights, VLLMGenerator.sync_weights
+
+    def recording_load(worker, weights):
+        syncs[-1].update({name: value.clone() for name, value in weights})
+        return load(worker, weights)
+
+    def recording_sync(generator, model):
+        syncs.append({})
+        return sync(generator, model)
+
+    monkeypatch.setattr(WeightSyncExtension, "cohortrl_load_weights", recording_load)
+    monkeypatch.setattr(VLLMGenerator, "sync_weights", recording_sync)
+    return syncs

@@ -11,11 +11,12 @@ What it keeps of vLLM (V1, the version the ``vllm`` extra pins):
   qualified name, mixed into the worker's bases), where ``self.model_runner.model.load_weights`` takes
   (name, tensor) pairs;
 * ``LLM.generate(prompts, SamplingParams, use_tqdm=...)`` samples ``n`` completions per ``prompt_token_ids``
-  with temperature, stopping at EOS or ``max_tokens``; each position's ``logprobs`` maps the sampled token to a
+  with temperature, stopping at EOS, a stop string or ``max_tokens``; each position's ``logprobs`` maps the sampled token to a
   ``Logprob``; ``reset_prefix_cache()`` exists.
 
 It samples with plain transformers on the CPU, one token at a time without a cache: slow, but only tiny models
-use it. Top-p, top-k, stop strings and min_tokens are not implemented (refused where they would change a sample)."""
+use it. A stop string ends a sample at the token that completes it (``finish_reason`` "stop"). Top-p, top-k and
+min_tokens are not implemented (refused where they would change a sample)."""
 
 from __future__ import annotations
 
@@ -123,8 +124,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams, use_tqdm=True):
         p = sampling_params
-        if p.top_p != 1.0 or p.top_k not in (0, -1) or p.stop or p.min_tokens:
-            raise NotImplementedError("the stand-in samples with temperature only")
+        if p.top_p != 1.0 or p.top_k not in (0, -1) or p.min_tokens:
+            raise NotImplementedError("the stand-in samples with temperature and stop strings only")
         model = self.__worker.model_runner.model.hf
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
@@ -143,11 +144,15 @@ class LLM:
                     value = (processed if self.logprobs_mode == "processed_logprobs" else raw)[token].item()
                     logprobs.append({token: Logprob(value, rank=1)})
                     ids.append(token)
-                    if token in eos:
+                    text = self.__tokenizer.decode(ids[len(request.prompt_token_ids):], skip_special_tokens=True)
+                    found = [(text.index(s), s) for s in p.stop or [] if s in text]
+                    if token in eos or found:
                         finish = "stop"
                         break
                 response = ids[len(request.prompt_token_ids):]
-                text = self.__tokenizer.decode(response, skip_special_tokens=True)
+                if found:  # the text ends at the first stop string, kept or not as asked
+                    at, stop = min(found)
+                    text = text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
                 request.outputs.append(CompletionOutput(j, text, response,
                                                         sum(lp[t].logprob for lp, t in zip(logprobs, response)), logprobs, finish))
             outputs.append(request)
