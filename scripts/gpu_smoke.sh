@@ -52,12 +52,12 @@ fsdp_save_resume() {
 }
 export -f train fsdp_save_resume
 
-check collectives 90 '$TORCHRUN scripts/gpu_smoke.py collectives "$WORK"'
-check torchrun_train 120 'train one --steps 2 && echo "PASS torchrun_train: 2 GRPO steps, a checkpoint and final/ under a 1-process torchrun"'
-check bf16_full 90 '"$PY" scripts/gpu_smoke.py bf16_full "$WORK"'
-check lora 90 '"$PY" scripts/gpu_smoke.py lora "$WORK"'
-check fsdp_save_resume 180 fsdp_save_resume
-check vllm 180 '"$PY" scripts/gpu_smoke.py vllm "$WORK"'
+check collectives 60 '$TORCHRUN scripts/gpu_smoke.py collectives "$WORK"'
+check torchrun_train 70 'train one --steps 2 && echo "PASS torchrun_train: 2 GRPO steps, a checkpoint and final/ under a 1-process torchrun"'
+check bf16_full 60 '"$PY" scripts/gpu_smoke.py bf16_full "$WORK"'
+check lora 60 '"$PY" scripts/gpu_smoke.py lora "$WORK"'
+check fsdp_save_resume 100 fsdp_save_resume
+check vllm 120 '"$PY" scripts/gpu_smoke.py vllm "$WORK"'
 
 echo "$FAILED failed, $((SECONDS - START)) s in all (logs in $WORK)"
 exit $((FAILED > 0))
