@@ -262,6 +262,29 @@ def shard(model) -> None:
     fully_shard(base, mp_policy=policy)
 
 
+def sharded_frozen_copy(model, dtype: torch.dtype):
+    """A frozen copy of an FSDP2-sharded (plain, not PEFT) ``model``, sharded the same way, made shard by shard: the
+    copy is built on the meta device (no memory), in ``dtype`` (the model's own before ``shard`` kept its trainable
+    shards in float32), sharded, given storage for this rank's shards only, and each shard copied from the
+    model's. No rank ever holds the copy whole (``copy.deepcopy`` before sharding would put a second full model
+    on every rank). Buffers (rotary frequencies), which FSDP2 leaves whole, are copied whole."""
+    originals = dict(model.named_parameters())
+    with torch.device("meta"):
+        copy = type(model)(model.config)
+    copy.to(dtype).eval().requires_grad_(False)
+    shard(copy)
+    device = next(iter(originals.values())).device
+    copy.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in copy.named_parameters():
+            src = originals[name]
+            local = src.to_local() if hasattr(src, "to_local") else src
+            p.to_local().copy_(local)
+        for name, b in copy.named_buffers():
+            b.copy_(model.get_buffer(name))
+    return copy
+
+
 def mixed_precision_policy(model):
     """FSDP2's ``MixedPrecisionPolicy`` for a model whose weights are in a 16-bit dtype: parameters all-gathered
     in that dtype for the forward and backward, gradients reduced over ranks in float32 (a bf16 sum over many

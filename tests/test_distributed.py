@@ -100,7 +100,7 @@ def runs(tmp_path_factory, config_path):
     root, path = tmp_path_factory.mktemp("ddp"), config_path
     torchrun(1, path, root / "one")
     (root / "two.log").write_text(torchrun(2, path, root / "two", "--steps", "2"))
-    (root / "fsdp.log").write_text(torchrun(2, path, root / "fsdp", "--steps", "2", "train.strategy=fsdp"))
+    (root / "fsdp.log").write_text(torchrun(2, path, root / "fsdp", "--steps", "2", "train.strategy=fsdp", module="tests.deepcopy_spy"))
     return root, path
 
 
@@ -145,6 +145,10 @@ def test_ddp_gives_each_rank_the_whole_model_and_fsdp2_a_share(runs):
         (h0, t0), (h1, t1) = fsdp[0, f"fsdp {model}"], fsdp[1, f"fsdp {model}"]
         assert t0 == t1 == ddp[0, f"ddp {model}"][1] and h0 + h1 == t0
         assert max(h0, h1) < 0.6 * t0, (model, h0, h1, t0)
+    # FSDP2's reference is made shard by shard from the sharded policy: no rank copies a model whole
+    # (tests/deepcopy_spy.py reports every deep copy of a module in the FSDP2 run's log)
+    copies = re.findall(r"^deepcopy: (\w+) (\d+) parameter elements$", (root / "fsdp.log").read_text(), re.MULTILINE)
+    assert not [c for c in copies if int(c[1]) >= fsdp[0, "fsdp policy"][1] // 2], copies
 
 
 def test_fsdp2_sharded_over_two_processes_computes_the_same_update(runs, tmp_path):

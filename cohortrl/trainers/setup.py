@@ -60,9 +60,10 @@ class Reference:
     """π_ref for the KL term: a frozen copy of the initial policy or, with LoRA, the policy itself with its
     adapter disabled (the base weights never change, so no second copy is needed)."""
 
-    def __init__(self, policy, lora: bool):
+    def __init__(self, policy, lora: bool, frozen_copy: bool = True):
+        """``frozen_copy=False``: the caller sets ``model`` itself (under FSDP2, from the sharded policy)."""
         self.lora = lora
-        self.model = None if lora else copy.deepcopy(policy).eval().requires_grad_(False)
+        self.model = copy.deepcopy(policy).eval().requires_grad_(False) if frozen_copy and not lora else None
         self.policy = policy
 
     @contextmanager
