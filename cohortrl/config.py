@@ -393,6 +393,20 @@ class TrainConfig:
     """Under torchrun: ``ddp`` (a full replica of the policy per process, gradients all-reduced) or ``fsdp``
     (FSDP2: parameters, gradients and optimiser state sharded over processes, for models that do not fit one
     device). Ignored in a single process."""
+    dist_timeout_s: float = 1800.0
+    """Under torchrun: how long a collective waits for the other ranks before the run stops with an error.
+    Rank 0 alone evaluates and writes checkpoints while the others wait, which for a large model can pass
+    NCCL's own default of 10 minutes; a rank that died is noticed after this long. Ignored in a single process."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (transformers'
+    gradient checkpointing on the policy): the update's activation memory falls from one layer's worth per layer
+    to about one layer's, for about a third more compute in the update. The same loss and gradients, to float
+    rounding."""
+    tf32: bool = True
+    """On a GPU, float32 matrix products in TF32 (``torch.set_float32_matmul_precision("high")``): several times
+    faster on Ampere and later GPUs, with a 10-bit mantissa in the products' inputs (accumulation stays float32).
+    Applies where float32 is kept: ``model.dtype: float32`` and the float32 master weights of bfloat16 training.
+    Ignored on a CPU."""
     device: str = "auto"
     """Where the models run: ``auto`` (a GPU if PyTorch sees one, under torchrun ``cuda:LOCAL_RANK``),
     ``cpu``, ``cuda`` or ``cuda:N``."""
@@ -774,6 +788,7 @@ def validate(cfg: Config) -> None:
     _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0 keeps all)")
     _require(all(n >= 1 for n in t.trace_steps), "train.trace_steps", t.trace_steps,
              "steps are counted from 1 (the first step is 1, as in metrics.jsonl)")
+    _require(t.dist_timeout_s > 0, "train.dist_timeout_s", t.dist_timeout_s, "must be > 0 (seconds)")
     _require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps, "must be >= 0 (0: never stop)")
     for key in ("cpu_linear", "cpu_allocator"):
         _require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system"),

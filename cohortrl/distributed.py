@@ -154,7 +154,8 @@ class Dist:
 
         # broadcast_buffers=False: buffers (rotary frequencies) never change, and broadcasting them would make
         # every forward a collective, which ranks with different micro-batch counts could not match.
-        device_ids = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+        device = next(model.parameters()).device
+        device_ids = [device] if device.type == "cuda" else None  # the model's GPU, or None on a CPU
         return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
     @contextlib.contextmanager
@@ -239,7 +240,9 @@ class Dist:
 
 def shard(model) -> None:
     """FSDP2 (``fully_shard``) on each decoder layer, then on the whole (base) model: a layer's parameters are
-    gathered just before it runs and freed after, so no rank ever holds every layer at once."""
+    gathered just before it runs and freed after, so no rank ever holds every layer at once. A model in bf16 /
+    fp16 (``model.dtype``) is sharded with ``mixed_precision_policy``: its trainable parameters kept in float32
+    (each rank's shard is the master copy the optimiser steps), computed in the model's dtype."""
     from torch.distributed.fsdp import fully_shard
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -247,11 +250,51 @@ def shard(model) -> None:
     layers = [m for m in model.modules() if type(m).__name__ in layer_types]
     if not layers:
         raise ValueError(f"train.strategy=fsdp: no decoder layers ({sorted(layer_types) or 'none declared'}) found in {type(base).__name__}")
+    policy = mixed_precision_policy(model)
+    if policy.param_dtype is not None:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.float32)
     for layer in layers:
-        fully_shard(layer)
+        fully_shard(layer, mp_policy=policy)
     # The root is the transformers model itself, not a PEFT wrapper around it: generation calls it directly,
     # and FSDP2 takes the first sharded module that runs as the root of its lazy initialisation.
-    fully_shard(base)
+    fully_shard(base, mp_policy=policy)
+
+
+def sharded_frozen_copy(model, dtype: torch.dtype):
+    """A frozen copy of an FSDP2-sharded (plain, not PEFT) ``model``, sharded the same way, made shard by shard: the
+    copy is built on the meta device (no memory), in ``dtype`` (the model's own before ``shard`` kept its trainable
+    shards in float32), sharded, given storage for this rank's shards only, and each shard copied from the
+    model's. No rank ever holds the copy whole (``copy.deepcopy`` before sharding would put a second full model
+    on every rank). Buffers (rotary frequencies), which FSDP2 leaves whole, are copied whole."""
+    originals = dict(model.named_parameters())
+    with torch.device("meta"):
+        copy = type(model)(model.config)
+    copy.to(dtype).eval().requires_grad_(False)
+    shard(copy)
+    device = next(iter(originals.values())).device
+    copy.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in copy.named_parameters():
+            src = originals[name]
+            local = src.to_local() if hasattr(src, "to_local") else src
+            p.to_local().copy_(local)
+        for name, b in copy.named_buffers():
+            b.copy_(model.get_buffer(name))
+    return copy
+
+
+def mixed_precision_policy(model):
+    """FSDP2's ``MixedPrecisionPolicy`` for a model whose weights are in a 16-bit dtype: parameters all-gathered
+    in that dtype for the forward and backward, gradients reduced over ranks in float32 (a bf16 sum over many
+    ranks loses the low bits each rank contributes). For a float32 model, FSDP2's default: no casts."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {p.dtype for p in model.parameters()} & {torch.bfloat16, torch.float16}
+    if not low:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=low.pop(), reduce_dtype=torch.float32)
 
 
 def held_elements(model) -> tuple[int, int]:
@@ -270,18 +313,29 @@ def _fsdp_modules(model) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def from_env(strategy: str = "ddp") -> Dist:
-    """A ``Dist`` for this process: torchrun's (initialising the process group, gloo on CPU, NCCL on GPU) when
-    ``WORLD_SIZE`` is set, else the single-process identity."""
+def process_group_backend(cuda: bool) -> str:
+    """The backend string of the process group: gloo alone without a GPU; with one, gloo for CPU tensors and
+    NCCL for CUDA tensors. NCCL serves only CUDA tensors, and the trainer's own collectives (gathered rows,
+    summed metrics, the largest micro-batch count, the objects) are on small CPU tensors; DDP's and FSDP2's
+    gradients and shards, on the GPU, go through NCCL."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def from_env(strategy: str = "ddp", timeout_s: float = 1800.0) -> Dist:
+    """A ``Dist`` for this process: torchrun's (initialising the process group, ``process_group_backend``, with
+    collectives that wait at most ``timeout_s`` for the other ranks) when ``WORLD_SIZE`` is set, else the
+    single-process identity."""
     if "WORLD_SIZE" not in os.environ:
         return Dist()
+    import datetime
+
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        cuda = torch.cuda.is_available()
+        if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(process_group_backend(cuda), timeout=datetime.timedelta(seconds=timeout_s))
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), launched=True, strategy=strategy)
 
 

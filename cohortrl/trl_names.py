@@ -49,6 +49,7 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
     "scale_rewards": ("algorithm.estimator", "group (true) is grpo, batch is grpo_batch, none (false) is dr_grpo"),
     "importance_sampling_level": ("algorithm.policy_loss", "token is clip, sequence is gspo"),
     "bf16": ("model.dtype", "true is bfloat16"),
+    "gradient_checkpointing": ("train.activation_checkpointing", ""),
     "reward_weights": ("reward.functions", "each function's weight; or reward_weights= on the trainer"),
     "output_dir": ("run_dir", "the trainer's run_dir= argument, --run-dir on the command line"),
 }
@@ -58,7 +59,7 @@ _DIRECT = {
     "num_generations", "learning_rate", "max_completion_length", "max_prompt_length", "beta", "epsilon", "epsilon_high",
     "temperature", "top_p", "top_k", "num_iterations", "max_steps", "seed", "warmup_steps", "weight_decay",
     "max_grad_norm", "save_steps", "eval_steps", "per_device_eval_batch_size", "vllm_gpu_memory_utilization",
-    "mask_truncated_completions",
+    "mask_truncated_completions", "gradient_checkpointing",
 }
 _LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 _SCALE_REWARDS = {"group": "grpo", True: "grpo", "batch": "grpo_batch", "none": "dr_grpo", False: "dr_grpo"}

@@ -23,11 +23,11 @@ VOLATILE = ("time/", "tokens_per_s", "peak_rss_mb")
 RUN_TIMEOUT_S = 600  # a run hung in a collective fails its test after this
 
 
-def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str) -> str:
-    """Run ``cohortrl train`` under torchrun; returns its log (stderr, at INFO level)."""
+def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str, module: str = "cohortrl") -> str:
+    """Run ``cohortrl train`` (through ``module``'s ``__main__``) under torchrun; returns its log (stderr, at INFO level)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "cohortrl", "-v", "train", str(config), "--run-dir", str(run_dir), *extra]
+           "-m", module, "-v", "train", str(config), "--run-dir", str(run_dir), *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
@@ -100,7 +100,7 @@ def runs(tmp_path_factory, config_path):
     root, path = tmp_path_factory.mktemp("ddp"), config_path
     torchrun(1, path, root / "one")
     (root / "two.log").write_text(torchrun(2, path, root / "two", "--steps", "2"))
-    (root / "fsdp.log").write_text(torchrun(2, path, root / "fsdp", "--steps", "2", "train.strategy=fsdp"))
+    (root / "fsdp.log").write_text(torchrun(2, path, root / "fsdp", "--steps", "2", "train.strategy=fsdp", module="tests.deepcopy_spy"))
     return root, path
 
 
@@ -145,6 +145,10 @@ def test_ddp_gives_each_rank_the_whole_model_and_fsdp2_a_share(runs):
         (h0, t0), (h1, t1) = fsdp[0, f"fsdp {model}"], fsdp[1, f"fsdp {model}"]
         assert t0 == t1 == ddp[0, f"ddp {model}"][1] and h0 + h1 == t0
         assert max(h0, h1) < 0.6 * t0, (model, h0, h1, t0)
+    # FSDP2's reference is made shard by shard from the sharded policy: no rank copies a model whole
+    # (tests/deepcopy_spy.py reports every deep copy of a module in the FSDP2 run's log)
+    copies = re.findall(r"^deepcopy: (\w+) (\d+) parameter elements$", (root / "fsdp.log").read_text(), re.MULTILINE)
+    assert not [c for c in copies if int(c[1]) >= fsdp[0, "fsdp policy"][1] // 2], copies
 
 
 def test_fsdp2_sharded_over_two_processes_computes_the_same_update(runs, tmp_path):
@@ -223,3 +227,49 @@ def test_ranks_with_responses_of_different_lengths_match_one_process(config_path
     calls = [json.loads(line) for line in (tmp_path / "lengths_2.jsonl").read_text().splitlines()]
     widths = {(c["step"], c["rank"]): max(c["lengths"]) for c in calls}
     assert any(widths[(step, 0)] != widths[(step, 1)] for step in (0, 1)), widths
+
+
+def test_a_step_runs_where_the_gpu_backend_serves_only_cuda_tensors(config_path, tmp_path):
+    """As on a GPU machine, where NCCL serves CUDA tensors only: the trainer's own collectives on CPU tensors
+    (gathered rows, summed metrics, the objects) must reach a backend that serves them. ``tests/nccl_standin.py``
+    puts a stand-in for NCCL that refuses CPU tensors as NCCL does; two processes run a whole step (sampling,
+    advantages over the gathered batch, DDP's update, metrics, a checkpoint) within the configured timeout."""
+    log = torchrun(2, config_path, tmp_path / "run", "--steps", "1", "train.device=cpu", "train.dist_timeout_s=123",
+                   module="tests.nccl_standin")
+    assert sorted(re.findall(r"nccl stand-in: rank (\d) of 2, timeout (\S+) s", log)) == [("0", "123"), ("1", "123")], log[-3000:]
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [1] and rows[0]["trained_responses"] == 8
+    assert (tmp_path / "run" / "final").is_dir()
+
+
+FSDP2_BF16 = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from cohortrl.config import OptimConfig
+from cohortrl.distributed import shard
+from cohortrl.models import load_model
+from cohortrl.trainers.setup import build_optimizer
+model, _ = load_model("tiny-llama", dtype="bfloat16")
+shard(model)
+held = sorted({{str(p.dtype) for p in model.parameters()}})
+logits = model(input_ids=torch.randint(0, 100, (2, 6))).logits
+logits.float().logsumexp(-1).mean().backward()
+grads = sorted({{str(p.grad.dtype) for p in model.parameters()}})
+print(held, str(logits.dtype), grads, type(build_optimizer(model, OptimConfig())).__name__)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_shards_a_bf16_model_in_float32_and_computes_in_bf16():
+    """``model.dtype: bfloat16`` under FSDP2: each rank's shards (what AdamW steps) in float32, the forward and
+    backward in bf16 (parameters all-gathered in bf16), gradients reduced and kept in float32; the optimiser is
+    plain AdamW on the float32 shards. One process (gloo): what FSDP2 does with the policy does not depend on N."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-c", FSDP2_BF16.format(port=port)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "['torch.float32'] torch.bfloat16 ['torch.float32'] AdamW"

@@ -1,4 +1,4 @@
-"""Generation with vLLM (GPU only): a colocated engine in the trainer's process, weights synced after updates.
+"""Generation with vLLM (GPU only): a colocated engine beside the trainer, weights synced after updates.
 
 ``sampling.backend: vllm`` swaps this in for ``rollout.hf.generate``; the trainer does not know which backend
 it has beyond one difference: vLLM returns the log-probability of every sampled token under *its* numerics
@@ -6,12 +6,29 @@ it has beyond one difference: vLLM returns the log-probability of every sampled 
 its own forward pass and corrects the mismatch with truncated importance sampling
 (``algorithms.truncated_importance_weights``).
 
-Weight sync: after each optimiser step the policy's weights are written into the engine's model with the
-model's own ``load_weights``; a LoRA policy is merged on the fly (W + B·A·α/r, computed from the adapter's
-tensors, without touching the training model), so the engine always serves one plain set of weights.
+Only vLLM's public interfaces are used (the ``vllm`` extra pins the version, see ``pyproject.toml``):
+
+* the engine is ``vllm.LLM`` with ``logprobs_mode="processed_logprobs"``: the log-probs of the distribution
+  actually sampled from, after temperature (vLLM V1's default, ``raw_logprobs``, is before temperature, while
+  the trainer's log π_old divides the logits by the temperature, so at T ≠ 1 every importance weight would be
+  biased). Top-p and top-k are applied too; the trainer's log π_old does not truncate, so with
+  ``sampling.top_p`` < 1 or ``top_k`` > 0 the weights carry that difference as well;
+* weight sync is ``LLM.collective_rpc``, vLLM's call into its workers, on a method this module mixes into
+  each worker through the engine argument ``worker_extension_cls`` (``WeightSyncExtension``; vLLM's RLHF
+  examples use the same hook). It works whether vLLM V1 runs its engine in a subprocess (its default) or in
+  the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The weights travel as CPU tensors, in buckets
+  of ``SYNC_BUCKET_BYTES``, because the engine process receives them serialised (a CUDA tensor cannot be);
+  a step's sync therefore copies the model to host memory and back once.
+
+After each optimiser step the policy's weights go to the engine; a LoRA policy is merged on the fly
+(W + B·A·α/r, computed from the adapter's tensors, without touching the training model), so the engine always
+serves one plain set of weights.
+
+Under torchrun this backend is refused when the run starts (``trainers/loop.py``): each rank would start its own
+engine, and FSDP2 would hand it sharded weights.
 
 Not run in this repository's CI (no GPU, no vLLM); tests exercise this file against a stand-in ``vllm``
-module (``tests/rollout/test_vllm_backend.py``).
+module with the same public interface (``tests/rollout/vllm_standin.py``).
 """
 
 from __future__ import annotations
@@ -69,25 +86,30 @@ def _plain_name(key: str) -> str:
     return key.replace(".base_layer.", ".")
 
 
-def _engine_model(llm):
-    """The torch model inside a colocated engine (the attribute path differs between vLLM versions)."""
-    paths = (
-        "llm_engine.model_executor.driver_worker.model_runner.model",  # V0 engine
-        "llm_engine.model_executor.driver_worker.worker.model_runner.model",  # V1, in-process executor
-    )
-    for path in paths:
-        obj = llm
-        try:
-            for attr in path.split("."):
-                obj = getattr(obj, attr)
-            return obj
-        except AttributeError:
-            continue
-    raise VLLMUnavailable(
-        "cannot reach the model inside this vLLM engine to sync weights (tried "
-        + ", ".join(paths)
-        + "); set VLLM_ENABLE_V1_MULTIPROCESSING=0 for a colocated engine, or pin a vLLM version listed in docs/distributed.md"
-    )
+SYNC_BUCKET_BYTES = 1 << 29  # 512 MiB of weights per collective_rpc call: bounds the serialised copy in flight
+
+
+class WeightSyncExtension:
+    """Mixed into each vLLM worker (``LLM(worker_extension_cls=...)``): ``self`` is the worker, and its
+    ``model_runner.model`` the engine's model, whose ``load_weights`` takes (Hugging Face name, tensor) pairs."""
+
+    def cohortrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        self.model_runner.model.load_weights(weights=weights)
+        return len(weights)
+
+
+def weight_buckets(state: dict[str, torch.Tensor], bucket_bytes: int = SYNC_BUCKET_BYTES) -> list[list[tuple[str, torch.Tensor]]]:
+    """The (name, CPU tensor) pairs of ``state`` in consecutive buckets of at most ``bucket_bytes`` (a tensor
+    larger than that is a bucket of its own)."""
+    buckets, bucket, size = [], [], 0
+    for name, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append((name, value.detach().to("cpu").contiguous()))
+        size += nbytes
+    return buckets + ([bucket] if bucket else [])
 
 
 class VLLMGenerator:
@@ -104,12 +126,15 @@ class VLLMGenerator:
         self.llm = vllm.LLM(
             model=self._dir.name, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
             max_model_len=max_model_len, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}",
         )
 
     def sync_weights(self, model) -> None:
-        _engine_model(self.llm).load_weights(merged_state_dict(model).items())
-        if hasattr(self.llm, "reset_prefix_cache"):  # cached prefixes were computed with the old weights
-            self.llm.reset_prefix_cache()
+        """The policy's current weights (merged, for LoRA) into every worker of the engine."""
+        for bucket in weight_buckets(merged_state_dict(model)):
+            self.llm.collective_rpc("cohortrl_load_weights", args=(bucket,))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def generate(self, rows: list[dict], group_size: int, sampling, *, system_prompt=None, max_prompt_tokens=512,
                  overlong_prompts="reject", seed: int | None = None):
@@ -154,4 +179,4 @@ class VLLMGenerator:
         return rollout, n_truncated
 
 
-__all__ = ["VLLMGenerator", "VLLMUnavailable", "merged_state_dict"]
+__all__ = ["VLLMGenerator", "VLLMUnavailable", "WeightSyncExtension", "merged_state_dict", "weight_buckets"]

@@ -85,12 +85,22 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """torch's CPU generator, Python's, and on a GPU machine each visible GPU's (dropout and any sampling on the
+    GPU draw from those)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()  # one state per visible GPU
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])  # torch.load gives back the tuples random.getstate() made
+    # A checkpoint written without a GPU (or before GPU states were kept) has none; resumed on a machine with
+    # another number of GPUs, the GPUs both runs had get theirs back.
+    if "cuda" in state and torch.cuda.is_available():
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
 
 
 def tensor_bytes(obj) -> int:

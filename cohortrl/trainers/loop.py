@@ -33,7 +33,7 @@ progress = logging.getLogger("cohortrl.progress")  # shown on stderr by the CLI
 RESUMABLE_CHANGES = {
     "train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb",
     "train.max_nonfinite_steps", "train.cpu_allocator", "train.reuse_rollout_forward", "train.keep_checkpoints",
-    "train.trace_steps", "reward.timeout_s",
+    "train.trace_steps", "reward.timeout_s", "train.dist_timeout_s",
 }
 FINAL_MARKER = checkpoint.FINAL_MARKER
 
@@ -388,12 +388,15 @@ class Trainer:
             progress.info("resuming the run in %s from step %d (%s)", self.run_dir, self.step_count, path)
 
     def _seed_process(self, resume: bool) -> None:
-        """Before any model is built: a resumed run's config checked against its own, the thread count set, and
-        torch's and Python's RNGs seeded from ``train.seed``."""
+        """Before any model is built: a resumed run's config checked against its own, the thread count and (on a
+        GPU) the float32 matmul precision set, and torch's and Python's RNGs seeded from ``train.seed``."""
         if resume:
             self._check_resume_config()
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
+        precision = float32_matmul_precision(self.device, self.cfg.train.tf32)
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)
         torch.manual_seed(self.cfg.train.seed)
         random.seed(self.cfg.train.seed)
 
@@ -408,6 +411,14 @@ class Trainer:
             raise ConfigError(f"--resume with a different config than the run was started with ({detail})")
 
 
+def float32_matmul_precision(device: torch.device, tf32: bool) -> str | None:
+    """``train.tf32`` on a GPU: float32 matrix products in TF32 ("high") or in full float32 ("highest"); None on a
+    CPU, where the setting changes nothing and is left alone."""
+    if device.type != "cuda":
+        return None
+    return "high" if tf32 else "highest"
+
+
 def _check_distributed(cfg: Config, algorithm: str, dist: distributed.Dist) -> None:
     """Settings torchrun cannot run as asked: refused before any model loads."""
     a = cfg.algorithm
@@ -420,6 +431,11 @@ def _check_distributed(cfg: Config, algorithm: str, dist: distributed.Dist) -> N
         raise ConfigError(
             "config key 'reward.process.name' = 'implicit_prm': not supported under torchrun yet (each rank would "
             "train its own implicit PRM); run it in one process"
+        )
+    if cfg.sampling.backend == "vllm":
+        raise ConfigError(
+            "config key 'sampling.backend' = 'vllm': not supported under torchrun yet (each rank would start its own "
+            "engine, and FSDP2 would hand it sharded weights); run it in one process, or use sampling.backend=hf under torchrun"
         )
     if algorithm != "grpo" and cfg.train.strategy == "fsdp":
         raise ConfigError(

@@ -162,7 +162,7 @@ class RLTrainer(Trainer):
         self._run_claim = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite,
                                         main=os.environ.get("RANK", "0") == "0")
         self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss)  # names already checked by config.validate
-        self.dist = distributed.from_env(cfg.train.strategy)  # the single-process identity unless started by torchrun
+        self.dist = distributed.from_env(cfg.train.strategy, cfg.train.dist_timeout_s)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
         # process-wide while held: released by close()
         self._holds_allocator = apply_cpu_allocator(cpu.allocator(cfg.train, self.device))
@@ -195,16 +195,18 @@ class RLTrainer(Trainer):
         self.optimised: dict[str, Optimised] = {}
         self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
-        self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer)
+        self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer,
+                                                  activation_checkpointing=cfg.train.activation_checkpointing)
         self.model.to(self.device)
         guards.check_run_fits(cfg, self.model, n_train_rows)
-        self.reference = Reference(self.model, cfg.model.lora.enabled) if a.beta > 0 else None
-        # Under torchrun: DDP around the policy, or FSDP2 sharding it in place (and the reference's own copy).
+        self.reference = Reference(self.model, cfg.model.lora.enabled, frozen_copy=not self.dist.sharded) if a.beta > 0 else None
+        dtype = next(self.model.parameters()).dtype  # the reference's, before FSDP2 keeps trainable shards in float32
+        # Under torchrun: DDP around the policy, or FSDP2 sharding it in place.
         self.train_model = self.dist.wrap(self.model)
+        if self.reference is not None and not self.reference.lora and self.dist.sharded:
+            self.reference.model = distributed.sharded_frozen_copy(self.model, dtype)  # shard by shard, never whole
         # π_ref's own frozen weights; None with LoRA (the policy with its adapter off) or at β = 0 (no KL term)
         self.reference_copy = self.reference.model if self.reference is not None else None
-        if self.dist.sharded and self.reference_copy is not None:
-            distributed.shard(self.reference_copy)
         if self.dist.launched:  # what this rank holds shows whether the strategy asked for is the one that ran
             held = {"policy": distributed.held_elements(self.model)}
             if self.reference_copy is not None:

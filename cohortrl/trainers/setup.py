@@ -25,10 +25,21 @@ def load_configured_model(model_cfg, seed: int):
     return load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed, init=model_cfg.init)
 
 
-def build_policy(model_cfg, seed: int, model=None, tokenizer=None):
-    """(model, tokenizer): loaded from the spec unless given; wrapped with a LoRA adapter if enabled."""
+def build_policy(model_cfg, seed: int, model=None, tokenizer=None, *, activation_checkpointing: bool = False):
+    """(model, tokenizer): loaded from the spec unless given; wrapped with a LoRA adapter if enabled; with
+    ``activation_checkpointing`` (``train.activation_checkpointing``), each decoder layer recomputes its
+    activations in the backward pass (transformers' gradient checkpointing, active only in training mode with
+    gradients on: generation and the no-grad log-prob passes run as before)."""
     if model is None:
         model, tokenizer = load_configured_model(model_cfg, seed)
+    if activation_checkpointing:
+        # Non-reentrant checkpointing: gradients reach a LoRA adapter even though the embeddings feeding the
+        # first checkpointed layer are frozen (the reentrant form needs inputs that require grad), and it
+        # composes with FSDP2. transformers 5 renamed the method (the old name warns); 4.x has only the old one.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if model_cfg.lora.enabled:
         from peft import LoraConfig, get_peft_model
         from transformers.pytorch_utils import Conv1D
@@ -60,9 +71,10 @@ class Reference:
     """π_ref for the KL term: a frozen copy of the initial policy or, with LoRA, the policy itself with its
     adapter disabled (the base weights never change, so no second copy is needed)."""
 
-    def __init__(self, policy, lora: bool):
+    def __init__(self, policy, lora: bool, frozen_copy: bool = True):
+        """``frozen_copy=False``: the caller sets ``model`` itself (under FSDP2, from the sharded policy)."""
         self.lora = lora
-        self.model = None if lora else copy.deepcopy(policy).eval().requires_grad_(False)
+        self.model = copy.deepcopy(policy).eval().requires_grad_(False) if frozen_copy and not lora else None
         self.policy = policy
 
     @contextmanager
@@ -84,13 +96,72 @@ class Optimised:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW on float32 master copies of bfloat16 / float16 parameters.
+
+    An update of lr·m/√v ≈ 1e-5 is far below the spacing of bfloat16 numbers near a weight of 0.02 (2⁻¹³ ≈
+    1.2e-4): AdamW applied to bf16 weights rounds nearly every update away, and the model does not learn. Here
+    the model keeps its bf16 weights (forward, backward, generation and checkpoints unchanged) and each
+    optimiser step runs AdamW on a float32 copy (``state["master"]``, with float32 moments) from the bf16
+    gradient made float32, then writes the copy back rounded to bf16: small updates accumulate in the copy
+    until they move the bf16 weight. The mixed-precision recipe of Micikevicius et al. (arXiv:1710.03740),
+    without loss scaling (bf16 has float32's exponent range).
+
+    The param groups hold the model's own parameters, so clipping, ``zero_grad``, the LR schedule and the
+    checkpoint's ``state_dict`` (which carries the master copies) work as for plain AdamW."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        swapped = []  # (parameter, its bf16 data, its bf16 gradient) while AdamW sees the float32 copy
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                # made on the first step (or after a checkpoint written without master copies), and kept in the
+                # state only after AdamW's step: AdamW creates its moments for a parameter whose state is empty
+                master = self.state[p].get("master")
+                if master is None:
+                    master = p.detach().to(torch.float32, copy=True)
+                low, grad = p.data, p.grad
+                p.grad = None
+                p.data = master
+                p.grad = grad.to(torch.float32)
+                swapped.append((p, low, grad))
+        try:
+            return super().step(closure)
+        finally:
+            for p, low, grad in swapped:
+                self.state[p]["master"] = p.data
+                low.copy_(p.data)  # the updated master, rounded to the model's dtype
+                p.grad = None
+                p.data = low
+                p.grad = grad
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As AdamW's, but the master copies and moments stay float32 (torch casts a state tensor to its
+        parameter's dtype, which would round the master copies to bf16)."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for p, i in zip(params, saved):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
+
+
 def build_optimizer(model, optim_cfg) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; the fused kernel (one pass over each tensor instead of a dozen
-    elementwise ops) where torch has it: plain tensors on the CPU or a GPU, not FSDP2's sharded DTensors."""
+    """AdamW over the trainable parameters, with float32 master copies of bf16 / fp16 ones (``MasterWeightAdamW``);
+    the fused kernel (one pass over each tensor instead of a dozen elementwise ops) where torch has it: plain
+    tensors on the CPU or a GPU, not FSDP2's sharded DTensors (which FSDP2 keeps in float32 itself, see
+    ``distributed.shard``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = all(p.device.type in ("cpu", "cuda") and type(p.data) is torch.Tensor for p in params)
-    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay,
-                             fused=fused or None)
+    adamw = MasterWeightAdamW if any(p.dtype in LOW_PRECISION for p in params) else torch.optim.AdamW
+    return adamw(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay,
+                 fused=fused or None)
 
 
 def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

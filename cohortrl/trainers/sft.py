@@ -330,7 +330,8 @@ class SFTTrainer(Trainer):
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
         self._seed_process(self._run_claim.resumes)  # False when a resume finds no checkpoint: the run starts
 
-        self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer)
+        self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer,
+                                                  activation_checkpointing=cfg.train.activation_checkpointing)
         self.model.to(self.device)
         self.cpu_linear = cpu.linear_kernel(cfg.train, self.device, self.model)  # every step's and evaluation's
         # The prompt and call form RL and evaluation will use with this tokenizer (rollout/hf.py's generate): in

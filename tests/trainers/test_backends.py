@@ -9,7 +9,8 @@ import pytest
 
 from cohortrl.config import ConfigError
 from cohortrl.trainers.grpo import GRPOTrainer
-from tests.rollout.test_vllm_backend import FakeVLLM
+from tests.rollout import vllm_standin
+from tests.rollout.test_vllm_backend import record_syncs
 from tests.trainers.test_grpo import tiny_config
 
 
@@ -38,13 +39,13 @@ def test_a_reward_worker_killed_mid_run_is_replaced_and_training_goes_on(tmp_pat
 
 
 def test_vllm_backend_syncs_weights_after_updates_and_weights_the_loss(tmp_path, addition_jsonl, monkeypatch):
-    fake = FakeVLLM()
-    monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    monkeypatch.setitem(sys.modules, "vllm", vllm_standin.module())
+    syncs = record_syncs(monkeypatch)
     cfg = tiny_config(addition_jsonl, sampling={"backend": "vllm", "max_new_tokens": 3, "is_cap": 2.0}, train={"steps": 2})
     trainer = GRPOTrainer(cfg, tmp_path)
     rows = [r for r in trainer.train() if "loss" in r]
-    assert len(fake.loaded) == 1  # before step 2's generation, after step 1's update (none before step 1)
-    assert sorted(fake.loaded[0]) == sorted(trainer.model.state_dict())
+    assert len(syncs) == 1  # before step 2's generation, after step 1's update (none before step 1)
+    assert sorted(syncs[0]) == sorted(trainer.model.state_dict())
     assert all(0 < r["is_weight_mean"] <= 2.0 for r in rows)
     assert "time/weight_sync" in rows[1] and "time/weight_sync" not in rows[0]
 

@@ -434,3 +434,27 @@ def test_a_pickled_object_torch_does_not_allow_is_refused_quoting_torchs_reason(
         "which could run code when loaded (torch.load weights_only=True said: Unsupported global: GLOBAL "
         "fractions.Fraction was not an allowed global by default.")
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------- RNG states
+def test_the_gpus_rng_states_are_checkpointed_and_restored(tmp_path, monkeypatch):
+    """On a GPU machine (mocked: two GPUs whose generator states are byte tensors) each GPU's generator state is
+    written with the checkpoint and set back on resume, through state.pt's safe load; resumed on a machine with
+    one GPU, that GPU gets its state back; a checkpoint without GPU states (written on a CPU) sets none."""
+    gpus = [torch.arange(8, dtype=torch.uint8), torch.arange(8, 16, dtype=torch.uint8)]
+    restored = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [g.clone() for g in gpus])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.__setitem__(device, state.clone()))
+    path = checkpoint.save(tmp_path, 1, {"rng": checkpoint.rng_state()})
+    checkpoint.set_rng_state(checkpoint.load(path)["rng"])
+    assert sorted(restored) == [0, 1] and all(torch.equal(restored[i], gpus[i]) for i in (0, 1))
+    restored.clear()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    checkpoint.set_rng_state(checkpoint.load(path)["rng"])
+    assert sorted(restored) == [0] and torch.equal(restored[0], gpus[0])
+    restored.clear()
+    cpu_only = {k: v for k, v in checkpoint.load(path)["rng"].items() if k != "cuda"}
+    checkpoint.set_rng_state(cpu_only)
+    assert restored == {}

@@ -69,17 +69,24 @@ def test_a_process_reward_function_gets_the_reward_timeout(tmp_path, addition_js
 
 
 def test_the_vllm_engine_gets_the_configured_memory_share_and_seed(tmp_path, addition_jsonl, monkeypatch):
-    """With the stand-in engine of ``tests/rollout/test_vllm_backend.py`` in place of vllm."""
+    """With the stand-in engine of ``tests/rollout/vllm_standin.py`` in place of vllm."""
     import sys
 
-    from tests.rollout.test_vllm_backend import FakeVLLM
+    from tests.rollout import vllm_standin
 
-    fake = FakeVLLM()
-    monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    module, engine_args = vllm_standin.module(), {}
+
+    class RecordingLLM(vllm_standin.LLM):
+        def __init__(self, **kwargs):
+            engine_args.update(kwargs)
+            super().__init__(**kwargs)
+
+    module.LLM = RecordingLLM
+    monkeypatch.setitem(sys.modules, "vllm", module)
     cfg = tiny_config(addition_jsonl, sampling={"backend": "vllm", "vllm_gpu_memory_utilization": 0.55},
                       train={"seed": 5, "steps": 1})
     GRPOTrainer(cfg, tmp_path)
-    assert fake.init_kwargs["gpu_memory_utilization"] == 0.55 and fake.init_kwargs["seed"] == 5
+    assert engine_args["gpu_memory_utilization"] == 0.55 and engine_args["seed"] == 5
 
 
 def test_reward_workers_score_the_functions_loaded_by_name(tmp_path, addition_jsonl):

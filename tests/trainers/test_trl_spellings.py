@@ -22,6 +22,7 @@ def test_grpo_config_names_map_onto_the_config():
         "temperature": 0.9, "top_k": None, "num_iterations": 2, "max_steps": 7, "seed": 3, "report_to": "none",
         "lr_scheduler_type": "cosine", "adam_beta2": 0.99, "loss_type": "dr_grpo", "scale_rewards": "none",
         "importance_sampling_level": "sequence", "mask_truncated_completions": True, "save_steps": 5, "bf16": True,
+        "gradient_checkpointing": True,
     })
     a, s, o = cfg.algorithm, cfg.sampling, cfg.optim
     assert (a.group_size, a.prompts_per_step) == (4, 4)  # 8 completions x 2 accumulation / 4 generations
@@ -30,7 +31,7 @@ def test_grpo_config_names_map_onto_the_config():
     assert (a.beta, a.clip_low, a.clip_high, a.epochs) == (0.0, 0.2, 0.28, 2)
     assert (a.aggregation, a.estimator, a.policy_loss, a.mask_truncated) == ("seq-mean-token-sum-norm", "dr_grpo", "gspo", True)
     assert (cfg.train.steps, cfg.train.seed, cfg.train.checkpoint_every, cfg.train.tensorboard, cfg.train.wandb) == (7, 3, 5, False, False)
-    assert cfg.model.dtype == "bfloat16"
+    assert cfg.model.dtype == "bfloat16" and cfg.train.activation_checkpointing
     assert resolved(args={"epsilon": 0.3}).algorithm.clip_high == 0.3  # epsilon alone sets both sides
 
 
