@@ -27,7 +27,7 @@ def spy_on_load_model(module, monkeypatch, tmp_path) -> tuple[list, str]:
 
 
 def test_the_model_section_reaches_load_model(tmp_path, addition_jsonl, monkeypatch):
-    calls, init = spy_on_load_model(rl, monkeypatch, tmp_path)
+    calls, init = spy_on_load_model(setup, monkeypatch, tmp_path)
     cfg = tiny_config(addition_jsonl, model={"dtype": "bfloat16", "init": str(init)}, train={"seed": 3, "steps": 1})
     trainer = GRPOTrainer(cfg, tmp_path / "run")
     assert calls == [("tiny-llama", {"dtype": "bfloat16", "seed": 3, "init": str(init)})]

@@ -428,7 +428,7 @@ def test_a_resumed_vllm_run_samples_its_first_step_from_the_checkpoints_weights(
     loaded = record_syncs(monkeypatch)
     sections = dict(sampling={"backend": "vllm", "max_new_tokens": 3}, optim={"lr": 5e-2},
                     model={"lora": {"enabled": lora, "r": 4, "alpha": 8}})
-    first = build(tmp_path, reward_funcs=[sample_index_is_even], reward_weights=[1.0], **sections)
+    first = build(tmp_path, reward_funcs=[first_token_is_even], reward_weights=[1.0], **sections)
     initial = merged_by_peft(first.model)
     first.train(steps=1)  # checkpoints step 1
     first.close()
@@ -436,7 +436,7 @@ def test_a_resumed_vllm_run_samples_its_first_step_from_the_checkpoints_weights(
     assert any(not torch.equal(initial[k], checkpointed[k]) for k in initial), "step 1 did not move the policy"
     assert loaded == []  # the first run's one step needed no sync
 
-    resumed = make_trainer(first.cfg, tmp_path, resume=True, reward_funcs=[sample_index_is_even], reward_weights=[1.0],
+    resumed = make_trainer(first.cfg, tmp_path, resume=True, reward_funcs=[first_token_is_even], reward_weights=[1.0],
                            train_dataset=ROWS)
     synced_before_generating = []
     generate = resumed.generator.generate
