@@ -64,13 +64,15 @@ class Arm:
 
 
 def load_sweep(directory: Path) -> list[Arm]:
-    """The sweep's arms, in its grid's order, each with the seeds whose run has a ``metrics.jsonl``."""
+    """The sweep's arms, in its grid's order, each with the seeds whose run finished (an attempt with rc 0 in
+    ``sweep.jsonl``): a sweep still running, or stopped, is reported on its finished runs only."""
     directory = Path(directory)
     spec_path = directory / SPEC
     if not spec_path.is_file():
         raise FileNotFoundError(f"{directory} is not a sweep directory (no {SPEC}); `cohortrl sweep ... --out DIR` makes one")
     spec = json.loads(spec_path.read_text())
     times: dict[tuple[str, int], list[float]] = {}
+    finished = set()
     attempts = directory / ATTEMPTS
     for line in (attempts.read_text().splitlines() if attempts.is_file() else []):
         if line.strip():
@@ -78,12 +80,14 @@ def load_sweep(directory: Path) -> list[Arm]:
             t = times.setdefault((a["arm"], a["seed"]), [0.0, 0.0])
             t[0] += a["wall_s"]
             t[1] += a["cpu_s"]
+            if a["rc"] == 0:
+                finished.add((a["arm"], a["seed"]))
     out = []
     for name, _ in arms(spec["grid"]):
         arm = Arm(name)
         for seed in spec["seeds"]:
             path = directory / name / f"seed{seed}"
-            if (path / "metrics.jsonl").is_file():
+            if (name, seed) in finished and (path / "metrics.jsonl").is_file():
                 wall, cpu = times.get((name, seed), (0.0, 0.0))
                 arm.runs.append(SeedRun(seed, path, read_metrics(path), final_answers(path), wall, cpu))
         out.append(arm)
@@ -204,8 +208,9 @@ def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, c
                  "| arm | per seed: only baseline right / only this arm right of n shared, exact McNemar p | "
                  "difference in accuracy, bootstrap 95% CI (seeds × problems) |\n|---|---|---|\n" + "\n".join(rows))
     text += (f"\n\nAccuracy: greedy, strict, at each run's last evaluation, Wilson 95% interval; sd: sample sd over "
-             f"seeds. Bootstrap: 10,000 resamples of seed pairs and, within each, of problems (numpy seed 0). Wall "
-             f"and CPU s: every attempt at the arm's runs, summed (sweep.jsonl).\n\nRegenerate: `{command}`\n")
+             f"seeds; only runs that finished are reported. Bootstrap: 10,000 resamples of seed pairs and, within each, of "
+             f"problems (numpy seed 0). Wall and CPU s: every attempt at the arm's finished runs, summed (sweep.jsonl).\n\n"
+             f"Regenerate: `{command}`\n")
     return text
 
 

@@ -125,7 +125,7 @@ def hand_made_sweep(root: Path, right: dict) -> Path:
     lists the problems answered correctly at the last evaluation (step 5)."""
     root.mkdir()
     (root / "sweep.json").write_text(json.dumps({"config": "c.yaml", "command": "train", "grid": {"x": ["A", "B"]},
-                                                 "seeds": [0, 1], "overrides": []}))
+                                                 "seeds": [0, 1, 2], "overrides": []}))
     lines = []
     for (arm, seed), ok in right.items():
         run = root / f"x={arm}" / f"seed{seed}"
@@ -138,6 +138,11 @@ def hand_made_sweep(root: Path, right: dict) -> Path:
         (run / "eval_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
         lines.append(json.dumps({"run": str(run), "arm": f"x={arm}", "seed": seed, "attempt": "start", "rc": 0,
                                  "wall_s": 10.0, "cpu_s": 15.0}))
+    unfinished = root / "x=B" / "seed2"  # a run still training (or stopped): not reported
+    unfinished.mkdir()
+    (unfinished / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    lines.append(json.dumps({"run": str(unfinished), "arm": "x=B", "seed": 2, "attempt": "start", "rc": -15,
+                             "wall_s": 1.0, "cpu_s": 1.0}))
     (root / "sweep.jsonl").write_text("\n".join(lines) + "\n")
     return root
 
@@ -150,6 +155,7 @@ def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
         ("A", 1): {0, 1}, ("B", 1): set(range(10)),  # only B: p2-p9
     })
     a, b = load_sweep(root)
+    assert [r.seed for r in b.runs] == [0, 1]  # seed 2 has not finished
     c = paired(a, b)
     # seed 0: 6 discordant, 2 one way: p = 2·(C(6,0)+C(6,1)+C(6,2))/2^6 = 2·22/64 = 0.6875
     # seed 1: 8 discordant, all one way: p = 2·C(8,0)/2^8 = 0.0078125
@@ -163,7 +169,7 @@ def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
     assert "s0: 2/4 of 10, p=0.688; s1: 0/8 of 10, p=0.008" in text
     assert "| x=A | 2 | s0 0.600 (0.313-0.832, n=10, step 5); s1 0.200 (0.057-0.510, n=10, step 5) | 0.400 | 0.283 |" in text
     assert "0.15 ± 0.071" in text  # loss: seeds 0.1 and 0.2
-    assert "| 20 | 30 |" in text  # wall and CPU s summed over the arm's runs
+    assert "| 20 | 30 |" in text  # wall and CPU s summed over the arm's finished runs
     assert png.stat().st_size > 0
 
     copy = tmp_path / "committed"
