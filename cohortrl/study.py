@@ -261,7 +261,9 @@ def write_study_report(directory: Path, out: Path, *, baseline: str | None = Non
     out = out.with_suffix("") if out.suffix in (".md", ".png") else out
     out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["cohortrl report", str(directory), "--out", str(out), *(["--baseline", baseline] if baseline != names[0] else []),
-                        *(["--metrics", *metrics] if metrics else []), *([f"--last-k {last_k}"] if last_k != 5 else [])])
+                        *(["--metrics", *metrics] if metrics else []),
+                        *(["--panels", *panels] if list(panels or []) != ["reward_mean"] else []),
+                        *([f"--last-k {last_k}"] if last_k != 5 else [])])
     md = out.with_suffix(".md")
     png = out.with_suffix(".png")
     md.write_text(f"# {out.name}\n\n![curves]({png.name})\n\n" + markdown(arms_, baseline, list(metrics), last_k, command))

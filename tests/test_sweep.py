@@ -199,3 +199,28 @@ def test_mcnemar_and_the_paired_bootstrap_by_hand():
     _, lo1, hi1 = paired_bootstrap([diffs, diffs])
     _, lo2, hi2 = paired_bootstrap([[1] * 160 + [0] * 240, [-1] * 80 + [0] * 320])
     assert hi2 - lo2 > 2 * (hi1 - lo1)
+
+
+def committed_study_reports() -> list[Path]:
+    """Every report in docs/ made by `cohortrl report` over a committed sweep folder."""
+    return [md for md in sorted((REPO / "docs").rglob("*.md"))
+            if "Regenerate: `cohortrl report docs/" in md.read_text() and "sweep.json" not in md.name]
+
+
+@pytest.mark.parametrize("md", committed_study_reports(), ids=lambda p: p.name)
+def test_each_committed_study_report_regenerates_from_its_committed_files(md, tmp_path):
+    """The tables of docs/*.md reports over committed sweep folders are what `cohortrl report` makes of those
+    files now, byte for byte (the Regenerate line aside, which names where the copy was written)."""
+    import shlex
+
+    from cohortrl.cli import main
+
+    command = md.read_text().split("Regenerate: `")[1].split("`")[0]
+    args = shlex.split(command)[2:]
+    out = args.index("--out") + 1
+    args[out] = str(tmp_path / Path(args[out]).name)
+    args[0] = str(REPO / args[0])
+    assert (Path(args[0]) / "sweep.json").is_file(), f"{md}: {args[0]} is not a committed sweep folder"
+    assert main(["report", *args]) == 0
+    strip = lambda text: [line for line in text.splitlines() if not line.startswith("Regenerate: ")]
+    assert strip((tmp_path / md.name).read_text()) == strip(md.read_text())
