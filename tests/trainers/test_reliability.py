@@ -36,8 +36,15 @@ def cohortrl(*args, fault=None, run_dir, new_session=False):
     if fault:
         env["COHORTRL_FAULT"] = fault
     cmd = [sys.executable, "-m", "cohortrl", "train", *args, "--run-dir", str(run_dir)]
+    # new_session: its own process group, for a test's Ctrl-C, with SIGINT's default action as a terminal's
+    # foreground job has it (a shell starts a background job, such as a test suite run with `&`, with SIGINT
+    # ignored, and the child would inherit that)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            start_new_session=new_session)  # its own process group, for a test's Ctrl-C
+                            start_new_session=new_session, preexec_fn=_default_sigint if new_session else None)
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc, timeout=300):
