@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cohortrl.stats import mcnemar_exact, paired_bootstrap, wilson_interval
-from cohortrl.sweep import ATTEMPTS, SPEC, arms
+from cohortrl.sweep import ATTEMPTS, SPEC, arms, read_attempts
 from cohortrl.trainers.evaluate import ANSWERS, export_answers, read_answers
 from cohortrl.trainers.metrics import read_metrics
 
@@ -73,15 +73,12 @@ def load_sweep(directory: Path) -> list[Arm]:
     spec = json.loads(spec_path.read_text())
     times: dict[tuple[str, int], list[float]] = {}
     finished = set()
-    attempts = directory / ATTEMPTS
-    for line in (attempts.read_text().splitlines() if attempts.is_file() else []):
-        if line.strip():
-            a = json.loads(line)
-            t = times.setdefault((a["arm"], a["seed"]), [0.0, 0.0])
-            t[0] += a["wall_s"]
-            t[1] += a["cpu_s"]
-            if a["rc"] == 0:
-                finished.add((a["arm"], a["seed"]))
+    for a in read_attempts(directory):
+        t = times.setdefault((a["arm"], a["seed"]), [0.0, 0.0])
+        t[0] += a["wall_s"]
+        t[1] += a["cpu_s"]
+        if a["rc"] == 0:
+            finished.add((a["arm"], a["seed"]))
     out = []
     for name, _ in arms(spec["grid"]):
         arm = Arm(name)

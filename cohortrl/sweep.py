@@ -45,11 +45,20 @@ class Run:
     path: Path
 
 
+def read_attempts(out: Path) -> list[dict]:
+    """The lines of a sweep's ``sweep.jsonl``, one per attempt at a run; a torn last line (a kill mid-write has
+    no newline) is left out."""
+    path = Path(out) / ATTEMPTS
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
+
+
 def split_values(text: str) -> list[str]:
     """``"1,2"`` -> ["1", "2"]; commas inside brackets belong to a value (``[1,2],[3,4]`` is two lists)."""
     values, depth, start = [], 0, 0
     for i, ch in enumerate(text):
-        depth += ch in "[{" and 1 or (-1 if ch in "]}" else 0)
+        depth += (ch in "[{") - (ch in "]}")
         if ch == "," and depth == 0:
             values.append(text[start:i])
             start = i + 1
@@ -131,16 +140,9 @@ class Sweep:
         tmp.write_text(json.dumps(self.spec, indent=1) + "\n")
         os.replace(tmp, path)
 
-    def attempts(self) -> list[dict]:
-        path = self.out / ATTEMPTS
-        if not path.is_file():
-            return []
-        lines = path.read_text().split("\n")[:-1]  # a torn last line (a kill mid-write) has no newline
-        return [json.loads(line) for line in lines if line]
-
-    def finished(self, run: Run) -> bool:
-        """The run ended with rc 0 and its final/ is intact."""
-        ok = any(a["run"] == str(run.path) and a["rc"] == 0 for a in self.attempts())
+    def finished(self, run: Run, attempts: list[dict]) -> bool:
+        """The run ended with rc 0 (in ``attempts``, the sweep's log) and its final/ is intact."""
+        ok = any(a["arm"] == run.arm and a["seed"] == run.seed and a["rc"] == 0 for a in attempts)
         return ok and (run.path / "final").is_dir() and checkpoint.verify(run.path / "final") is None
 
     def command_line(self, run: Run) -> tuple[list[str], str]:
@@ -181,7 +183,8 @@ class Sweep:
         """Every run not yet finished, ``jobs`` at a time; 0 when all have finished, else 1 (the failed runs'
         logs are named). A second call continues where the first stopped."""
         self.claim()
-        todo = [r for r in self.runs if not self.finished(r)]
+        attempts = read_attempts(self.out)
+        todo = [r for r in self.runs if not self.finished(r, attempts)]
         done = len(self.runs) - len(todo)
         print(f"sweep: {len(self.runs)} runs in {self.out}, {done} finished, {len(todo)} to run", flush=True)
         env = dict(os.environ)
