@@ -32,9 +32,6 @@ class RFTTrainer(RLTrainer):
     name = "rft"
     loss_temperature = 1.0  # the SFT loss's distribution, whatever the sampling temperature
 
-    def _init_algorithm(self, model) -> None:
-        pass
-
     def _rows_to_train(self, batch: ScoredBatch) -> torch.Tensor:
         """(B,) bool: the responses the correctness function passes, after the shared settings' exclusions."""
         passed_B = torch.tensor([(v or 0.0) >= 1.0 for v in batch.per_fn[self.correctness.name]], dtype=torch.bool)
