@@ -92,6 +92,12 @@ class DataConfig:
     """Held-out prompts for evaluation (disjoint from training). Unset: 200 from a gym task or a hub dataset's
     ``eval_split``; none from your own rows (``jsonl:`` / ``python:``), which are all trained on unless you set
     this (or pass ``eval_dataset=``)."""
+    exclude_from_training: dict[str, list[str]] = field(default_factory=dict)
+    """``task:`` sources: ``{FIELD: [VALUES]}`` keeps out of training every problem whose sample has one of
+    VALUES in FIELD (a sample field, or one of its ``extra`` fields: ``{function: [circle_area]}`` for
+    ``python_function``), so that the held-out problems that have one test what no training prompt asked for.
+    The held-out set is drawn as without it; its rows are marked unseen or seen, and evaluation reports both
+    parts (``eval/accuracy_unseen``, ``eval/accuracy_seen``; ``cohortrl report`` pairs each part)."""
     split: str = "train"
     """Dataset split for training (hf sources); evaluation uses ``eval_split``."""
     eval_split: str = "test"
@@ -773,6 +779,10 @@ def validate(cfg: Config) -> None:
     _require(d.train_size >= 0, "data.train_size", d.train_size, "must be >= 0")
     _require(d.eval_size is None or d.eval_size >= 0, "data.eval_size", d.eval_size, "must be >= 0")
     _require(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "must be at least 1")
+    _require(not d.exclude_from_training or d.source.startswith("task:"), "data.exclude_from_training",
+             d.exclude_from_training, "applies to task: sources only (a dataset's own rows: split them yourself)")
+    _require(all(isinstance(v, list) and v for v in d.exclude_from_training.values()), "data.exclude_from_training",
+             d.exclude_from_training, "must map a sample field to a non-empty list of values, e.g. {function: [circle_area]}")
     _require(
         d.source.split(":", 1)[0] in ("task", "jsonl", "hf", "python") and ":" in d.source,
         "data.source",

@@ -188,7 +188,36 @@ def _task_rows(name: str, cfg, seed: int):
                 f"lower data.eval_size (now {eval_size}) or raise data.level"
             )
         drawn *= 2
-    return rows(cfg.train_size, seed), held_out
+    if not cfg.exclude_from_training:
+        return rows(cfg.train_size, seed), held_out
+    excluded = _excluded(cfg.exclude_from_training, name, [r["sample"] for r in held_out])
+    train, drawn = [], cfg.train_size
+    while len(train) < cfg.train_size:  # keep drawing past the excluded problems until train_size are kept
+        train = [r for r in rows(drawn, seed) if not excluded(r["sample"])][: cfg.train_size]
+        if len(train) < cfg.train_size and drawn >= 8 * cfg.train_size:
+            raise DataError(f"data.exclude_from_training {cfg.exclude_from_training} leaves task {name!r} level "
+                            f"{cfg.level} almost no training problems; exclude fewer values")
+        drawn *= 2
+    return train, [{**r, "unseen": excluded(r["sample"])} for r in held_out]
+
+
+def _excluded(spec: dict[str, list], task: str, held_out: list[dict]):
+    """A predicate on a sample's dict: does one of ``spec``'s fields hold one of its values? Each field must be
+    a sample field or an ``extra`` field of the held-out samples, and each value must occur among them, so that
+    a misspelling stops the run instead of excluding nothing."""
+    def value(sample: dict, name: str):
+        return sample[name] if name in sample else sample.get("extra", {}).get(name)
+
+    for name, values in spec.items():
+        seen = {str(value(s, name)) for s in held_out if value(s, name) is not None}
+        if not seen:
+            raise DataError(f"data.exclude_from_training: task {task!r} samples have no field {name!r}; "
+                            f"use one of {sorted(set(held_out[0]) - {'extra'} | set(held_out[0].get('extra', {})))}")
+        missing = [v for v in values if str(v) not in seen]
+        if missing:
+            raise DataError(f"data.exclude_from_training: no held-out problem of task {task!r} has {name} "
+                            f"{missing[0]!r}; its held-out problems have {sorted(seen)}")
+    return lambda sample: any(str(value(sample, n)) in {str(v) for v in vs} for n, vs in spec.items())
 
 
 def _dedupe(rows):

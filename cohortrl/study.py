@@ -29,13 +29,16 @@ from cohortrl.sweep import ATTEMPTS, SPEC, arms, read_attempts
 from cohortrl.trainers.evaluate import ANSWERS, export_answers, read_answers
 from cohortrl.trainers.metrics import read_metrics
 
-def final_answers(run_dir: Path) -> dict[str, bool]:
-    """Problem id → correct, at the run's last evaluation (answers written before ids existed have none: {})."""
+def final_answers(run_dir: Path) -> tuple[dict[str, bool], dict[str, str]]:
+    """At the run's last evaluation: problem id → correct (answers written before ids existed have none: {}),
+    and problem id → "unseen" or "seen" where the run marked them (``data.exclude_from_training``; else {})."""
     rows = read_answers(run_dir)
     if not rows:
-        return {}
+        return {}, {}
     last = max(r["step"] for r in rows)
-    return {r["id"]: bool(r["correct"]) for r in rows if r["step"] == last and r.get("id")}
+    rows = [r for r in rows if r["step"] == last and r.get("id")]
+    return ({r["id"]: bool(r["correct"]) for r in rows},
+            {r["id"]: "unseen" if r["unseen"] else "seen" for r in rows if r.get("unseen") is not None})
 
 
 @dataclass
@@ -44,6 +47,7 @@ class SeedRun:
     path: Path
     rows: list[dict]
     answers: dict[str, bool]
+    parts: dict[str, str] = field(default_factory=dict)  # problem id → "unseen" / "seen" (exclude_from_training)
     wall_s: float = 0.0
     cpu_s: float = 0.0
 
@@ -86,7 +90,8 @@ def load_sweep(directory: Path) -> list[Arm]:
             path = directory / name / f"seed{seed}"
             if (name, seed) in finished and (path / "metrics.jsonl").is_file():
                 wall, cpu = times.get((name, seed), (0.0, 0.0))
-                arm.runs.append(SeedRun(seed, path, read_metrics(path), final_answers(path), wall, cpu))
+                answers, parts = final_answers(path)
+                arm.runs.append(SeedRun(seed, path, read_metrics(path), answers, parts, wall, cpu))
         out.append(arm)
     return out
 
@@ -142,10 +147,11 @@ def arm_summary(arm: Arm, metrics: list[str], last_k: int) -> dict:
     return out
 
 
-def paired(base: Arm, other: Arm, resamples: int = 10_000) -> dict:
+def paired(base: Arm, other: Arm, resamples: int = 10_000, part: str | None = None) -> dict:
     """``other`` against ``base`` on the problems both answered, seed by seed: per seed (seed, n, only base
     right, only other right, McNemar p); and the bootstrap's (mean difference, low, high) over all seed pairs
-    (None when no seed pair shares a problem)."""
+    (None when no seed pair shares a problem). ``part`` ("unseen" or "seen"): only the problems both runs
+    marked so."""
     base_by_seed = {r.seed: r for r in base.runs}
     per_seed, diffs = [], []
     for run in other.runs:
@@ -153,6 +159,8 @@ def paired(base: Arm, other: Arm, resamples: int = 10_000) -> dict:
         if b is None:
             continue
         common = sorted(set(b.answers) & set(run.answers))
+        if part is not None:
+            common = [i for i in common if b.parts.get(i) == part and run.parts.get(i) == part]
         if not common:
             continue
         only_base = sum(b.answers[i] and not run.answers[i] for i in common)
@@ -187,11 +195,29 @@ def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, c
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     base = next(a for a in arms_ if a.name == baseline)
+    rows = _paired_rows(arms_, base, None)
+    if rows:
+        text += (f"\n\nPaired against **{baseline}** on the same held-out problems (matched by id, the final "
+                 "evaluation of each run, seed k against seed k):\n\n" + _PAIRED_HEAD + "\n".join(rows))
+    if any(run.parts for a in arms_ for run in a.runs):
+        text += _parts_section(arms_, base)
+    text += (f"\n\nAccuracy: greedy, strict, at each run's last evaluation, Wilson 95% interval; sd: sample sd over "
+             f"seeds; only runs that finished are reported. Bootstrap: 10,000 resamples of seed pairs and, within each, of "
+             f"problems (numpy seed 0). Wall and CPU s: every attempt at the arm's finished runs, summed (sweep.jsonl).\n\n"
+             f"Regenerate: `{command}`\n")
+    return text
+
+
+_PAIRED_HEAD = ("| arm | per seed: only baseline right / only this arm right of n shared, exact McNemar p | "
+                "difference in accuracy, bootstrap 95% CI (seeds × problems) |\n|---|---|---|\n")
+
+
+def _paired_rows(arms_: list[Arm], base: Arm, part: str | None) -> list[str]:
     rows = []
     for a in arms_:
-        if a.name == baseline:
+        if a is base:
             continue
-        c = paired(base, a)
+        c = paired(base, a, part=part)
         seeds = "; ".join(f"s{seed}: {ob}/{oo} of {n}, p={_p(p)}" for seed, n, ob, oo, p in c["per_seed"]) or "no shared problems"
         if c["bootstrap"] is None:
             diff = "–"
@@ -199,15 +225,31 @@ def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, c
             d, lo, hi = c["bootstrap"]
             diff = f"{d:+.3f} ({lo:+.3f} to {hi:+.3f})"
         rows.append(f"| {a.name} | {seeds} | {diff} |")
-    if rows:
-        text += (f"\n\nPaired against **{baseline}** on the same held-out problems (matched by id, the final "
-                 "evaluation of each run, seed k against seed k):\n\n"
-                 "| arm | per seed: only baseline right / only this arm right of n shared, exact McNemar p | "
-                 "difference in accuracy, bootstrap 95% CI (seeds × problems) |\n|---|---|---|\n" + "\n".join(rows))
-    text += (f"\n\nAccuracy: greedy, strict, at each run's last evaluation, Wilson 95% interval; sd: sample sd over "
-             f"seeds; only runs that finished are reported. Bootstrap: 10,000 resamples of seed pairs and, within each, of "
-             f"problems (numpy seed 0). Wall and CPU s: every attempt at the arm's finished runs, summed (sweep.jsonl).\n\n"
-             f"Regenerate: `{command}`\n")
+    return rows
+
+
+def _parts_section(arms_: list[Arm], base: Arm) -> str:
+    """Accuracy and the paired test on the held-out problems no training prompt of the run had (unseen) and on
+    the others (seen), for runs trained with ``data.exclude_from_training``."""
+    lines = ["| arm | unseen: accuracy per seed (95% CI, n) | seen: accuracy per seed (95% CI, n) |", "|---|---|---|"]
+    for a in arms_:
+        cells = []
+        for part in ("unseen", "seen"):
+            per_seed = []
+            for run in a.runs:
+                ids = [i for i, p in run.parts.items() if p == part and i in run.answers]
+                if ids:
+                    hits = sum(run.answers[i] for i in ids)
+                    lo, hi = wilson_interval(hits, len(ids))
+                    per_seed.append(f"s{run.seed} {hits / len(ids):.3f} ({lo:.3f}-{hi:.3f}, n={len(ids)})")
+            cells.append("; ".join(per_seed) or "–")
+        lines.append(f"| {a.name} | {cells[0]} | {cells[1]} |")
+    text = ("\n\nBy part of the held-out set: **unseen**, the problems whose `data.exclude_from_training` value no "
+            "training prompt had; **seen**, the others (a run without the marks shows –):\n\n" + "\n".join(lines))
+    for part in ("unseen", "seen"):
+        rows = _paired_rows(arms_, base, part)
+        if rows:
+            text += f"\n\nPaired against **{base.name}** on the {part} problems only:\n\n" + _PAIRED_HEAD + "\n".join(rows)
     return text
 
 

@@ -133,3 +133,28 @@ def test_data_seed_fixes_the_problems_and_held_out_set_across_run_seeds():
     assert draw(1, None)[1] != draw(0, None)[1]  # unset: the run's seed draws them, as before
     train, held = draw(3, 7)
     assert not set(train) & set(held)
+
+
+def test_exclude_from_training_keeps_a_function_out_of_training_and_marks_the_held_out_set():
+    cfg = DataConfig(source="task:python_function", level=1, seed=0, train_size=60, eval_size=40,
+                     exclude_from_training={"function": ["circle_area"]})
+    train, held_out = load_rows(cfg, 0)
+    assert len(train) == 60 and all(r["sample"]["extra"]["function"] != "circle_area" for r in train)
+    unseen = [r for r in held_out if r["unseen"]]
+    assert unseen and all(r["sample"]["extra"]["function"] == "circle_area" for r in unseen)
+    assert all(r["sample"]["extra"]["function"] != "circle_area" for r in held_out if not r["unseen"])
+    plain_train, plain_held_out = load_rows(DataConfig(source="task:python_function", level=1, seed=0, train_size=60, eval_size=40), 0)
+    assert [r["prompt"] for r in plain_held_out] == [r["prompt"] for r in held_out]  # the same held-out problems
+    assert any(r["sample"]["extra"]["function"] == "circle_area" for r in plain_train)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"fn": ["circle_area"]}, "data.exclude_from_training: task 'python_function' samples have no field 'fn'; use one of"),
+    ({"function": ["circle"]}, "data.exclude_from_training: no held-out problem of task 'python_function' has function 'circle'; "
+                               "its held-out problems have ['axial_stress', 'circle_area', 'hydrostatic_pressure', 'kinetic_energy']"),
+])
+def test_exclude_from_training_names_a_field_or_value_that_matches_nothing(spec, message):
+    cfg = DataConfig(source="task:python_function", level=1, seed=0, train_size=20, eval_size=40, exclude_from_training=spec)
+    with pytest.raises(DataError) as e:
+        load_rows(cfg, 0)
+    assert str(e.value).startswith(message)

@@ -73,3 +73,27 @@ def test_config_show_without_a_config_prints_the_defaults(capsys):
     assert out.startswith("# cohortrl's defaults (no CONFIG given") and yaml.safe_load(out) == Config().to_dict()
     assert cli.main(["config", "show", "algorithm.group_size=4"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["algorithm"]["group_size"] == 4
+
+
+def test_an_evaluation_marks_and_scores_the_problems_kept_out_of_training_apart(tmp_path):
+    from cohortrl.data import load_rows
+    from cohortrl.trainers.evaluate import export_answers, read_answers
+    from tests.test_sweep import CONFIG
+
+    cfg = Config.from_yaml(CONFIG, ["train.steps=1", "train.progress=false", "eval.before=false", "eval.n_prompts=16"])
+    answer = load_rows(cfg.data, cfg.train.seed)[1][0]["sample"]["answer"]  # a held-out problem's answer
+    cfg = cfg.with_overrides(f"data.exclude_from_training={{answer: ['{answer}']}}")
+    train, held_out = load_rows(cfg.data, cfg.train.seed)
+    assert all(r["sample"]["answer"] != answer for r in train)
+    run = tmp_path / "run"
+    with closing(GRPOTrainer(cfg, run)) as trainer:
+        trainer.train()
+    rows = read_answers(run)
+    assert [r["unseen"] for r in rows] == [r["sample"]["answer"] == answer for r in held_out]
+    final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/n" in line][-1]
+    for part, flag in (("unseen", True), ("seen", False)):
+        right = [r["correct"] for r in rows if r["unseen"] is flag]
+        assert final[f"eval/n_{part}"] == len(right) > 0
+        assert final[f"eval/accuracy_{part}"] == sum(right) / len(right)
+    (run / "eval_completions.jsonl").rename(tmp_path / "live.jsonl")
+    assert [r["unseen"] for r in read_answers(run)] == [r["unseen"] for r in rows]  # kept in answers.jsonl.gz

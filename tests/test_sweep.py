@@ -120,9 +120,10 @@ def test_seed_placeholders_grid_parsing_and_a_changed_definition(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the paired report
-def hand_made_sweep(root: Path, right: dict) -> Path:
+def hand_made_sweep(root: Path, right: dict, unseen: set | None = None) -> Path:
     """A sweep directory written by hand: arms A and B, seeds 0 and 1, ten problems each; ``right[(arm, seed)]``
-    lists the problems answered correctly at the last evaluation (step 5)."""
+    lists the problems answered correctly at the last evaluation (step 5); ``unseen``: the problems marked so
+    (as ``data.exclude_from_training`` marks them), the others marked seen."""
     root.mkdir()
     (root / "sweep.json").write_text(json.dumps({"config": "c.yaml", "command": "train", "grid": {"x": ["A", "B"]},
                                                  "seeds": [0, 1, 2], "overrides": []}))
@@ -134,7 +135,8 @@ def hand_made_sweep(root: Path, right: dict) -> Path:
                 {"step": 5, "eval/accuracy": len(ok) / 10, "eval/n": 10}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         answers = [{"step": 0, "id": f"p{i}", "correct": True} for i in range(10)]  # an earlier evaluation: ignored
-        answers += [{"step": 5, "id": f"p{i}", "correct": i in ok} for i in range(10)]
+        answers += [{"step": 5, "id": f"p{i}", "correct": i in ok, **({} if unseen is None else {"unseen": i in unseen})}
+                    for i in range(10)]
         (run / "eval_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
         lines.append(json.dumps({"run": str(run), "arm": f"x={arm}", "seed": seed, "attempt": "start", "rc": 0,
                                  "wall_s": 10.0, "cpu_s": 15.0}))
@@ -178,6 +180,25 @@ def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
     assert (copy / "x=B" / "seed1" / ANSWERS).is_file() and not (copy / "x=B" / "seed1" / "eval_completions.jsonl").exists()
     strip = lambda t: [line for line in t.splitlines() if "Regenerate" not in line and "![curves]" not in line and not line.startswith("# ")]
     assert strip(md2.read_text()) == strip((tmp_path / "r1.md").read_text())
+
+
+def test_the_report_pairs_the_unseen_and_the_seen_problems_apart(tmp_path):
+    from cohortrl.study import load_sweep, paired, write_study_report
+
+    root = hand_made_sweep(tmp_path / "sweep", {
+        ("A", 0): {0, 1, 2, 3, 4, 5}, ("B", 0): {0, 1, 2, 3, 6, 7, 8, 9},
+        ("A", 1): {0, 1}, ("B", 1): set(range(10)),
+    }, unseen={6, 7, 8, 9})
+    a, b = load_sweep(root)
+    # unseen p6-p9: seed 0 only B 4 (p = 2/16), seed 1 only B 4; seen p0-p5: seed 0 only A p4 p5, seed 1 only B p2-p5
+    assert paired(a, b, part="unseen")["per_seed"] == [(0, 4, 0, 4, 0.125), (1, 4, 0, 4, 0.125)]
+    assert paired(a, b, part="seen")["per_seed"] == [(0, 6, 2, 0, 0.5), (1, 6, 0, 4, 0.125)]
+    assert paired(a, b, part="unseen")["bootstrap"][0] == pytest.approx(1.0)
+    text = write_study_report(root, tmp_path / "report")[0].read_text()
+    assert "| x=B | s0 1.000 (0.510-1.000, n=4); s1 1.000 (0.510-1.000, n=4) | s0 0.667 (0.300-0.903, n=6); s1 1.000 (0.610-1.000, n=6) |" in text
+    assert "on the unseen problems only" in text and "s0: 0/4 of 4, p=0.125; s1: 0/4 of 4, p=0.125" in text
+    unmarked = write_study_report(hand_made_sweep(tmp_path / "plain", {("A", 0): {0}, ("B", 0): {1}}), tmp_path / "r")[0]
+    assert "unseen" not in unmarked.read_text()  # runs without the marks: no such section
 
 
 def test_mcnemar_and_the_paired_bootstrap_by_hand():

@@ -40,7 +40,9 @@ def export_answers(run_dir: Path) -> Path | None:
     if not source.is_file():
         return None
     rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
-    text = "".join(json.dumps({k: r.get(k) for k in ANSWER_FIELDS}) + "\n" for r in rows)
+    # ``unseen`` only where the run marked it (data.exclude_from_training): older answers files stay as they were.
+    fields = ANSWER_FIELDS + (("unseen",) if any("unseen" in r for r in rows) else ())
+    text = "".join(json.dumps({k: r.get(k) for k in fields}) + "\n" for r in rows)
     out = Path(run_dir) / ANSWERS
     tmp = out.with_name(ANSWERS + ".tmp")
     with open(tmp, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0, filename="") as gz:
@@ -104,7 +106,8 @@ def evaluate(
         if responses is not None:
             chunk_calls = rollout.tool_calls.tolist() if rollout.tool_calls is not None else [0] * len(chunk)
             responses += [{"id": problem_id(row), "prompt": row["prompt"], "completion": text, "correct": v >= 1.0,
-                           "category": kind, "length": length, "tool_calls": n_calls}
+                           "category": kind, "length": length, "tool_calls": n_calls,
+                           **({"unseen": row["unseen"]} if "unseen" in row else {})}
                           for row, text, v, kind, length, n_calls in zip(chunk, rollout.completions, values, kinds,
                                                                          rollout.lengths.tolist(), chunk_calls)]
         correct += values
@@ -116,6 +119,12 @@ def evaluate(
     lo, hi = wilson_interval(hits, n)
     out.update({"eval/accuracy": hits / max(n, 1), "eval/accuracy_ci_low": lo, "eval/accuracy_ci_high": hi,
                 "eval/correctness_mean": sum(correct) / max(n, 1), "eval/n": n, "eval/response_length_mean": sum(lengths) / max(len(lengths), 1)})
+    marks = [row.get("unseen") for row in rows]
+    if any(m is not None for m in marks):  # data.exclude_from_training: the two parts apart
+        for part, flag in (("unseen", True), ("seen", False)):
+            hits_part = [v >= 1.0 for v, m in zip(correct, marks) if m is flag]
+            out[f"eval/accuracy_{part}"] = sum(hits_part) / max(len(hits_part), 1)
+            out[f"eval/n_{part}"] = len(hits_part)
     if tools is not None:
         out["eval/tool_calls_per_response"] = sum(calls) / max(len(calls), 1)
     if categories and None not in categories:
