@@ -478,9 +478,60 @@ def _demo_summary(sft: Config, rl: Config, warm, rl_evals: list[dict], run_dir: 
              *(f"  {label:<{width}}  {value}  [{where}]" for label, value, where in rows)]
     if not rl_before:
         lines.append(f"  ({name} starts from the warm start: its 'before' is the warm start's line, not evaluated again)")
+    paired = _demo_paired(warm.path, run_dir, name)
+    if paired:
+        lines.append(paired)
+    if _demo_plot(rows, run_dir / "demo_accuracy.png", [base, after_sft, rl_evals[-1] if rl_evals else None]):
+        lines.append(f"plot: {run_dir / 'demo_accuracy.png'} (the lines above on one axis, with their intervals)")
     lines.append(f"curves: {run_dir / 'curves.png'} ({name}), {warm.path / 'curves.png'} (the warm start; copied to "
                  f"{run_dir / 'warm_start_curves.png'}); run directory {run_dir}")
     return "\n".join(lines)
+
+
+def _demo_paired(warm_dir: Path, rl_dir: Path, name: str) -> str | None:
+    """One line: the warm start's and the RL run's last evaluations compared problem by problem (exact McNemar),
+    or None when either kept no answers with ids."""
+    from cohortrl.stats import mcnemar_exact
+    from cohortrl.study import final_answers
+
+    warm, rl = final_answers(warm_dir)[0], final_answers(rl_dir)[0]
+    common = sorted(set(warm) & set(rl))
+    if not common:
+        return None
+    only_warm = sum(warm[i] and not rl[i] for i in common)
+    only_rl = sum(rl[i] and not warm[i] for i in common)
+    p = mcnemar_exact(only_warm, only_rl)
+    return (f"paired on the same {len(common)} problems: only the warm start right {only_warm}, only after {name} "
+            f"right {only_rl}; exact McNemar p = {p:.3g}" + (" (a difference beyond chance at 0.05)" if p < 0.05 else
+                                                             " (not distinguishable from chance at 0.05)"))
+
+
+def _demo_plot(rows: list[tuple[str, str, str]], png: Path, evals: list[dict | None]) -> bool:
+    """The base model, the warm start and the RL run's last evaluation on one axis, each with its Wilson 95%
+    interval; False (nothing written) when fewer than two were measured."""
+    points = [(label.split(" (")[0], e) for (label, _, _), e in zip(rows[:2] + rows[-1:], evals) if e is not None]
+    if len(points) < 2:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for x, (label, e) in enumerate(points):
+        acc = e["eval/accuracy"]
+        ax.errorbar([x], [acc], yerr=[[acc - e["eval/accuracy_ci_low"]], [e["eval/accuracy_ci_high"] - acc]],
+                    fmt="o", capsize=4, color="C0")
+        ax.annotate(f"{acc:.3f}", (x, acc), textcoords="offset points", xytext=(8, 0), va="center")
+    ax.set_xticks(range(len(points)), [label for label, _ in points], fontsize=8)
+    ax.set_xlim(-0.5, len(points) - 0.5)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"held-out accuracy (n={points[-1][1]['eval/n']})")
+    ax.set_title("the same held-out problems, 95% Wilson intervals", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return True
 
 
 def _run_arguments(p: argparse.ArgumentParser, steps: str) -> None:

@@ -9,6 +9,8 @@ import pytest
 import yaml
 
 from cohortrl import cli
+from cohortrl.stats import mcnemar_exact
+from cohortrl.trainers.evaluate import read_answers
 from cohortrl.trainers.sft import SFTTrainer
 
 COMMON = {
@@ -51,7 +53,16 @@ def test_first_run_trains_the_warm_start_and_the_second_reuses_it(demo, tmp_path
     run = tmp_path / "runs" / "a"
     assert (run / "demo_summary.txt").read_text().strip() == summary.strip()
     assert (run / "curves.png").is_file() and (run / "warm_start_curves.png").is_file()
+    assert (run / "demo_accuracy.png").is_file() and "plot: runs/a/demo_accuracy.png" in summary
     [cached] = (tmp_path / "home" / "demo").iterdir()
+    # the paired line, recomputed from the two runs' own answer files
+    warm = {r["id"]: r["correct"] for r in read_answers(cached) if r["step"] == 2}
+    after = {r["id"]: r["correct"] for r in read_answers(run) if r["step"] == 1}
+    assert sorted(warm) == sorted(after) and len(warm) == 4
+    only_warm = sum(warm[i] and not after[i] for i in warm)
+    only_rl = sum(after[i] and not warm[i] for i in warm)
+    assert (f"paired on the same 4 problems: only the warm start right {only_warm}, only after GRPO right {only_rl}; "
+            f"exact McNemar p = {mcnemar_exact(only_warm, only_rl):.3g}") in summary
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["init"] == str(cached / "final")
 
     def refuse(self, steps=None):
