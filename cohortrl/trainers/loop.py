@@ -404,7 +404,12 @@ class Trainer:
         saved_path = self.run_dir / "config.yaml"
         if not saved_path.exists():
             raise FileNotFoundError(f"--resume: {saved_path} not found; is {self.run_dir} a cohortrl run directory?")
-        saved, now = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(self.cfg.to_dict())
+        saved = yaml.safe_load(saved_path.read_text())
+        try:  # a setting added to cohortrl since the run started is compared at its default, not as a change
+            saved = Config.from_dict(saved).to_dict()
+        except ConfigError:  # a saved config this version cannot build: compared as written, key by key
+            pass
+        saved, now = _flatten(saved), _flatten(self.cfg.to_dict())
         differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
         if differ:
             detail = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from cohortrl.algorithms import aggregate, token_weights
 from cohortrl.config import Config, ConfigError
@@ -166,6 +167,20 @@ def test_resume_with_a_different_config_names_the_keys(tmp_path, addition_jsonl)
     other = tiny_config(addition_jsonl, train={"steps": 3}, algorithm={"beta": 0.5})
     with pytest.raises(ConfigError, match=r"algorithm.beta: 0.04 -> 0.5"):
         GRPOTrainer(other, tmp_path, resume=True)
+
+
+def test_resume_of_a_run_saved_before_a_setting_existed_takes_the_settings_default(tmp_path, addition_jsonl):
+    cfg = tiny_config(addition_jsonl, train={"steps": 2, "checkpoint_every": 1})
+    GRPOTrainer(cfg, tmp_path).train(steps=1)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del saved["data"]["exclude_from_training"]  # as a config.yaml written before the setting was added
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    rows = GRPOTrainer(cfg, tmp_path, resume=True).train()
+    assert [r["step"] for r in rows if "loss" in r] == [2]
+    saved["data"]["exclude_from_training"] = {"answer": ["3"]}  # a value other than the default is a change
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match=r"data.exclude_from_training.answer: \['3'\] -> None"):
+        GRPOTrainer(cfg, tmp_path, resume=True)
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
