@@ -1,6 +1,7 @@
 """GRPO end to end on the tiny model: every estimator x aggregation x zero-variance setting runs, the KL is
-exactly 0 before the first update, a trivially learnable reward is learned, runs resume exactly, checkpoints
-are atomic, and bad reward functions stop the run with a precise error."""
+exactly 0 before the first update, a trivially learnable reward is learned, micro-batches give one batch's
+gradient in every aggregation mode, runs resume exactly (LoRA and resampling runs too), checkpoints are atomic,
+and bad reward functions stop the run with a precise error."""
 
 import json
 from pathlib import Path

@@ -7,7 +7,8 @@
 * every update after a step's first (another minibatch or epoch) trains against the rollout's log-probs as π_old;
 * the logged loss is the policy loss plus β·KL, recomputed by hand from the step's log-probs, the reference's
   log-probs (checked against a plain forward of a copy of the initial model) and the advantages, for every
-  aggregation mode;
+  aggregation mode and with the k2 estimator; PPO's value loss without a clip (``ppo.value_clip: null``) is the
+  plain squared error of the critic's values;
 * the LR of every optimiser step follows the schedule's formula (warm-up, then constant / linear / cosine),
   written out as numbers below, for the policy and PPO's critic, and a resumed run continues it exactly;
 * the weights synced into a (stand-in) vLLM engine are the policy's merged weights, tensor by tensor, and a
