@@ -1,8 +1,10 @@
 """The two CPU paths a trainer test can run on (``cpu_path``): "fast", ``train.cpu_linear=auto`` (on a CPU build
 with oneDNN: oneDNN linear products, the lean decoder, the update reusing decoding's forward where the config
-allows it), and "plain", ``train.cpu_linear=aten`` (plain transformers and autograd throughout)."""
+allows it), and "plain", ``train.cpu_linear=aten`` (plain transformers and autograd throughout); and
+``one_thread``, for tests that compare whole runs."""
 
 import pytest
+import torch
 
 from cohortrl.cpu import kernels
 from cohortrl.cpu import decoder
@@ -45,3 +47,14 @@ class CPUPath:
 @pytest.fixture(params=["fast", "plain"])
 def cpu_path(request, monkeypatch) -> CPUPath:
     return CPUPath(request.param, monkeypatch)
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """As the golden runs (``tests/golden/runs.py`` THREADS): one thread, the same numbers as two in a fraction of
+    the time on a busy 2-core machine; and no end-of-run plot, which nothing reads and matplotlib makes slow."""
+    monkeypatch.setattr("cohortrl.trainers.loop.plot_curves", lambda run_dir: None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -326,6 +326,23 @@ def test_retention_keeps_the_newest_checkpoints(tmp_path, keep, left):
     assert [int(p.name[5:]) for p in checkpoint.step_dirs(tmp_path)] == left
 
 
+def test_a_run_that_keeps_every_checkpoint_keeps_them_and_resumes_from_the_oldest(tmp_path, addition_jsonl, one_thread):
+    """``keep_checkpoints: 0`` in a run: the checkpoints of steps 1, 2 and 3 all stay. With the newer two and
+    final/ deleted (going back to step 1), resume trains steps 2 and 3 again to the same numbers, and keeps all
+    three checkpoints again."""
+    run = tmp_path / "run"
+    cfg = config(addition_jsonl, keep_checkpoints=0)
+    train(cfg, run)
+    kept = [p.name for p in checkpoint.step_dirs(run)]
+    assert kept == ["step_000001", "step_000002", "step_000003"]
+    uninterrupted = by_step(run)
+    for path in (step_dir(run, 2), step_dir(run, 3), run / "final"):
+        shutil.rmtree(path)
+    assert [r["step"] for r in train(cfg, run, resume=True) if "loss" in r] == [2, 3]
+    assert by_step(run) == uninterrupted
+    assert [p.name for p in checkpoint.step_dirs(run)] == kept
+
+
 def test_keep_checkpoints_must_not_be_negative(addition_jsonl):
     with pytest.raises(ConfigError, match=r"train.keep_checkpoints.*-1.*must be >= 0 \(0 keeps all\)"):
         config(addition_jsonl, keep_checkpoints=-1)

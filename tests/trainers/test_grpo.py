@@ -1,6 +1,7 @@
 """GRPO end to end on the tiny model: every estimator x aggregation x zero-variance setting runs, the KL is
-exactly 0 before the first update, a trivially learnable reward is learned, runs resume exactly, checkpoints
-are atomic, and bad reward functions stop the run with a precise error."""
+exactly 0 before the first update, a trivially learnable reward is learned, micro-batches give one batch's
+gradient in every aggregation mode, runs resume exactly (LoRA and resampling runs too), checkpoints are atomic,
+and bad reward functions stop the run with a precise error."""
 
 import json
 from pathlib import Path
@@ -106,10 +107,13 @@ def test_learns_a_trivially_learnable_reward(tmp_path, addition_jsonl):
     assert sum(rewards[-5:]) / 5 > 0.7, rewards
 
 
-def test_micro_batches_give_the_same_gradient_as_one_batch(tmp_path, addition_jsonl):
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_micro_batches_give_the_same_gradient_as_one_batch(tmp_path, addition_jsonl, one_thread, aggregation):
+    """8 rows in micro-batches of 3, 3 and 2 (unequal, so a per-micro-batch mean differs from the batch's for
+    every mode, not only by a common factor) against one batch of 8: the gradient AdamW steps with is the same."""
     grads = []
     for micro in (0, 3):
-        cfg = tiny_config(addition_jsonl, algorithm={"micro_batch_size": micro, "aggregation": "token-mean"}, train={"steps": 1})
+        cfg = tiny_config(addition_jsonl, algorithm={"micro_batch_size": micro, "aggregation": aggregation}, train={"steps": 1})
         trainer = GRPOTrainer(cfg, tmp_path / str(micro))
         seen = {}  # the gradient AdamW steps with (the trainer frees .grad after the step)
         trainer.optimizer.register_step_pre_hook(lambda *_: seen.update(
@@ -153,6 +157,46 @@ def test_resume_after_step_k_reproduces_the_uninterrupted_run(tmp_path, addition
             assert b[step][key] == pytest.approx(value, abs=1e-6), (step, key)
     logged = [json.loads(line)["step"] for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in logged if s] == [1, 2, 2, 3, 4, 4]  # train rows and the evaluations at the two ends
+
+
+def assert_resumed_as_uninterrupted(cfg, run_dir: Path, k: int) -> list[dict]:
+    """Train ``cfg`` uninterrupted, and again stopped after step ``k`` and resumed, under ``run_dir``: every
+    later step's numbers agree (as in the test above) and the trained weights are the same, bit for bit.
+    Returns the uninterrupted run's rows."""
+    full_trainer = GRPOTrainer(cfg, run_dir / "full")
+    full = full_trainer.train()
+    GRPOTrainer(cfg, run_dir / "split").train(steps=k)
+    trainer = GRPOTrainer(cfg, run_dir / "split", resume=True)
+    resumed = trainer.train()
+    a, b = ({r["step"]: r for r in rows if "loss" in r} for rows in (full, resumed))
+    assert sorted(b) == list(range(k + 1, cfg.train.steps + 1))
+    for step in b:
+        for key, value in a[step].items():
+            if not key.startswith(VOLATILE):
+                assert b[step][key] == pytest.approx(value, abs=1e-6), (step, key)
+    weights = params_of(trainer)
+    for name, p in params_of(full_trainer).items():
+        assert torch.equal(weights[name], p), name
+    return full
+
+
+def test_a_resumed_resample_run_reproduces_the_uninterrupted_run(tmp_path, addition_jsonl, one_thread):
+    """``zero_variance: resample`` draws more prompts in a step whose groups are all-same, so the data stream is
+    further on than steps x prompts_per_step at the checkpoint: the resume continues from where it really is.
+    Groups of 2, so that all-same groups (and extra draws) are frequent."""
+    cfg = tiny_config(addition_jsonl, algorithm={"zero_variance": "resample", "group_size": 2},
+                      train={"steps": 3, "checkpoint_every": 2}, eval={"n_prompts": 0})
+    full = assert_resumed_as_uninterrupted(cfg, tmp_path, 2)
+    extra = [r["resample_draws"] for r in full if "loss" in r]
+    assert sum(extra[:2]) > 0, extra  # draws beyond the first before the checkpoint: else nothing to restore
+
+
+def test_a_resumed_lora_run_reproduces_the_uninterrupted_run(tmp_path, addition_jsonl, one_thread):
+    """The adapter's weights and their AdamW moments come back (2 epochs x 2 minibatches: four updates a step);
+    the reference is the base model, the adapter switched off, before and after."""
+    cfg = tiny_config(addition_jsonl, model={"lora": {"enabled": True, "r": 4}}, algorithm={"epochs": 2, "minibatches": 2},
+                      train={"steps": 3, "checkpoint_every": 2}, eval={"n_prompts": 0})
+    assert_resumed_as_uninterrupted(cfg, tmp_path, 2)
 
 
 def test_resuming_a_finished_run_says_so(tmp_path, addition_jsonl):

@@ -7,7 +7,8 @@
 * every update after a step's first (another minibatch or epoch) trains against the rollout's log-probs as π_old;
 * the logged loss is the policy loss plus β·KL, recomputed by hand from the step's log-probs, the reference's
   log-probs (checked against a plain forward of a copy of the initial model) and the advantages, for every
-  aggregation mode;
+  aggregation mode and with the k2 estimator; PPO's value loss without a clip (``ppo.value_clip: null``) is the
+  plain squared error of the critic's values;
 * the LR of every optimiser step follows the schedule's formula (warm-up, then constant / linear / cosine),
   written out as numbers below, for the policy and PPO's critic, and a resumed run continues it exactly;
 * the weights synced into a (stand-in) vLLM engine are the policy's merged weights, tensor by tensor, and a
@@ -260,6 +261,53 @@ def test_ppo_gae_skips_the_tool_results_inside_a_response(tmp_path):
     assert not step["targets"].advantages[holes].any()
 
 
+def record_value_losses(trainer) -> list[dict]:
+    """Wrap PPO's ``_extra_loss`` and ``_values``: per call, the critic's values V (from the one ``_values`` call
+    inside it), V_old and the returns R of its rows, its loss mask, and the value loss it returned."""
+    calls, values, extra_loss, critic_values = [], [], trainer._extra_loss, trainer._values
+
+    def recording_values(*args, **kwargs):
+        out = critic_values(*args, **kwargs)
+        values.append(out.detach().clone())
+        return out
+
+    def recording_extra_loss(rows, loss_mask, logp, input_ids, attention_mask, targets):
+        before = len(values)
+        loss_BT, metrics = extra_loss(rows, loss_mask, logp, input_ids, attention_mask, targets)
+        (V,) = values[before:]
+        calls.append({"V": V, "old": targets.old_values[rows], "R": targets.returns[rows], "mask": loss_mask.clone(),
+                      "loss": loss_BT.detach().clone(), "value_loss": metrics["value_loss"].detach().clone()})
+        return loss_BT, metrics
+
+    trainer._values, trainer._extra_loss = recording_values, recording_extra_loss
+    return calls
+
+
+def test_ppo_without_a_value_clip_trains_the_critic_on_the_plain_squared_error(tmp_path):
+    """``ppo.value_clip: null``: L^V = ½ (V − R)², with no clipped term, in every update of a run whose second
+    epoch moves V from V_old by more than the default clip (0.2), so a clip applied anyway would show."""
+    vf_coef, default_clip = 0.5, 0.2
+    ppo = {**PPO_GAE["ppo"], "value_clip": None, "vf_coef": vf_coef, "critic_lr": 0.05}
+    trainer = build(tmp_path, algorithm={**PPO_GAE, "ppo": ppo, "prompts_per_step": 8, "epochs": 2})
+    calls = record_value_losses(trainer)
+    rows = [r for r in trainer.train() if "loss" in r]
+    assert len(calls) == 2 * len(rows) == 6  # 2 epochs of one minibatch, one micro-batch each
+    binds = []
+    for c in calls:
+        m = c["mask"].float()
+        plain = 0.5 * (c["V"] - c["R"]).square() * m
+        torch.testing.assert_close(c["value_loss"] * m, plain, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(c["loss"] * m, vf_coef * plain, rtol=1e-5, atol=1e-7)
+        clipped = torch.clamp(c["V"], c["old"] - default_clip, c["old"] + default_clip)
+        binds.append(float(((0.5 * (clipped - c["R"]).square() * m) - plain).clamp(min=0).max()))
+    assert max(binds) > 1e-3, binds  # the default clip would have raised the loss somewhere
+    for step, row in enumerate(rows):  # the logged value loss: the mean over both epochs' loss tokens
+        two = calls[2 * step : 2 * step + 2]
+        by_hand = sum(float((0.5 * (c["V"] - c["R"]).square() * c["mask"]).sum()) for c in two) / sum(
+            float(c["mask"].sum()) for c in two)
+        assert row["value_loss"] == pytest.approx(by_hand, rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- the loss
 def aggregate_by_hand(loss_BT, mask_BT, mode: str, norm_length: int) -> torch.Tensor:
     m = mask_BT.double()
@@ -272,10 +320,17 @@ def aggregate_by_hand(loss_BT, mask_BT, mode: str, norm_length: int) -> torch.Te
     return loss_BT.sum() / (m.shape[0] * norm_length)  # Σ L / (N · norm_length)
 
 
-@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
-def test_grpo_loss_is_the_policy_loss_plus_beta_kl_recomputed_from_the_steps_tensors(tmp_path, aggregation):
-    beta = 0.1
-    trainer = build(tmp_path, algorithm={"aggregation": aggregation, "beta": beta})
+# Schulman's estimators of KL(π_θ ‖ π_ref) by hand, x = log π_ref − log π_θ (the library's: tests/algorithms/test_kl.py)
+KL_BY_HAND = {"k2": lambda x: x.square() / 2, "k3": lambda x: torch.exp(x) - x - 1}
+
+
+@pytest.mark.parametrize("aggregation, kl_estimator", [
+    ("seq-mean-token-mean", None), ("token-mean", None), ("seq-mean-token-sum-norm", None), ("token-mean", "k2"),
+])
+def test_grpo_loss_is_the_policy_loss_plus_beta_kl_recomputed_from_the_steps_tensors(tmp_path, aggregation, kl_estimator):
+    """``kl_estimator`` None is GRPO's default, k3; k2 is set, so an estimator that does not reach the loss fails."""
+    beta, kl_of = 0.1, KL_BY_HAND[kl_estimator or "k3"]
+    trainer = build(tmp_path, algorithm={"aggregation": aggregation, "beta": beta, "kl_estimator": kl_estimator})
     reference = copy.deepcopy(trainer.model)
     seen, losses = record_targets(trainer), record_policy_loss(trainer)
     rows = [r for r in trainer.train() if "loss" in r]
@@ -290,13 +345,13 @@ def test_grpo_loss_is_the_policy_loss_plus_beta_kl_recomputed_from_the_steps_ten
         ratio = torch.exp(logp - old)  # on-policy: exactly 1, so the clipped surrogate is −A
         assert torch.equal(ratio * mask, mask.float())
         policy_BT = -adv * ratio
-        k3_BT = torch.exp(ref - logp) - (ref - logp) - 1  # Schulman's k3
+        kl_BT = kl_of(ref - logp)
         policy = aggregate_by_hand(policy_BT, mask, aggregation, 8)
-        kl_term = beta * aggregate_by_hand(k3_BT, mask, aggregation, 8)
+        kl_term = beta * aggregate_by_hand(kl_BT, mask, aggregation, 8)
         # abs: the trainer sums float32 terms of size ~1 whose total is ~0 at ratio 1 (group baselines)
         assert row["loss"] == pytest.approx(float(policy + kl_term), rel=1e-5, abs=1e-6)
         assert row["policy_loss"] == pytest.approx(float(policy), rel=1e-5, abs=1e-6)
-        assert row["kl"] == pytest.approx(float((k3_BT * mask).sum() / mask.sum()), rel=1e-5, abs=1e-9)
+        assert row["kl"] == pytest.approx(float((kl_BT * mask).sum() / mask.sum()), rel=1e-5, abs=1e-9)
         kl_terms.append(float(kl_term))
     # After the first update the KL term is far above the tolerance: a loss without it fails above.
     assert min(kl_terms[1:]) > 100 * 1e-6, kl_terms
