@@ -119,7 +119,7 @@ def cmd_verify(args) -> int:
     import yaml
 
     from cohortrl.trainers import checkpoint
-    from cohortrl.trainers.loop import config_hash
+    from cohortrl.trainers.loop import config_hashes
 
     path = Path(args.run_dir)
     paths, run_dir = _verify_targets(path)
@@ -131,7 +131,7 @@ def cmd_verify(args) -> int:
     expected = None  # without the run's config, the files are still checked
     if config.is_file():
         try:
-            expected = config_hash(yaml.safe_load(config.read_text()))
+            expected = config_hashes(yaml.safe_load(config.read_text()))
         except (OSError, yaml.YAMLError) as e:
             print(f"{config}: unreadable ({str(e).splitlines()[0]}); checking the files but not the config hashes", file=sys.stderr)
     bad = 0

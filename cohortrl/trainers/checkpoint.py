@@ -297,9 +297,9 @@ def _step_of(path: Path) -> int | None:
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
-def verify(path: Path, config_hash: str | None = None) -> str | None:
-    """None if every file of ``path`` matches its manifest (and, if given, the config hash does), else one
-    line naming the first file that does not and why."""
+def verify(path: Path, config_hash: str | tuple[str, ...] | None = None) -> str | None:
+    """None if every file of ``path`` matches its manifest (and, if given, the config hash is the one, or one of
+    the ones, given), else one line naming the first file that does not and why."""
     path = Path(path)
     manifest, problem = _read_manifest(path)
     if problem:
@@ -307,9 +307,10 @@ def verify(path: Path, config_hash: str | None = None) -> str | None:
     step = _step_of(path)
     if step is not None and manifest["step"] != step:
         return f"{path / MANIFEST}: says step {manifest['step']}, the directory is step {step} (renamed or copied into place)"
-    if config_hash and manifest["config_hash"] != config_hash:
+    accepted = (config_hash,) if isinstance(config_hash, str) else tuple(config_hash or ())
+    if any(accepted) and manifest["config_hash"] not in accepted:
         return (f"{path / MANIFEST}: written under another config (hash {manifest['config_hash'][:12]}, this run's "
-                f"is {config_hash[:12]}): copied from another run?")
+                f"is {accepted[0][:12]}): copied from another run?")
     for name, want in manifest["files"].items():
         problem = _check_file(path / name, want)
         if problem:
@@ -385,7 +386,7 @@ def check_saved(path: str | Path, what: str) -> None:
         raise CheckpointError(f"{what} {path} is damaged, not loaded: {problem}")
 
 
-def find_intact(run_dir: Path, config_hash: str | None = None) -> Found:
+def find_intact(run_dir: Path, config_hash: str | tuple[str, ...] | None = None) -> Found:
     """The newest checkpoint that verifies, and the newer ones that did not (newest first)."""
     found = Found(None)
     for path in reversed(step_dirs(run_dir)):

@@ -74,6 +74,7 @@ class Trainer:
     name = "trainer"
     command = "train"  # the CLI command that continues such a run, for messages
     strict = False  # --resume --strict: refuse a damaged newest checkpoint instead of falling back
+    _saved_hashes: tuple[str, ...] = ()  # resuming: the saved config's hashes (accepted_hashes)
 
     @classmethod
     def resume(cls, run_dir: str | Path, config=None, **inputs) -> "Trainer":
@@ -225,7 +226,7 @@ class Trainer:
         """No steps left: finish what a run killed after its last checkpoint may lack (an intact final/, the
         curves), or say that there is nothing to do (:class:`RunCompleteError`); never a silent run of zero steps."""
         final = self.run_dir / "final"
-        problem = checkpoint.verify(final, self.config_hash) if final.is_dir() else "not written"
+        problem = checkpoint.verify(final, self.accepted_hashes) if final.is_dir() else "not written"
         if problem is None and json.loads((final / FINAL_MARKER).read_text())["step"] != self.step_count:
             problem = "saved at another step"
         if problem is not None:
@@ -333,7 +334,7 @@ class Trainer:
     def _choose_checkpoint(self) -> Path:
         """The newest intact checkpoint. Damaged newer ones are named, one line each, then set aside (or, with
         ``strict``, the resume is refused and nothing changes)."""
-        found = checkpoint.find_intact(self.run_dir, self.config_hash)
+        found = checkpoint.find_intact(self.run_dir, self.accepted_hashes)
         fallback = f"step {int(found.path.name[5:])} ({found.path})" if found.path else None
         if found.rejected and self.strict:
             instead = f"without --strict the run resumes from {fallback}" if fallback else "no intact checkpoint is left"
@@ -400,11 +401,18 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)
         random.seed(self.cfg.train.seed)
 
+    @property
+    def accepted_hashes(self) -> tuple[str, ...]:
+        """The config hashes this run's checkpoints may carry: this version's, and (resuming) those of the run's
+        saved config, as this and earlier versions computed them (:func:`config_hashes`)."""
+        return (self.config_hash, *self._saved_hashes)
+
     def _check_resume_config(self) -> None:
         saved_path = self.run_dir / "config.yaml"
         if not saved_path.exists():
             raise FileNotFoundError(f"--resume: {saved_path} not found; is {self.run_dir} a cohortrl run directory?")
         saved = yaml.safe_load(saved_path.read_text())
+        self._saved_hashes = config_hashes(saved)
         try:  # a setting added to cohortrl since the run started is compared at its default, not as a change
             saved = Config.from_dict(saved).to_dict()
         except ConfigError:  # a saved config this version cannot build: compared as written, key by key
@@ -459,9 +467,23 @@ def load_trainable_state(model, saved: dict[str, torch.Tensor], what: str, dist:
 
 def config_hash(config: dict) -> str:
     """SHA-256 of the settings that decide what a run computes (a config's ``to_dict()`` or its YAML, loaded):
-    those in ``RESUMABLE_CHANGES`` are left out, so a resume with a longer ``train.steps`` keeps the hash."""
-    kept = {k: v for k, v in _flatten(config).items() if k not in RESUMABLE_CHANGES}
+    those in ``RESUMABLE_CHANGES`` are left out, so a resume with a longer ``train.steps`` keeps the hash, and so
+    are those at cohortrl's defaults, so a setting added to cohortrl after the run started keeps it too."""
+    defaults = _default_settings()
+    kept = {k: v for k, v in _flatten(config).items() if k not in RESUMABLE_CHANGES and (k not in defaults or defaults[k] != v)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_hashes(config: dict) -> tuple[str, str]:
+    """The hashes a checkpoint of a run with this saved config may carry: :func:`config_hash`, and the one that
+    cohortrl wrote before defaults were left out (every setting as saved), so that such checkpoints still resume."""
+    legacy = {k: v for k, v in _flatten(config).items() if k not in RESUMABLE_CHANGES}
+    return config_hash(config), hashlib.sha256(json.dumps(legacy, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@functools.cache
+def _default_settings() -> dict:
+    return _flatten(Config().to_dict())
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

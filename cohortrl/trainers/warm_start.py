@@ -30,7 +30,7 @@ from cohortrl import __version__
 from cohortrl.config import Config
 from cohortrl.trainers import checkpoint
 from cohortrl.trainers.inputs import as_config
-from cohortrl.trainers.loop import FINAL_MARKER, config_hash
+from cohortrl.trainers.loop import FINAL_MARKER, config_hashes
 from cohortrl.trainers.metrics import read_metrics
 
 COSMETIC = ("progress",)  # train.* fields left out of the key: they change what is shown, not what is computed
@@ -74,7 +74,7 @@ def problem(path: Path, cfg: Config) -> str | None:
     if not isinstance(saved, dict) or cache_key(saved) != cache_key(cfg.to_dict()):
         return f"{config}: not this config (another run's, or edited)"
     final = path / "final"
-    damage = checkpoint.verify(final, config_hash(saved))
+    damage = checkpoint.verify(final, config_hashes(saved))
     if damage is not None:
         return damage
     steps = cfg.train.steps

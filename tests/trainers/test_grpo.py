@@ -214,11 +214,19 @@ def test_resume_with_a_different_config_names_the_keys(tmp_path, addition_jsonl)
 
 
 def test_resume_of_a_run_saved_before_a_setting_existed_takes_the_settings_default(tmp_path, addition_jsonl):
+    from cohortrl.trainers.loop import config_hash, config_hashes
+
     cfg = tiny_config(addition_jsonl, train={"steps": 2, "checkpoint_every": 1})
     GRPOTrainer(cfg, tmp_path).train(steps=1)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     del saved["data"]["exclude_from_training"]  # as a config.yaml written before the setting was added
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    # its checkpoint's manifest as the version that wrote it hashed the config: every setting as saved
+    manifest = tmp_path / "checkpoints" / "step_000001" / checkpoint.MANIFEST
+    written = json.loads(manifest.read_text())
+    written["config_hash"] = config_hashes(saved)[1]
+    assert written["config_hash"] != config_hash(saved) == config_hash(cfg.to_dict())  # defaults left out
+    manifest.write_text(json.dumps(written))
     rows = GRPOTrainer(cfg, tmp_path, resume=True).train()
     assert [r["step"] for r in rows if "loss" in r] == [2]
     saved["data"]["exclude_from_training"] = {"answer": ["3"]}  # a value other than the default is a change
