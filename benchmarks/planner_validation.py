@@ -43,13 +43,14 @@ TIME_TOLERANCE = 0.25
 # name → (config file, overrides): the demo (GRPO with the calculator on axial_stress), the engineering GRPO
 # configuration, and its PPO variant on the same family. Their lengths (256 new tokens, up to 8 calculator
 # calls) are the configs'; the batches are smaller than the configs' P = 4 x G = 8, so that a run fits beside
-# the other jobs of a shared 23 GB machine: demo 2 x 4, GRPO 4 x 4, PPO 2 x 4 in micro-batches of 2 sequences
-# (the PPO update's activations grow with the micro-batch; the setting is the config's own).
+# the other jobs of a shared 23 GB machine (a first try at 4 x 4 was killed when its memory ran out): demo
+# 2 x 4, GRPO 4 x 2 (more distinct prompts, smaller groups), PPO 4 x 1 in micro-batches of one sequence (PPO's
+# update runs its own forward, whose activations grow with the micro-batch; the setting is the config's own).
 CONFIGS = {
     "demo_grpo": ("configs/demo_grpo.yaml", ["algorithm.prompts_per_step=2", "algorithm.group_size=4"]),
-    "eng_grpo": ("configs/eng_grpo.yaml", ["algorithm.prompts_per_step=4", "algorithm.group_size=4"]),
-    "eng_ppo": ("configs/eng_grpo.yaml", ["algorithm.name=ppo", "algorithm.prompts_per_step=2", "algorithm.group_size=4",
-                                          "algorithm.micro_batch_size=2"]),
+    "eng_grpo": ("configs/eng_grpo.yaml", ["algorithm.prompts_per_step=4", "algorithm.group_size=2"]),
+    "eng_ppo": ("configs/eng_grpo.yaml", ["algorithm.name=ppo", "algorithm.prompts_per_step=4", "algorithm.group_size=1",
+                                          "algorithm.micro_batch_size=1"]),
 }
 
 

@@ -345,7 +345,7 @@ def cmd_sweep(args) -> int:
 
 
 # cohortrl plan's flags that set a RunSpec field; one left out keeps --config's value, else the RunSpec default
-PLAN_FIELDS = ("algorithm", "gpus", "sharding", "dtype", "lora_rank", "prompt_len", "response_len", "group_size",
+PLAN_FIELDS = ("algorithm", "gpus", "sharding", "dtype", "lora_rank", "prompt_len", "response_len", "max_new_tokens", "group_size",
                "prompts_per_step", "micro_batch_size", "distinct_prompts", "response_tokens", "tool_tokens",
                "epochs", "device", "mfu", "generation_mfu")
 
@@ -632,6 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens, padded (default 512)")
     p.add_argument("--response-len", type=int, default=None,
                    help="response tokens, padded, tool results included (default 1024; with --config its max_new_tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="the sampling budget, >= --response-len (default: the response length; with --config its own): "
+                        "a CPU run allocates its decoding buffers for it")
     p.add_argument("-G", "--group-size", type=int, default=None, help="responses per prompt (default 8)")
     p.add_argument("-P", "--prompts", dest="prompts_per_step", type=int, default=None, help="prompts per step (default 64)")
     p.add_argument("--micro-batch-size", type=int, default=None,

@@ -181,6 +181,7 @@ class RunSpec:
     lora_rank: int = 0  # 0: full fine-tuning
     prompt_len: int = 512  # s_p, padded
     response_len: int = 1024  # T, padded: the decoding steps, sampled and tool-result tokens alike
+    max_new_tokens: int | None = None  # the sampling budget (≥ T); None: T. The CPU decoder allocates for it
     group_size: int = 8  # G
     prompts_per_step: int = 64  # P
     micro_batch_size: int = 0  # b, sequences per forward/backward on one device; 0: all of them at once
@@ -222,6 +223,11 @@ class RunSpec:
         return self.sequences * self.response_len - self.tool_tokens
 
     @property
+    def budget(self) -> int:
+        """The decoding budget, sampling.max_new_tokens: what the CPU decoder allocates its buffers for."""
+        return self.max_new_tokens if self.max_new_tokens is not None else self.response_len
+
+    @property
     def micro_batch(self) -> int:
         """b: sequences in one forward/backward on one device."""
         return self.micro_batch_size or self.sequences // self.gpus
@@ -254,6 +260,8 @@ def validate(run: RunSpec) -> RunSpec:
     for name in ("gpus", "group_size", "prompts_per_step", "prompt_len", "response_len", "epochs"):
         if getattr(run, name) < 1:
             raise PlanError(f"{name.replace('_', '-')} must be >= 1 (got {getattr(run, name)})")
+    if run.budget < run.response_len:
+        raise PlanError(f"max-new-tokens ({run.budget}) must be at least the response length T ({run.response_len})")
     if run.micro_batch_size < 0:
         raise PlanError(f"micro-batch-size must be >= 0 (0: the whole batch at once; got {run.micro_batch_size})")
     if run.lora_rank < 0:
@@ -360,7 +368,12 @@ def recording_bytes(m: ModelShape, run: RunSpec) -> float:
     """What decoding keeps for the update's backward, fp32: per layer and row the layer's input, the q/k/v
     products, the residual after attention and the gate/up products (2h + (a + 2k)·d + 2f values); per
     decoding row the last layer's output (h); and the logits of every decoding row while B·T·V fp32 fits in
-    RECORD_LOGITS_BYTES (``cpu/decoder.py``)."""
+    RECORD_LOGITS_BYTES (``cpu/decoder.py``).
+
+    Counted for the T steps decoding ran. The decoder allocates its buffers (``torch.empty``) for the whole
+    budget, and a page is resident only once written: in a fresh process the rows past T cost nothing, but a
+    long run's steps reuse heap pages earlier steps wrote (``train.cpu_allocator`` retain keeps them), so its
+    resident peak creeps towards the budget's size: plan with T = max_new_tokens for a long run's peak."""
     h, f, d = m.hidden_size, m.intermediate_size, m.d
     per_row = m.num_layers * (2 * h + (m.num_heads + 2 * m.num_kv_heads) * d + 2 * f)
     decoded = run.sequences * run.response_len
@@ -458,8 +471,10 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
         else:
             logits = LOGIT_COPIES * b * (run.response_len + 1) * m.vocab_size * 4
         recording = temporaries = 0.0
-    # The lean decoder allocates K and V for every row's whole length (cpu/decoder.py; HF generate grows to it).
-    kv = kv_cache_bytes(m, run.sequences // n * run.seq_len, dt)
+    # K and V of every row's whole length. The CPU's lean decoder (fp32) allocates them zeroed, every page
+    # touched, for the whole budget before the first step (cpu/decoder.py); HF generate grows them to T.
+    length = run.prompt_len + (run.budget if run.device == "cpu" and dt == "fp32" else run.response_len)
+    kv = kv_cache_bytes(m, run.sequences // n * length, dt)
     # On a CPU in fp32 (train.cpu_linear auto), decoding holds a second copy of every linear weight, the
     # projections and the LM head, in oneDNN's layout (the lean decoder's merged q/k/v and gate/up copies, or
     # kernels.decoding_weights for transformers' forward: the same bytes); LoRA's small matrices are not counted.
@@ -634,7 +649,8 @@ def run_spec_from_config(cfg, **sizes) -> RunSpec:
         lora_rank=cfg.model.lora.r if cfg.model.lora.enabled else 0, group_size=a.group_size,
         prompts_per_step=a.prompts_per_step, micro_batch_size=a.micro_batch_size, reference=a.beta > 0,
         epochs=a.epochs, checkpointing=t.activation_checkpointing, device=device,
-        response_len=cfg.sampling.max_new_tokens, prompt_len=cfg.data.max_prompt_tokens,
+        response_len=cfg.sampling.max_new_tokens, max_new_tokens=cfg.sampling.max_new_tokens,
+        prompt_len=cfg.data.max_prompt_tokens,
     )
     # The trainer reuses decoding's forward only where the config lets it (train.reuse_rollout_forward, one
     # minibatch, no KL in the reward, no resampled groups, the CPU fast path on).
