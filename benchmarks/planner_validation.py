@@ -123,7 +123,7 @@ def child(name: str, args) -> None:
     cfg = Config.from_yaml(REPO / CONFIGS[name][0], overrides(name, args))
     torch.set_num_threads(args.threads)
     rates = measure_matmul_rate(resolve_shape(cfg.model.name), threads=args.threads,
-                                rows=cfg.algorithm.prompts_per_step * cfg.algorithm.group_size)
+                                rows=cfg.algorithm.prompts_per_step * cfg.algorithm.group_size, rank=cfg.model.lora.r)
     steps = []
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = make_trainer(cfg, run_dir)

@@ -378,7 +378,8 @@ def cmd_plan(args) -> int:
             else:
                 import torch
 
-                rates = measure_matmul_rate(shape, args.threads or torch.get_num_threads(), run.sequences // run.gpus)
+                rates = measure_matmul_rate(shape, args.threads or torch.get_num_threads(), run.sequences // run.gpus,
+                                            rank=run.lora_rank or 16)
             run = replace(run, matmul_rate=rates, cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2)
         else:
             run = replace(run, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else GPU_PEAK_FLOPS[args.gpu])

@@ -541,6 +541,7 @@ class Flops:
     old_logprobs: float
     critic: float  # PPO: values at rollout time + forward/backward in the update
     policy: float  # the update: forward/backward (+ recomputation with checkpointing), or the replayed backward
+    adapters: float = 0.0  # LoRA's rank-r products wherever they run beside the frozen weights (all phases)
 
     @property
     def generation(self) -> float:
@@ -548,10 +549,11 @@ class Flops:
 
     @property
     def total(self) -> float:
-        return self.generation + self.reference + self.reward_model + self.old_logprobs + self.critic + self.policy
+        return (self.generation + self.reference + self.reward_model + self.old_logprobs + self.critic + self.policy
+                + self.adapters)
 
 
-PHASES = ("prefill", "decoding", "reference", "reward_model", "old_logprobs", "critic", "policy")
+PHASES = ("prefill", "decoding", "reference", "reward_model", "old_logprobs", "critic", "policy", "adapters")
 
 
 def backward_flops(p: Pass, lora: bool, head_trained: bool) -> float:
@@ -560,6 +562,20 @@ def backward_flops(p: Pass, lora: bool, head_trained: bool) -> float:
     the input gradient on but get none of their own: 1 × their forward. Attention has no weights: its
     backward is 2 × its forward (dQ, dK from the scores' gradient, dV and the scores' gradient from dO)."""
     return p.layers * (1 if lora else 2) + 2 * p.attention + p.head * (2 if head_trained else 1)
+
+
+def adapter_flops(m: ModelShape, run: RunSpec, tokens: int) -> float:
+    """LoRA's own products, 2·r·(in + out) per adapted matrix and token forward (``m.lora_params`` per token),
+    counted apart from the frozen weights' because they run at another rate: rank-r products are thin.
+    The update (its own forward and backward, or the replayed backward, which runs each adapter forward again
+    under autograd: ``cpu/replay.linear_backward``) costs 3 × that on its ``tokens``; an old-log-prob pass 1 ×;
+    generation 1 × unless the CPU decoder folds the adapter into its weight copy (fp32, ``cpu/decoder.py``).
+    The reference is the base with the adapter off: none."""
+    if not run.lora_rank:
+        return 0.0
+    forward = 2 * m.lora_params(run.lora_rank) * tokens
+    folded = run.device == "cpu" and run.dtype == "fp32"
+    return forward * (3 * run.epochs + (1 if run.epochs > 1 else 0) + (0 if folded else 1))
 
 
 def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
@@ -589,6 +605,7 @@ def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
     return Flops(
         prefill=prefill,
         decoding=decoding,
+        adapters=adapter_flops(m, run, U * sp + B * T),
         reference=score.total if run.reference else 0.0,
         reward_model=batch_pass(m, run, False, B, vocab_head=False).total if run.reward_model else 0.0,
         old_logprobs=score.total if run.epochs > 1 else 0.0,
@@ -614,14 +631,15 @@ class Plan:
 def step_seconds(flops: Flops, run: RunSpec) -> dict[str, float]:
     """Seconds per phase on one device (the N devices split the step's sequences evenly).
     GPU: FLOPs / (datasheet peak · an assumed MFU): a model prediction. CPU: FLOPs / the matrix-product rate
-    measured on the machine (``measure_matmul_rate``), decoding at its B-row rate, every other phase at the
-    many-row rate; {} when no rate was measured or given: no time is better than an invented one."""
+    measured on the machine (``measure_matmul_rate``), decoding at its B-row rate, LoRA's products at the
+    thin (rank-r) rate, every other phase at the many-row rate; {} when no rate was measured or given: no time is better than an invented one."""
     per_device = {k: getattr(flops, k) / run.gpus for k in PHASES}
     if run.device == "cpu":
         if not run.matmul_rate:
             return {}
         rates = run.matmul_rate
-        return {k: v / (rates["decode"] if k == "decoding" else rates["train"]) for k, v in per_device.items()}
+        rate = {"decoding": rates["decode"], "adapters": rates.get("thin", rates["train"])}
+        return {k: v / rate.get(k, rates["train"]) for k, v in per_device.items()}
     train_rate = run.peak_flops * run.mfu
     gen_rate = run.peak_flops * run.generation_mfu
     return {k: v / (gen_rate if k in ("prefill", "decoding") else train_rate) for k, v in per_device.items()}
@@ -690,8 +708,10 @@ def time_heading(r: RunSpec) -> str:
     if r.device == "cpu":
         if not r.matmul_rate:
             return "s (not shown: no measured CPU rate)"
-        return (f"s, calibrated (measured here: {r.matmul_rate['decode'] / 1e9:.0f} GFLOP/s at {r.sequences} rows, "
-                f"{r.matmul_rate['train'] / 1e9:.0f} at 2048)")
+        rates = r.matmul_rate
+        thin = f", {rates['thin'] / 1e9:.0f} rank-r" if "thin" in rates else ""
+        return (f"s, calibrated (measured here: {rates['decode'] / 1e9:.0f} GFLOP/s at {r.sequences} rows, "
+                f"{rates['train'] / 1e9:.0f} at 2048{thin})")
     return (f"s, model prediction, not measured ({r.peak_flops / 1e12:g} TFLOP/s datasheet peak, "
             f"MFU {r.mfu:g}, decoding {r.generation_mfu:g})")
 
@@ -728,7 +748,8 @@ def format_plan(p: Plan) -> str:
     names = {"prefill": "generation: prefill", "decoding": "generation: decoding", "reference": "reference forward",
              "reward_model": "reward model forward", "old_logprobs": "old log-probs forward",
              "critic": "critic forward/backward",
-             "policy": "policy backward on the recording" if r.reuse_rollout_forward else "policy forward/backward"}
+             "policy": "policy backward on the recording" if r.reuse_rollout_forward else "policy forward/backward",
+             "adapters": "LoRA adapters' products (all passes)"}
     for key, label in names.items():
         seconds = f"{p.step_seconds[key]:.2f}" if p.step_seconds else "-"
         lines.append(f"| {label} | {getattr(p.flops, key) / 1e12:.3f} | {seconds} |")
@@ -738,45 +759,51 @@ def format_plan(p: Plan) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- CPU calibration
-def measure_matmul_rate(m: ModelShape, threads: int, rows: int, repeats: int = 5) -> dict[str, float]:
+def measure_matmul_rate(m: ModelShape, threads: int, rows: int, rank: int = 16, repeats: int = 5) -> dict[str, float]:
     """This CPU's fp32 matrix-product rate (FLOP/s) at the shapes a step multiplies, on ``threads`` torch threads:
 
     - ``decode``: ``rows`` × h by h × f products (one row per sequence) over as many distinct h × f weights as
       the model's linear layers hold (at most DECODE_PROBE_BYTES): a decoding step reads every weight once for
       a few rows, so its rate is set by how fast the weights stream from memory, not by the arithmetic, and a
       probe on one cache-resident weight overstates it several times;
-    - ``train``: 2048 × h by h × f, one weight (prefill, scoring and the update's products over many rows,
-      which reuse each weight across the rows: the arithmetic bound).
+    - ``train``: 2048 rows through one h × f weight and their gradient back (x·Wᵀ and dy·W, the two
+      orientations every training product has): prefill, scoring and the update, which reuse each weight
+      across many rows (the arithmetic bound);
+    - ``thin``: the same 2048 rows through a rank-``rank`` pair (f → r, r → f), LoRA's adapters' shapes.
 
     Timed in the process's CPU time (``time.process_time``), not wall time: on a shared machine the wall clock
     also counts the time other processes held the cores; × ``threads`` gives the rate of undisturbed threads
     (with more than one, threads that spin while they wait for each other make it an underestimate). Each rate
     is the best of ``repeats`` timings. The planner's CPU step time is FLOPs divided by these rates; what they
-    leave out (attention's softmax, norms, sampling, Python) is what its error is made of."""
+    leave out (attention's softmax, norms, sampling, autograd's bookkeeping, Python) is what its error is made of."""
     import time
 
     import torch
 
+    F = torch.nn.functional
     h, f = m.hidden_size, m.intermediate_size
     linear_bytes = (m.num_layers * m.layer_matrix_params + m.vocab_size * h) * 4
     n_weights = max(1, int(min(linear_bytes, DECODE_PROBE_BYTES) // (h * f * 4)))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        weights = [torch.randn(f, h) for _ in range(n_weights)]
+        x, x_many, dy = torch.randn(rows, h), torch.randn(2048, h), torch.randn(2048, f)
+        down, up, a = torch.randn(rank, f), torch.randn(f, rank), torch.randn(2048, rank)
+        products = {  # name: (FLOPs, the products)
+            "decode": (2 * rows * h * f * n_weights, lambda: [F.linear(x, w) for w in weights]),
+            "train": (2 * 2 * 2048 * h * f, lambda: (F.linear(x_many, weights[0]), F.linear(dy, weights[0].t()))),
+            "thin": (2 * 2 * 2048 * f * rank, lambda: (F.linear(dy, down), F.linear(a, up))),
+        }
         rates = {}
-        for name, n, weights in (("decode", rows, [torch.randn(f, h) for _ in range(n_weights)]),
-                                 ("train", 2048, [torch.randn(f, h)])):
-            x = torch.randn(n, h)
-            for w in weights:  # first touch: allocation and kernel selection
-                torch.nn.functional.linear(x, w)
-            flops = 2 * n * h * f * len(weights)
-            reps = max(1, int(2e9 // flops))  # ~2 GFLOP or one pass over the weights per timing
+        for name, (flops, run) in products.items():
+            run()  # first touch: allocation and kernel selection
+            reps = max(1, int(2e9 // flops))  # ~2 GFLOP, or one pass over the weights, per timing
             best = float("inf")
             for _ in range(repeats):
                 start = time.process_time()
                 for _ in range(reps):
-                    for w in weights:
-                        torch.nn.functional.linear(x, w)
+                    run()
                 best = min(best, (time.process_time() - start) / reps)
             rates[name] = flops / best * threads
         return rates

@@ -256,6 +256,16 @@ def test_lora_backward_has_no_weight_gradient_products():
     assert full.policy - lora.policy == pytest.approx(layers + head)
 
 
+def test_lora_adapters_run_in_the_update_but_are_folded_into_decoding_on_a_cpu():
+    # The adapters' own products: 2·r·(in + out) per matrix and token forward = 2·4,884,480 per token; the
+    # update runs them forward and back (3x) on each distinct prompt's tokens once and every response token:
+    # 2·101 + 8·50 = 602 tokens. The CPU decoder folds them into its weights; the reference switches them off.
+    assert plan(SMOL, CPU_GRPO).flops.adapters == 3 * 2 * 4_884_480 * 602
+    on_gpu = plan(SMOL, replace(CPU_GRPO, device="gpu", dtype="bf16")).flops.adapters
+    assert on_gpu == 4 * 2 * 4_884_480 * 602  # generation runs them too
+    assert plan(SMOL, replace(CPU_GRPO, lora_rank=0)).flops.adapters == 0
+
+
 def test_a_shared_prompt_is_prefilled_and_recorded_once_per_distinct_prompt():
     one_prompt = replace(CPU_GRPO, prompts_per_step=1, group_size=8)  # B = 8 either way
     two_prompts = CPU_GRPO
