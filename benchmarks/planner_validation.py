@@ -3,7 +3,7 @@ beside the planner's prediction for the same work, on the configurations the eng
 
 Each configuration runs in its own subprocess (so its peak, ru_maxrss, is its own), niced by the caller. The
 subprocess reads its baseline (VmRSS after importing torch, transformers, peft and the trainer, before any
-model), measures this CPU's matmul rate at the model's shapes (``planner.measure_matmul_rate``: the
+model), measures this CPU's matmul rate at the model's shapes (``planner.measure_cpu_rates``: the
 calibration the planner's times rest on, taken in the same process, at the same moment and with the same
 threads as the steps it predicts), builds the trainer and runs ``--steps`` steps, recording for each step its
 wall time, the process's CPU time and the shapes it had: prompt columns, distinct prompts, decoding steps,
@@ -115,14 +115,14 @@ def child(name: str, args) -> None:
     import transformers  # noqa: F401
 
     from cohortrl.config import Config
-    from cohortrl.planner import measure_matmul_rate, resolve_shape
+    from cohortrl.planner import measure_cpu_rates, resolve_shape
     from cohortrl.trainers import make_trainer
     from cohortrl.trainers.metrics import peak_rss_mb
 
     baseline = vm_rss_bytes()
     cfg = Config.from_yaml(REPO / CONFIGS[name][0], overrides(name, args))
     torch.set_num_threads(args.threads)
-    rates = measure_matmul_rate(resolve_shape(cfg.model.name), threads=args.threads,
+    rates = measure_cpu_rates(resolve_shape(cfg.model.name), threads=args.threads,
                                 rows=cfg.algorithm.prompts_per_step * cfg.algorithm.group_size, rank=cfg.model.lora.r)
     steps = []
     with tempfile.TemporaryDirectory() as run_dir:

@@ -352,7 +352,7 @@ PLAN_FIELDS = ("algorithm", "gpus", "sharding", "dtype", "lora_rank", "prompt_le
 
 def cmd_plan(args) -> int:
     """Memory per device and time per step of a PPO / GRPO / RLOO step (``cohortrl.planner``)."""
-    from cohortrl.planner import GPU_PEAK_FLOPS, PlanError, RunSpec, format_plan, measure_matmul_rate, plan, resolve_shape, run_spec_from_config
+    from cohortrl.planner import GPU_PEAK_FLOPS, PlanError, RunSpec, format_plan, measure_cpu_rates, plan, resolve_shape, run_spec_from_config
 
     given = {name: getattr(args, name) for name in PLAN_FIELDS if getattr(args, name) is not None}
     for flag, name, value in (("checkpointing", "checkpointing", True), ("no_reference", "reference", False),
@@ -372,13 +372,13 @@ def cmd_plan(args) -> int:
         if run.device == "cpu":  # a rate given, measured now (seconds), or none: then no time is shown
             rate = args.peak_gflops * 1e9 if args.peak_gflops else None
             if rate:
-                rates = {"decode": rate, "train": rate}
+                rates = {"decode": rate, "layer": rate, "thin": rate}
             elif args.no_measure:
                 rates = None
             else:
                 import torch
 
-                rates = measure_matmul_rate(shape, args.threads or torch.get_num_threads(), run.sequences // run.gpus,
+                rates = measure_cpu_rates(shape, args.threads or torch.get_num_threads(), run.sequences // run.gpus,
                                             rank=run.lora_rank or 16)
             run = replace(run, matmul_rate=rates, cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2)
         else:

@@ -165,7 +165,7 @@ SHARDING_ALIASES = {"fsdp": "zero3", "full_shard": "zero3", "fsdp-full-shard": "
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # Peak dense matmul FLOP/s from the vendors' datasheets (NVIDIA A100 / H100 SXM / H200 bf16 dense, no sparsity).
 # A GPU step time is a model prediction from these and an assumed MFU, never a measurement. A CPU has no
-# entry: its rates are measured on the machine (``measure_matmul_rate``) or given, else no time is shown.
+# entry: its rates are measured on the machine (``measure_cpu_rates``) or given, else no time is shown.
 GPU_PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12}
 
 
@@ -358,27 +358,27 @@ LOGPROB_KEEP_BYTES = 128 * 2**20  # = rollout.hf.LOGPROB_KEEP_BYTES
 RECORD_LOGITS_BYTES = 128 * 2**20  # = cpu.decoder.RECORD_LOGITS_BYTES
 
 
-def recording_rows(run: RunSpec) -> int:
-    """Rows decoding's recording holds (``cpu/decoder.LlamaDecoder``, ``record=True``): each distinct prompt's
-    first s_p − 1 columns once (the prefix), then B rows per decoding step, T steps."""
-    return run.prompts * (run.prompt_len - 1) + run.sequences * run.response_len
+def recording_rows(run: RunSpec, steps: int) -> int:
+    """Rows decoding's recording holds (``cpu/decoder.LlamaDecoder``, ``record=True``) after ``steps`` decoding
+    steps: each distinct prompt's first s_p − 1 columns once (the prefix), then B rows per step."""
+    return run.prompts * (run.prompt_len - 1) + run.sequences * steps
 
 
 def recording_bytes(m: ModelShape, run: RunSpec) -> float:
     """What decoding keeps for the update's backward, fp32: per layer and row the layer's input, the q/k/v
     products, the residual after attention and the gate/up products (2h + (a + 2k)·d + 2f values); per
-    decoding row the last layer's output (h); and the logits of every decoding row while B·T·V fp32 fits in
-    RECORD_LOGITS_BYTES (``cpu/decoder.py``).
+    decoding row the last layer's output (h); and the logits of every decoding row when B·(budget)·V fp32
+    fits in RECORD_LOGITS_BYTES (``cpu/decoder.py``).
 
-    Counted for the T steps decoding ran. The decoder allocates its buffers (``torch.empty``) for the whole
-    budget, and a page is resident only once written: in a fresh process the rows past T cost nothing, but a
-    long run's steps reuse heap pages earlier steps wrote (``train.cpu_allocator`` retain keeps them), so its
-    resident peak creeps towards the budget's size: plan with T = max_new_tokens for a long run's peak."""
+    Counted as the decoder allocates it (``torch.empty``), for the whole sampling budget, not for the T steps
+    it ran: a page is resident once written, so a fresh process's first step, which writes T steps' rows
+    into new pages, can sit below this; later steps reuse heap pages earlier steps wrote (``train.cpu_allocator``
+    retain keeps them), and their resident peak reaches it."""
     h, f, d = m.hidden_size, m.intermediate_size, m.d
     per_row = m.num_layers * (2 * h + (m.num_heads + 2 * m.num_kv_heads) * d + 2 * f)
-    decoded = run.sequences * run.response_len
+    decoded = run.sequences * run.budget
     logits = decoded * m.vocab_size * 4
-    return (recording_rows(run) * per_row + decoded * h) * 4 + (logits if logits <= RECORD_LOGITS_BYTES else 0)
+    return (recording_rows(run, run.budget) * per_row + decoded * h) * 4 + (logits if logits <= RECORD_LOGITS_BYTES else 0)
 
 
 def replay_temporaries(m: ModelShape, run: RunSpec) -> float:
@@ -387,7 +387,7 @@ def replay_temporaries(m: ModelShape, run: RunSpec) -> float:
     silu(gate), the down projection's input and input gradient and the gate's gradient (4f) with the norm's
     input gradient and output (2h) and the LoRA branch's input gradient (h); plus two chunks of at most
     32 MiB (the head's logits, an attention block's probabilities)."""
-    return recording_rows(run) * (4 * m.intermediate_size + 4 * m.hidden_size) * 4 + 2 * LOGPROB_CHUNK_BYTES
+    return recording_rows(run, run.response_len) * (4 * m.intermediate_size + 4 * m.hidden_size) * 4 + 2 * LOGPROB_CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -593,7 +593,7 @@ def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
     if run.reuse_rollout_forward:
         # cpu/replay.py: the update's backward on decoding's recording, no forward of its own; it recomputes the
         # attention's forward per layer and the head's logits when they were not kept.
-        kept = B * T * m.vocab_size * 4 <= RECORD_LOGITS_BYTES
+        kept = B * run.budget * m.vocab_size * 4 <= RECORD_LOGITS_BYTES  # the decoder decides on its budget
         policy = backward_flops(score, lora, not lora) + score.attention + (0 if kept else score.head)
     else:
         policy = run.epochs * (score.total + backward_flops(score, lora, not lora) + recompute)
@@ -631,15 +631,15 @@ class Plan:
 def step_seconds(flops: Flops, run: RunSpec) -> dict[str, float]:
     """Seconds per phase on one device (the N devices split the step's sequences evenly).
     GPU: FLOPs / (datasheet peak · an assumed MFU): a model prediction. CPU: FLOPs / the matrix-product rate
-    measured on the machine (``measure_matmul_rate``), decoding at its B-row rate, LoRA's products at the
-    thin (rank-r) rate, every other phase at the many-row rate; {} when no rate was measured or given: no time is better than an invented one."""
+    measured on the machine (``measure_cpu_rates``): decoding at its B-row rate, LoRA's products at the
+    thin (rank-r) rate, every other phase at the rate of a training pass through real layers; {} when no rate was measured or given: no time is better than an invented one."""
     per_device = {k: getattr(flops, k) / run.gpus for k in PHASES}
     if run.device == "cpu":
         if not run.matmul_rate:
             return {}
         rates = run.matmul_rate
-        rate = {"decoding": rates["decode"], "adapters": rates.get("thin", rates["train"])}
-        return {k: v / rate.get(k, rates["train"]) for k, v in per_device.items()}
+        rate = {"decoding": rates["decode"], "adapters": rates["thin"]}
+        return {k: v / rate.get(k, rates["layer"]) for k, v in per_device.items()}
     train_rate = run.peak_flops * run.mfu
     gen_rate = run.peak_flops * run.generation_mfu
     return {k: v / (gen_rate if k in ("prefill", "decoding") else train_rate) for k, v in per_device.items()}
@@ -709,9 +709,8 @@ def time_heading(r: RunSpec) -> str:
         if not r.matmul_rate:
             return "s (not shown: no measured CPU rate)"
         rates = r.matmul_rate
-        thin = f", {rates['thin'] / 1e9:.0f} rank-r" if "thin" in rates else ""
-        return (f"s, calibrated (measured here: {rates['decode'] / 1e9:.0f} GFLOP/s at {r.sequences} rows, "
-                f"{rates['train'] / 1e9:.0f} at 2048{thin})")
+        return (f"s, calibrated (measured here, GFLOP/s: decoding {rates['decode'] / 1e9:.0f} at {r.sequences} rows, "
+                f"layers {rates['layer'] / 1e9:.0f}, rank-r {rates['thin'] / 1e9:.0f})")
     return (f"s, model prediction, not measured ({r.peak_flops / 1e12:g} TFLOP/s datasheet peak, "
             f"MFU {r.mfu:g}, decoding {r.generation_mfu:g})")
 
@@ -759,26 +758,28 @@ def format_plan(p: Plan) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- CPU calibration
-def measure_matmul_rate(m: ModelShape, threads: int, rows: int, rank: int = 16, repeats: int = 5) -> dict[str, float]:
-    """This CPU's fp32 matrix-product rate (FLOP/s) at the shapes a step multiplies, on ``threads`` torch threads:
+def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, repeats: int = 3) -> dict[str, float]:
+    """This CPU's fp32 rates (FLOP/s, as the planner counts FLOPs) for the three kinds of work a step does,
+    on ``threads`` torch threads:
 
     - ``decode``: ``rows`` × h by h × f products (one row per sequence) over as many distinct h × f weights as
       the model's linear layers hold (at most DECODE_PROBE_BYTES): a decoding step reads every weight once for
       a few rows, so its rate is set by how fast the weights stream from memory, not by the arithmetic, and a
       probe on one cache-resident weight overstates it several times;
-    - ``train``: 2048 rows through one h × f weight and their gradient back (x·Wᵀ and dy·W, the two
-      orientations every training product has): prefill, scoring and the update, which reuse each weight
-      across many rows (the arithmetic bound);
-    - ``thin``: the same 2048 rows through a rank-``rank`` pair (f → r, r → f), LoRA's adapters' shapes.
+    - ``layer``: forward and backward, under autograd, of two transformers Llama layers of the model's shape
+      (full fine-tuning, 2 sequences of 256 tokens): prefill, scoring and the update, where the products run
+      on many rows and beside them the norms, rotary embedding, attention's softmax, SwiGLU and autograd's
+      bookkeeping, which a bare product leaves out (a bare 2048-row product runs about 1.6 × faster here);
+    - ``thin``: 2048 rows through a rank-``rank`` pair of products (f → r, r → f), LoRA's adapters' shapes.
 
     Timed in the process's CPU time (``time.process_time``), not wall time: on a shared machine the wall clock
     also counts the time other processes held the cores; × ``threads`` gives the rate of undisturbed threads
     (with more than one, threads that spin while they wait for each other make it an underestimate). Each rate
-    is the best of ``repeats`` timings. The planner's CPU step time is FLOPs divided by these rates; what they
-    leave out (attention's softmax, norms, sampling, autograd's bookkeeping, Python) is what its error is made of."""
+    is the best of ``repeats`` timings."""
     import time
 
     import torch
+    import transformers
 
     F = torch.nn.functional
     h, f = m.hidden_size, m.intermediate_size
@@ -788,27 +789,45 @@ def measure_matmul_rate(m: ModelShape, threads: int, rows: int, rank: int = 16, 
     torch.set_num_threads(threads)
     try:
         weights = [torch.randn(f, h) for _ in range(n_weights)]
-        x, x_many, dy = torch.randn(rows, h), torch.randn(2048, h), torch.randn(2048, f)
-        down, up, a = torch.randn(rank, f), torch.randn(f, rank), torch.randn(2048, rank)
-        products = {  # name: (FLOPs, the products)
+        x = torch.randn(rows, h)
+        dy, down, up, a = torch.randn(2048, f), torch.randn(rank, f), torch.randn(f, rank), torch.randn(2048, rank)
+        probe = replace(m, num_layers=2, vocab_size=256)  # two layers, a token vocabulary too small to matter
+        block = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=probe.vocab_size, hidden_size=h, intermediate_size=f, num_hidden_layers=probe.num_layers,
+            num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.d,
+            tie_word_embeddings=True))
+        ids = torch.randint(0, probe.vocab_size, (2, 256))
+
+        def train_block():
+            block(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.sum().backward()
+
+        products = {  # name: (FLOPs as the planner counts them, the work)
             "decode": (2 * rows * h * f * n_weights, lambda: [F.linear(x, w) for w in weights]),
-            "train": (2 * 2 * 2048 * h * f, lambda: (F.linear(x_many, weights[0]), F.linear(dy, weights[0].t()))),
+            "layer": (training_flops(probe, *ids.shape), train_block),
             "thin": (2 * 2 * 2048 * f * rank, lambda: (F.linear(dy, down), F.linear(a, up))),
         }
         rates = {}
-        for name, (flops, run) in products.items():
-            run()  # first touch: allocation and kernel selection
+        for name, (flops, work) in products.items():
+            work()  # first touch: allocation and kernel selection
             reps = max(1, int(2e9 // flops))  # ~2 GFLOP, or one pass over the weights, per timing
             best = float("inf")
             for _ in range(repeats):
                 start = time.process_time()
                 for _ in range(reps):
-                    run()
+                    work()
                 best = min(best, (time.process_time() - start) / reps)
             rates[name] = flops / best * threads
         return rates
     finally:
         torch.set_num_threads(previous)
+
+
+def training_flops(m: ModelShape, sequences: int, seq_len: int) -> float:
+    """Forward and backward of ``sequences`` whole sequences, full fine-tuning, logits on every position."""
+    tokens = sequences * seq_len
+    p = Pass(2 * m.num_layers * m.layer_params * tokens, attention_flops(m, sequences * seq_len * (seq_len + 1) / 2),
+             2 * m.hidden_size * m.vocab_size * tokens)
+    return p.total + backward_flops(p, lora=False, head_trained=True)
 
 
 # The decoding probe's weights: the model's own size up to this (the size of a 135M-parameter model in fp32);

@@ -151,10 +151,11 @@ def test_gpu_step_time_follows_flops_peak_and_mfu():
 def test_cpu_time_is_shown_only_from_a_measured_rate():
     run = RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, prompt_len=100, response_len=50)
     assert plan(SMOL, run).step_time is None  # no rate: no time, not a datasheet guess
-    p = plan(SMOL, replace(run, matmul_rate={"decode": 2e10, "train": 2e11}))
+    p = plan(SMOL, replace(run, matmul_rate={"decode": 2e10, "layer": 2e11, "thin": 5e10}))
     assert p.step_seconds["decoding"] == pytest.approx(p.flops.decoding / 2e10)  # B-row products: the decode rate
-    assert p.step_seconds["policy"] == pytest.approx(p.flops.policy / 2e11)
-    assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 2e11)  # many rows: the training rate
+    assert p.step_seconds["policy"] == pytest.approx(p.flops.policy / 2e11)  # through whole layers: the layer rate
+    assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 2e11)
+    assert p.step_seconds["adapters"] == pytest.approx(p.flops.adapters / 5e10)  # LoRA's rank-r products
 
 
 def test_config_json_directory(tmp_path):
@@ -279,6 +280,10 @@ def test_a_shared_prompt_is_prefilled_and_recorded_once_per_distinct_prompt():
     # (8·50·49,152·4 = 78,643,200 bytes: kept)
     rows = 100 + 8 * 50
     assert recording_bytes(SMOL, one_prompt) == (rows * 30 * 5_184 + 8 * 50 * 576) * 4 + 78_643_200
+    # allocated for the sampling budget, not the steps decoding ran: 8 more rows per step of budget
+    # (8·90·49,152·4 = 141,557,760 bytes of logits > 128 MiB: not kept)
+    budget = replace(one_prompt, max_new_tokens=90)
+    assert recording_bytes(SMOL, budget) == ((100 + 8 * 90) * 30 * 5_184 + 8 * 90 * 576) * 4
     # identical prompts passed as distinct ones cost their prefix again
     assert plan(SMOL, replace(two_prompts, distinct_prompts=1)).flops.prefill == plan(SMOL, one_prompt).flops.prefill
 
