@@ -3,7 +3,7 @@ beside the planner's prediction for the same work, on the configurations the eng
 
 Each configuration runs in its own subprocess (so its peak, ru_maxrss, is its own), niced by the caller. The
 subprocess reads its baseline (VmRSS after importing torch, transformers, peft and the trainer, before any
-model), measures this CPU's matmul rate at the model's shapes (``planner.measure_cpu_rates``: the
+model), measures this CPU's rates at the model's shapes (``planner.measure_cpu_rates``: the
 calibration the planner's times rest on, taken in the same process, at the same moment and with the same
 threads as the steps it predicts), builds the trainer and runs ``--steps`` steps, recording for each step its
 wall time, the process's CPU time and the shapes it had: prompt columns, distinct prompts, decoding steps,
@@ -156,7 +156,7 @@ def child(name: str, args) -> None:
         trainer.close()
     print(json.dumps({"name": name, "config": CONFIGS[name][0], "overrides": overrides(name, args),
                       "baseline_bytes": baseline, "peak_after_setup_mb": after_setup, "threads": args.threads,
-                      "matmul_rate": rates, "steps": steps}))
+                      "cpu_rates": rates, "steps": steps}))
 
 
 def run_spec(cfg, measured: dict, step: dict):
@@ -166,7 +166,7 @@ def run_spec(cfg, measured: dict, step: dict):
     return run_spec_from_config(
         cfg, prompt_len=step["prompt_len"], response_len=step["response_len"],
         response_tokens=step["response_tokens"], tool_tokens=step["tool_tokens"],
-        distinct_prompts=step["distinct_prompts"], device="cpu", cpu_baseline_bytes=measured["baseline_bytes"], matmul_rate=measured["matmul_rate"],
+        distinct_prompts=step["distinct_prompts"], device="cpu", cpu_baseline_bytes=measured["baseline_bytes"], cpu_rates=measured["cpu_rates"],
     )
 
 

@@ -380,7 +380,7 @@ def cmd_plan(args) -> int:
 
                 rates = measure_cpu_rates(shape, args.threads or torch.get_num_threads(), run.sequences // run.gpus,
                                             rank=run.lora_rank or 16)
-            run = replace(run, matmul_rate=rates, cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2)
+            run = replace(run, cpu_rates=rates, cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2)
         else:
             run = replace(run, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else GPU_PEAK_FLOPS[args.gpu])
         print(format_plan(plan(shape, run)))

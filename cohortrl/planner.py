@@ -198,7 +198,7 @@ class RunSpec:
     peak_flops: float = GPU_PEAK_FLOPS["h100"]  # gpu: per device, a datasheet figure
     mfu: float = 0.4  # gpu: model FLOPs utilisation assumed for forward/backward passes
     generation_mfu: float = 0.1  # gpu: decoding is memory-bandwidth bound: far lower utilisation than training
-    matmul_rate: dict | None = None  # cpu: measured FLOP/s {"decode": at B rows, "train": at 2048 rows}; None: no time
+    cpu_rates: dict | None = None  # cpu: measured FLOP/s {"decode", "layer", "thin"} (measure_cpu_rates); None: no time
 
     @property
     def sequences(self) -> int:
@@ -635,9 +635,9 @@ def step_seconds(flops: Flops, run: RunSpec) -> dict[str, float]:
     thin (rank-r) rate, every other phase at the rate of a training pass through real layers; {} when no rate was measured or given: no time is better than an invented one."""
     per_device = {k: getattr(flops, k) / run.gpus for k in PHASES}
     if run.device == "cpu":
-        if not run.matmul_rate:
+        if not run.cpu_rates:
             return {}
-        rates = run.matmul_rate
+        rates = run.cpu_rates
         rate = {"decoding": rates["decode"], "adapters": rates["thin"]}
         return {k: v / rate.get(k, rates["layer"]) for k, v in per_device.items()}
     train_rate = run.peak_flops * run.mfu
@@ -657,7 +657,7 @@ def plan(model: ModelShape | str, run: RunSpec) -> Plan:
 def run_spec_from_config(cfg, **sizes) -> RunSpec:
     """The RunSpec of a cohortrl ``Config`` (its algorithm, P, G, β, LoRA, micro-batches, dtype, the update on
     decoding's recording), with ``sizes`` (prompt_len, response_len, response_tokens, tool_tokens,
-    distinct_prompts, device, matmul_rate, cpu_baseline_bytes, ...) for what a config does not fix. Without
+    distinct_prompts, device, cpu_rates, cpu_baseline_bytes, ...) for what a config does not fix. Without
     ``response_len``: the sampling budget, the longest a step can be."""
     a, t = cfg.algorithm, cfg.train
     algorithm = a.name if a.name == "ppo" else ("rloo" if a.estimator == "rloo" else "grpo")
@@ -706,9 +706,9 @@ def memory_rows(p: Plan) -> list[tuple[str, float]]:
 def time_heading(r: RunSpec) -> str:
     """What the time column is: a CPU calibration measured on this machine, or a GPU model prediction."""
     if r.device == "cpu":
-        if not r.matmul_rate:
+        if not r.cpu_rates:
             return "s (not shown: no measured CPU rate)"
-        rates = r.matmul_rate
+        rates = r.cpu_rates
         return (f"s, calibrated (measured here, GFLOP/s: decoding {rates['decode'] / 1e9:.0f} at {r.sequences} rows, "
                 f"layers {rates['layer'] / 1e9:.0f}, rank-r {rates['thin'] / 1e9:.0f})")
     return (f"s, model prediction, not measured ({r.peak_flops / 1e12:g} TFLOP/s datasheet peak, "

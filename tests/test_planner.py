@@ -151,7 +151,7 @@ def test_gpu_step_time_follows_flops_peak_and_mfu():
 def test_cpu_time_is_shown_only_from_a_measured_rate():
     run = RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, prompt_len=100, response_len=50)
     assert plan(SMOL, run).step_time is None  # no rate: no time, not a datasheet guess
-    p = plan(SMOL, replace(run, matmul_rate={"decode": 2e10, "layer": 2e11, "thin": 5e10}))
+    p = plan(SMOL, replace(run, cpu_rates={"decode": 2e10, "layer": 2e11, "thin": 5e10}))
     assert p.step_seconds["decoding"] == pytest.approx(p.flops.decoding / 2e10)  # B-row products: the decode rate
     assert p.step_seconds["policy"] == pytest.approx(p.flops.policy / 2e11)  # through whole layers: the layer rate
     assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 2e11)
