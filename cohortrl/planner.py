@@ -26,7 +26,15 @@ What the model assumes (each is a choice a reader can check and change):
   oneDNN's layout, which ``kernels.decoding_weights`` holds while decoding) and the update phase (the
   gradients, which the trainer frees after each optimiser step, and the activations and logits of one
   micro-batch);
+* where the trainer runs the update on decoding's recording (a CPU in fp32, GRPO/RLOO, one epoch, one
+  micro-batch, one process: ``train.reuse_rollout_forward``), the recording stands in for the activations
+  and is held in both phases; the update then runs no forward (``cpu/replay.py``);
+* each distinct prompt runs once per pass (generation's prefill, the recording, one process's log-prob
+  passes); tool-result tokens are part of T, fed and attended to but never scored;
 * attention runs in a fused kernel (SDPA / FlashAttention) that does not keep the S×S score matrix.
+
+Times: on a GPU a model prediction (datasheet peak × an assumed MFU); on a CPU FLOPs divided by rates
+measured on the machine (``measure_cpu_rates``), or none.
 """
 
 from __future__ import annotations
