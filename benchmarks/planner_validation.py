@@ -1,29 +1,57 @@
-"""Planner against measurement: peak resident memory of PPO and GRPO steps on this CPU (fp32, one process,
-no sharding) beside ``cohortrl.planner``'s prediction for the same work.
+"""``cohortrl plan`` against measurement: peak resident memory and step time of real training steps on this CPU
+beside the planner's prediction for the same work, on the configurations the engineering runs use.
 
-Each (model, algorithm) runs in its own subprocess, on the configuration of ``ppo_vs_grpo.py`` (same
-prompts, P x G, sampling, β = 0.04). The subprocess first measures its own baseline — resident memory
-(VmRSS) after importing torch, transformers, peft and cohortrl's trainer, before any model is loaded — then
-builds the trainer and runs ``--steps`` steps (at least 2: AdamW allocates its moments in the first
-optimiser step, so the second step is the first to hold everything at once). Its peak is ru_maxrss. The
-prediction uses that baseline, the model's config and the padded prompt and response lengths the steps
-actually had (the largest seen). Prints a markdown table.
+Each configuration runs in its own subprocess (so its peak, ru_maxrss, is its own), niced by the caller. The
+subprocess reads its baseline (VmRSS after importing torch, transformers, peft and the trainer, before any
+model), measures this CPU's rates at the model's shapes (``planner.measure_cpu_rates``: the
+calibration the planner's times rest on, taken in the same process, at the same moment and with the same
+threads as the steps it predicts), builds the trainer and runs ``--steps`` steps, recording for each step its
+wall time, the process's CPU time and the shapes it had: prompt columns, distinct prompts, decoding steps,
+response and tool-result tokens, and whether the update ran on decoding's recording. The prediction
+(``planner.plan``) takes those shapes, so the comparison tests the planner's model of the trainer, not a
+guess of how long the model's answers will be.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/planner_validation.py --steps 2 --prompts 2 --group 4 --tokens 16
+Time: the planner predicts compute seconds on ``threads`` threads. The machine is shared; a niced process's
+wall time includes the time other processes held the cores, while its CPU time (user + system, from
+``resource.getrusage``) counts only what it ran. With one torch thread (``--threads 1``, the default) CPU time
+is that thread's busy time, unaffected by waiting for a core; with several, OpenMP threads that spin while
+they wait for each other add CPU time under contention. The tolerance is therefore on CPU time per step with
+one thread; the wall time is printed beside it.
 
-Not part of the test suite: SmolLM2-135M-Instruct steps take tens of seconds each on a 2-core CPU.
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/planner_validation.py --steps 2 \\
+        --init /path/to/sft/final --json docs/planner_validation.json
+
+Not part of the test suite: SmolLM2-135M-Instruct steps take tens of seconds to minutes each on a 2-core CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1024**2
+MEMORY_TOLERANCE = 0.20
+TIME_TOLERANCE = 0.25
+
+# name → (config file, overrides): the demo (GRPO with the calculator on axial_stress), the engineering GRPO
+# configuration, and its PPO variant on the same family. Their lengths (256 new tokens, up to 8 calculator
+# calls) are the configs'; the batches are smaller than the configs' P = 4 x G = 8, so that a run fits beside
+# the other jobs of a shared 23 GB machine (a first try at 4 x 4 was killed when its memory ran out): demo
+# 2 x 4, GRPO 4 x 2 (more distinct prompts, smaller groups), PPO 4 x 1 in micro-batches of one sequence (PPO's
+# update runs its own forward, whose activations grow with the micro-batch; the setting is the config's own).
+CONFIGS = {
+    "demo_grpo": ("configs/demo_grpo.yaml", ["algorithm.prompts_per_step=2", "algorithm.group_size=4"]),
+    "eng_grpo": ("configs/eng_grpo.yaml", ["algorithm.prompts_per_step=4", "algorithm.group_size=2"]),
+    "eng_ppo": ("configs/eng_grpo.yaml", ["algorithm.name=ppo", "algorithm.prompts_per_step=4", "algorithm.group_size=1",
+                                          "algorithm.micro_batch_size=1"]),
+}
 
 
 def vm_rss_bytes() -> float:
@@ -34,100 +62,181 @@ def vm_rss_bytes() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status: this benchmark needs Linux")
 
 
-def child(model: str, algorithm: str, args) -> None:
-    """One (model, algorithm) in this process; prints one JSON line."""
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def overrides(name: str, args) -> list[str]:
+    """The configuration's own overrides plus the benchmark's: steps, threads, no evaluation or checkpoints."""
+    extra = [f"train.steps={args.steps}", f"train.threads={args.threads}", "train.progress=false",
+             "eval.before=false"]
+    if args.init:
+        extra.append(f"model.init={args.init}")
+    else:  # the configs' warm start may not exist here: the base model (its answers' lengths are measured anyway)
+        extra.append("model.init=null")
+    return [*CONFIGS[name][1], *extra]
+
+
+def step_shape(rollout) -> dict:
+    """What the planner needs to know of one rollout: its padded sizes and its real token counts."""
+    from cohortrl.rollout.hf import _unique_prompts
+
+    prompt_cols = rollout.prompt_ids.shape[1]
+    distinct = _unique_prompts(rollout.prompt_ids, rollout.prompt_mask)[0].shape[0]
+    tool = int(rollout.tool_mask.sum()) if rollout.tool_mask is not None else 0
+    return {
+        "sequences": rollout.prompt_ids.shape[0], "prompt_len": prompt_cols, "distinct_prompts": distinct,
+        "response_len": rollout.response_ids.shape[1], "response_tokens": int(rollout.response_mask.sum()),
+        "tool_tokens": tool, "replayed": rollout.replay is not None,
+    }
+
+
+@contextlib.contextmanager
+def profiled(on: bool):
+    """With ``on``: torch's profiler around the block, its operators by CPU time to stderr (a diagnosis of where
+    a step's time goes that the planner's FLOPs do not see; it slows the step it profiles)."""
+    if not on:
+        yield
+        return
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), file=sys.stderr)
+
+
+def child(name: str, args) -> None:
+    """One configuration's steps in this process; prints one JSON line."""
     import tempfile
 
     import peft  # noqa: F401  (part of the baseline: the trainer imports it for LoRA)
-    import torch  # noqa: F401
+    import torch
     import transformers  # noqa: F401
 
     from cohortrl.config import Config
+    from cohortrl.planner import measure_cpu_rates, resolve_shape
     from cohortrl.trainers import make_trainer
     from cohortrl.trainers.metrics import peak_rss_mb
 
     baseline = vm_rss_bytes()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ppo_vs_grpo import config
-
-    ns = argparse.Namespace(model=model, full=not args.lora, tokens=args.tokens, group=args.group,
-                            prompts=args.prompts, steps=args.steps, threads=args.threads)
-    cfg = config(algorithm, ns)
-    shapes = []
+    cfg = Config.from_yaml(REPO / CONFIGS[name][0], overrides(name, args))
+    torch.set_num_threads(args.threads)
+    rates = measure_cpu_rates(resolve_shape(cfg.model.name), threads=args.threads,
+                                rows=cfg.algorithm.prompts_per_step * cfg.algorithm.group_size, rank=cfg.model.lora.r)
+    steps = []
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = make_trainer(Config.from_dict(cfg), run_dir)
+        trainer = make_trainer(cfg, run_dir)
         after_setup = peak_rss_mb()
-        update = trainer._update
+        update, sample = trainer._update, trainer.sampler.sample
+
+        def timed(name, fn):
+            def call(*a, **kw):
+                start = cpu_seconds()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    steps[-1][f"cpu_{name}_s"] = cpu_seconds() - start
+            return call
 
         def recording_update(rollout, *rest):
-            shapes.append((rollout.response_ids.shape[1], rollout.prompt_ids.shape[1]))
+            steps[-1].update(step_shape(rollout))
             return update(rollout, *rest)
 
-        trainer._update = recording_update
-        for _ in range(args.steps):
-            trainer.step()
+        trainer._update = timed("update", recording_update)  # the update: forward/backward, optimiser step
+        trainer.sampler.sample = timed("sample", sample)  # generation and scoring
+        for i in range(args.steps):
+            steps.append({})
+            wall, cpu = time.perf_counter(), cpu_seconds()
+            with profiled(i + 1 == args.profile_step):
+                metrics = trainer.step()
+            steps[-1].update(wall_s=time.perf_counter() - wall, cpu_s=cpu_seconds() - cpu, peak_rss_mb=peak_rss_mb(),
+                             phases={k[5:]: v for k, v in metrics.items() if k.startswith("time/")})
             trainer.step_count += 1
-    print(json.dumps({
-        "baseline_bytes": baseline,
-        "peak_after_setup_mb": after_setup,
-        "peak_rss_mb": peak_rss_mb(),
-        "response_len": max(t for t, _ in shapes),
-        "prompt_len": max(p for _, p in shapes),
-    }))
+        trainer.close()
+    print(json.dumps({"name": name, "config": CONFIGS[name][0], "overrides": overrides(name, args),
+                      "baseline_bytes": baseline, "peak_after_setup_mb": after_setup, "threads": args.threads,
+                      "cpu_rates": rates, "steps": steps}))
 
 
-def predict(model: str, algorithm: str, measured: dict, args):
-    from cohortrl.planner import DEVICE_PEAK_FLOPS, RunSpec, plan
+def run_spec(cfg, measured: dict, step: dict):
+    """The planner's RunSpec for one measured step: the trainer's settings from the config, the sizes the step had."""
+    from cohortrl.planner import run_spec_from_config
 
-    run = RunSpec(
-        algorithm=algorithm, gpus=1, sharding="none", dtype="fp32", lora_rank=16 if args.lora else 0,
-        prompt_len=measured["prompt_len"], response_len=measured["response_len"], group_size=args.group,
-        prompts_per_step=args.prompts, micro_batch_size=args.prompts * args.group,  # micro_batch_size 0: one batch
-        checkpointing=False, reference=True, device="cpu", cpu_baseline_bytes=measured["baseline_bytes"],
-        peak_flops=DEVICE_PEAK_FLOPS["cpu"],
+    return run_spec_from_config(
+        cfg, prompt_len=step["prompt_len"], response_len=step["response_len"],
+        response_tokens=step["response_tokens"], tool_tokens=step["tool_tokens"],
+        distinct_prompts=step["distinct_prompts"], device="cpu", cpu_baseline_bytes=measured["baseline_bytes"], cpu_rates=measured["cpu_rates"],
     )
-    return plan(model, run)
+
+
+def compare(measured: dict) -> list[dict]:
+    """Per step: the planner's prediction beside the measurement."""
+    from cohortrl.config import Config
+    from cohortrl.planner import plan
+
+    cfg = Config.from_yaml(REPO / measured["config"], measured["overrides"])
+    rows = []
+    for i, step in enumerate(measured["steps"]):
+        p = plan(cfg.model.name, run_spec(cfg, measured, step))
+        rows.append({"step": i + 1, "plan": p, "predicted_mib": p.memory.peak / MIB,
+                     "measured_mib": step["peak_rss_mb"], "predicted_s": p.step_time, "cpu_s": step["cpu_s"],
+                     "wall_s": step["wall_s"], **{k: step[k] for k in ("prompt_len", "distinct_prompts", "response_len",
+                                                                         "response_tokens", "tool_tokens", "replayed")}})
+    return rows
+
+
+def table(results: list[tuple[dict, list[dict]]]) -> tuple[str, bool]:
+    """The markdown table and whether every row is within the tolerances."""
+    lines = ["| config | step | B · (s_p + T) | distinct prompts | tool tokens | replayed | predicted peak MiB | "
+             "measured peak MiB | error | predicted s | CPU s | error | wall s |",
+             "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ok = True
+    for measured, rows in results:
+        for r in rows:
+            mem_err = r["predicted_mib"] / r["measured_mib"] - 1
+            time_err = r["predicted_s"] / r["cpu_s"] - 1
+            ok &= abs(mem_err) <= MEMORY_TOLERANCE and abs(time_err) <= TIME_TOLERANCE
+            lines.append(
+                f"| {measured['name']} | {r['step']} | {r['plan'].run.sequences} · ({r['prompt_len']} + {r['response_len']}) | "
+                f"{r['distinct_prompts']} | {r['tool_tokens']} | {'yes' if r['replayed'] else 'no'} | "
+                f"{r['predicted_mib']:.0f} | {r['measured_mib']:.0f} | {mem_err:+.1%} | {r['predicted_s']:.1f} | "
+                f"{r['cpu_s']:.1f} | {time_err:+.1%} | {r['wall_s']:.1f} |")
+    return "\n".join(lines), ok
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["tiny-llama", "smollm2-135m-instruct"])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=2, help="P, prompts per step")
-    parser.add_argument("--group", type=int, default=4, help="G, responses per prompt (both algorithms)")
-    parser.add_argument("--tokens", type=int, default=16, help="max new tokens per response")
-    parser.add_argument("--lora", action="store_true", help="LoRA r=16 on the policy instead of full fine-tuning")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
-    parser.add_argument("--child", nargs=2, metavar=("MODEL", "ALGORITHM"), help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (default 1: see the docstring)")
+    parser.add_argument("--init", default=None, help="model.init: a supervised warm start's final/ (default: the base model)")
+    parser.add_argument("--profile-step", type=int, default=0, help="print torch's profile of this step (a diagnosis)")
+    parser.add_argument("--json", default=None, help="also write the measurements here (a later --from-json re-plans them)")
+    parser.add_argument("--from-json", default=None, help="compare saved measurements instead of running steps")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.steps < 2:
-        parser.error("--steps must be >= 2: AdamW's moments first exist after step 1's optimiser step")
     if args.child:
-        return child(*args.child, args)
-    print(f"fp32, one process, {'LoRA r=16' if args.lora else 'full fine-tuning'}; P={args.prompts}, G={args.group}, "
-          f"{args.tokens} new tokens, beta=0.04 (reference model), {args.steps} steps; MiB\n")
-    print("| model | algorithm | s_p + T | baseline (measured) | predicted peak | measured peak | error |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for model in args.models:
-        for algorithm in ("grpo", "ppo"):
-            cmd = [sys.executable, __file__, "--child", model, algorithm, *sys.argv[1:]]
+        return child(args.child, args)
+    if args.from_json:
+        measurements = json.loads(Path(args.from_json).read_text())
+    else:
+        measurements = []
+        for name in args.configs:
+            cmd = [sys.executable, __file__, *[a for a in sys.argv[1:]], "--child", name]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
             if out.returncode != 0:
-                sys.exit(f"{model} {algorithm} failed:\n{out.stderr[-3000:]}")
-            measured = json.loads(out.stdout.strip().splitlines()[-1])
-            p = predict(model, algorithm, measured, args)
-            predicted, actual = p.memory.peak / MIB, measured["peak_rss_mb"]
-            print(f"| {model} | {algorithm} | {measured['prompt_len']} + {measured['response_len']} | "
-                  f"{measured['baseline_bytes'] / MIB:.0f} | {predicted:.0f} | {actual:.0f} | "
-                  f"{(predicted - actual) / actual:+.1%} |", flush=True)
-            print(json.dumps({"model": model, "algorithm": algorithm, **measured,
-                              "components_mib": {k: round(v / MIB, 1) for k, v in _components(p)}}), file=sys.stderr)
-
-
-def _components(p):
-    from cohortrl.planner import memory_rows
-
-    return memory_rows(p)
+                sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+            measurements.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            if args.json:
+                Path(args.json).write_text(json.dumps(measurements, indent=1) + "\n")
+    text, ok = table([(m, compare(m)) for m in measurements])
+    print(f"fp32, one process; memory: predicted peak vs ru_maxrss (tolerance ±{MEMORY_TOLERANCE:.0%}); time: "
+          f"predicted compute seconds vs the step's process CPU time at {measurements[0]['threads']} thread(s) "
+          f"(tolerance ±{TIME_TOLERANCE:.0%})\n")
+    print(text)
+    print(f"\nwithin tolerance: {'all' if ok else 'NOT all'}")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

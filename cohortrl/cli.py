@@ -9,6 +9,7 @@ import logging
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cohortrl.config import Config, ConfigError
@@ -343,21 +344,47 @@ def cmd_sweep(args) -> int:
     return sweep.run(jobs=args.jobs)
 
 
+# cohortrl plan's flags that set a RunSpec field; one left out keeps --config's value, else the RunSpec default
+PLAN_FIELDS = ("algorithm", "gpus", "sharding", "dtype", "lora_rank", "prompt_len", "response_len", "max_new_tokens", "group_size",
+               "prompts_per_step", "micro_batch_size", "distinct_prompts", "response_tokens", "tool_tokens",
+               "epochs", "device", "mfu", "generation_mfu")
+
+
 def cmd_plan(args) -> int:
     """Memory per device and time per step of a PPO / GRPO / RLOO step (``cohortrl.planner``)."""
-    from cohortrl.planner import DEVICE_PEAK_FLOPS, PlanError, RunSpec, format_plan, plan
+    from cohortrl.planner import GPU_PEAK_FLOPS, PlanError, RunSpec, format_plan, measure_cpu_rates, plan, resolve_shape, run_spec_from_config
 
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else DEVICE_PEAK_FLOPS["cpu" if args.device == "cpu" else args.gpu]
-    run = RunSpec(
-        algorithm=args.algorithm, gpus=args.gpus, sharding=args.sharding, dtype=args.dtype, lora_rank=args.lora_rank,
-        prompt_len=args.prompt_len, response_len=args.response_len, group_size=args.group_size,
-        prompts_per_step=args.prompts, micro_batch_size=args.micro_batch_size, checkpointing=args.checkpointing,
-        reference=not args.no_reference, reward_model=args.reward_model, epochs=args.epochs, device=args.device,
-        cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2, peak_flops=peak, mfu=args.mfu, generation_mfu=args.generation_mfu,
-    )
+    given = {name: getattr(args, name) for name in PLAN_FIELDS if getattr(args, name) is not None}
+    for flag, name, value in (("checkpointing", "checkpointing", True), ("no_reference", "reference", False),
+                              ("reward_model", "reward_model", True), ("no_reuse_rollout_forward", "reuse_rollout_forward", False)):
+        if getattr(args, flag):
+            given[name] = value
     try:
-        print(format_plan(plan(args.model, run)))
-    except PlanError as e:  # caught here: main's handler imports the trainer stack (seconds) just to name its errors
+        if args.config:
+            cfg = Config.from_yaml(args.config, ["model.init=null"])  # the shapes are model.name's; a warm start need not exist here
+            model = args.model or cfg.model.name
+            run = run_spec_from_config(cfg, **given)
+        elif args.model is None:
+            raise PlanError("give a model (a size preset, a directory with a config.json, a cohortrl alias) or --config")
+        else:
+            model, run = args.model, RunSpec(**given)
+        shape = resolve_shape(model)
+        if run.device == "cpu":  # a rate given, measured now (seconds), or none: then no time is shown
+            rate = args.peak_gflops * 1e9 if args.peak_gflops else None
+            if rate:
+                rates = {"decode": rate, "layer": rate, "thin": rate}
+            elif args.no_measure:
+                rates = None
+            else:
+                import torch
+
+                rates = measure_cpu_rates(shape, args.threads or torch.get_num_threads(), run.sequences // run.gpus,
+                                            rank=run.lora_rank or 16)
+            run = replace(run, cpu_rates=rates, cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2)
+        else:
+            run = replace(run, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else GPU_PEAK_FLOPS[args.gpu])
+        print(format_plan(plan(shape, run)))
+    except (PlanError, ConfigError) as e:  # caught here: main's handler imports the trainer stack (seconds) just to name its errors
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
@@ -641,30 +668,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1: the runs share the machine's cores)")
     p.set_defaults(func=cmd_sweep)
 
-    p = sub.add_parser("plan", help="memory per GPU and time per step of PPO vs GRPO",
-                       description="Per-device memory by component and FLOPs / time per step by phase (docs/planner.md).")
-    p.add_argument("model", help="size preset (0.5b, 1.5b, 7b, 8b, 70b), a directory with a config.json, or a cohortrl alias")
-    p.add_argument("--algorithm", default="grpo", help="ppo, grpo or rloo (default grpo)")
-    p.add_argument("--gpus", type=int, default=1, help="data-parallel devices (default 1)")
-    p.add_argument("--sharding", default="none", help="none, zero1, zero2, zero3 (= fsdp full shard)")
-    p.add_argument("--dtype", default="bf16", help="bf16 (fp32 master weights in AdamW) or fp32 (default bf16)")
-    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on the policy; 0: full fine-tuning (default)")
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens, padded (default 512)")
-    p.add_argument("--response-len", type=int, default=1024, help="response tokens, padded (default 1024)")
-    p.add_argument("-G", "--group-size", type=int, default=8, help="responses per prompt (default 8)")
-    p.add_argument("-P", "--prompts", type=int, default=64, help="prompts per step (default 64)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward per device (default 4)")
+    p = sub.add_parser("plan", help="memory per device and time per step of PPO vs GRPO",
+                       description="Per-device memory by component and FLOPs / time per step by phase (docs/planner.md). "
+                                   "Defaults are the trainer's; --config takes a run's config, the flags override it.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="size preset (0.5b, 1.5b, 7b, 8b, 70b), a directory with a config.json, or a cohortrl alias "
+                        "(default with --config: its model.name)")
+    p.add_argument("--config", default=None, help="a cohortrl YAML config: its algorithm, P, G, beta, LoRA, dtype, "
+                                                  "micro-batches, max_new_tokens and max_prompt_tokens")
+    p.add_argument("--algorithm", default=None, help="ppo, grpo or rloo (default grpo)")
+    p.add_argument("--gpus", type=int, default=None, help="data-parallel devices (default 1)")
+    p.add_argument("--sharding", default=None, help="none, zero1, zero2, zero3 (= fsdp full shard)")
+    p.add_argument("--dtype", default=None, help="bf16 (fp32 master weights in AdamW) or fp32 (default bf16)")
+    p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank on the policy; 0: full fine-tuning (default)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens, padded (default 512)")
+    p.add_argument("--response-len", type=int, default=None,
+                   help="response tokens, padded, tool results included (default 1024; with --config its max_new_tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="the sampling budget, >= --response-len (default: the response length; with --config its own): "
+                        "a CPU run allocates its decoding buffers for it")
+    p.add_argument("-G", "--group-size", type=int, default=None, help="responses per prompt (default 8)")
+    p.add_argument("-P", "--prompts", dest="prompts_per_step", type=int, default=None, help="prompts per step (default 64)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per forward/backward per device; 0: all at once (default 0, as the trainer)")
+    p.add_argument("--distinct-prompts", type=int, default=None, help="distinct prompts in the batch (default P)")
+    p.add_argument("--response-tokens", type=int, default=None,
+                   help="sampled response tokens in the whole batch, scored by the loss (default B·T − tool tokens)")
+    p.add_argument("--tool-tokens", type=int, default=None, help="tool-result tokens in the whole batch (default 0)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (recompute each layer)")
     p.add_argument("--no-reference", action="store_true", help="beta = 0: no reference model")
     p.add_argument("--reward-model", action="store_true", help="a learned reward model of the policy's size")
-    p.add_argument("--epochs", type=int, default=1, help="passes over the batch per step (default 1)")
-    p.add_argument("--device", default="gpu", help="gpu, or cpu (adds --cpu-baseline-mb)")
+    p.add_argument("--no-reuse-rollout-forward", action="store_true",
+                   help="cpu: the update runs its own forward (train.reuse_rollout_forward false)")
+    p.add_argument("--epochs", type=int, default=None, help="passes over the batch per step (default 1)")
+    p.add_argument("--device", default=None, help="gpu or cpu (default gpu; with --config: cpu unless train.device names another)")
     p.add_argument("--cpu-baseline-mb", type=float, default=350.0,
                    help="cpu: resident MiB of the process before any model (default 350, measured by benchmarks/planner_validation.py)")
-    p.add_argument("--gpu", default="h100", choices=["a100", "h100", "h200"], help="device whose peak FLOP/s to assume (default h100)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device (overrides --gpu)")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of forward/backward passes (default 0.4)")
-    p.add_argument("--generation-mfu", type=float, default=0.1, help="utilisation while decoding (default 0.1: bandwidth-bound)")
+    p.add_argument("--peak-gflops", type=float, default=None,
+                   help="cpu: matrix-product GFLOP/s to time the step with (default: measured on this machine now)")
+    p.add_argument("--threads", type=int, default=0, help="cpu: torch threads to measure with (default torch's)")
+    p.add_argument("--no-measure", action="store_true", help="cpu: no measurement and no time column")
+    p.add_argument("--gpu", default="h100", choices=["a100", "h100", "h200"], help="gpu: datasheet peak FLOP/s to assume (default h100)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="gpu: peak TFLOP/s per device (overrides --gpu)")
+    p.add_argument("--mfu", type=float, default=None, help="gpu: model FLOPs utilisation of forward/backward passes (default 0.4)")
+    p.add_argument("--generation-mfu", type=float, default=None, help="gpu: utilisation while decoding (default 0.1: bandwidth-bound)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("demo", help="SFT warm start then GRPO on SmolLM2-135M-Instruct (engineering gym)",

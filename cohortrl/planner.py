@@ -26,7 +26,15 @@ What the model assumes (each is a choice a reader can check and change):
   oneDNN's layout, which ``kernels.decoding_weights`` holds while decoding) and the update phase (the
   gradients, which the trainer frees after each optimiser step, and the activations and logits of one
   micro-batch);
+* where the trainer runs the update on decoding's recording (a CPU in fp32, GRPO/RLOO, one epoch, one
+  micro-batch, one process: ``train.reuse_rollout_forward``), the recording stands in for the activations
+  and is held in both phases; the update then runs no forward (``cpu/replay.py``);
+* each distinct prompt runs once per pass (generation's prefill, the recording, one process's log-prob
+  passes); tool-result tokens are part of T, fed and attended to but never scored;
 * attention runs in a fused kernel (SDPA / FlashAttention) that does not keep the S×S score matrix.
+
+Times: on a GPU a model prediction (datasheet peak × an assumed MFU); on a CPU FLOPs divided by rates
+measured on the machine (``measure_cpu_rates``), or none.
 """
 
 from __future__ import annotations
@@ -163,14 +171,16 @@ ALGORITHMS = ("ppo", "grpo", "rloo")
 SHARDING = ("none", "zero1", "zero2", "zero3")
 SHARDING_ALIASES = {"fsdp": "zero3", "full_shard": "zero3", "fsdp-full-shard": "zero3"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-# Device peak dense matmul FLOP/s: vendor datasheets (NVIDIA A100 / H100 SXM bf16 dense, no sparsity);
-# cpu: this repository's 2-core AVX2 machine, fp32 (2 cores × 2.45 GHz × 2 FMA × 8 lanes × 2, MEASUREMENTS.md).
-DEVICE_PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12, "cpu": 157e9}
+# Peak dense matmul FLOP/s from the vendors' datasheets (NVIDIA A100 / H100 SXM / H200 bf16 dense, no sparsity).
+# A GPU step time is a model prediction from these and an assumed MFU, never a measurement. A CPU has no
+# entry: its rates are measured on the machine (``measure_cpu_rates``) or given, else no time is shown.
+GPU_PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12}
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One training step's settings. Sizes are in tokens and sequences; defaults are cohortrl's."""
+    """One training step's settings. Sizes are in tokens and sequences; defaults are cohortrl's trainer's
+    (``config.AlgorithmConfig``) where it has one: one micro-batch per update, one epoch, β > 0."""
 
     algorithm: str = "grpo"
     gpus: int = 1
@@ -178,19 +188,25 @@ class RunSpec:
     dtype: str = "bf16"
     lora_rank: int = 0  # 0: full fine-tuning
     prompt_len: int = 512  # s_p, padded
-    response_len: int = 1024  # T, padded
+    response_len: int = 1024  # T, padded: the decoding steps, sampled and tool-result tokens alike
+    max_new_tokens: int | None = None  # the sampling budget (≥ T); None: T. The CPU decoder allocates for it
     group_size: int = 8  # G
     prompts_per_step: int = 64  # P
-    micro_batch_size: int = 4  # b, sequences per forward/backward on one device
+    micro_batch_size: int = 0  # b, sequences per forward/backward on one device; 0: all of them at once
+    distinct_prompts: int | None = None  # U, prompts the batch holds once each; None: P (every prompt distinct)
+    response_tokens: int | None = None  # sampled tokens the loss scores, whole batch; None: B·T − tool_tokens
+    tool_tokens: int = 0  # tool-result tokens, whole batch: fed through the model, never sampled or scored
     checkpointing: bool = False  # activation checkpointing (full recomputation of each layer)
     reference: bool = True  # β > 0: log π_ref is needed
     reward_model: bool = False  # a learned reward model of the policy's shape (forward only)
     epochs: int = 1  # μ: passes over the batch per step (> 1 adds a forward for log π_old)
+    reuse_rollout_forward: bool | None = None  # the update on decoding's recording; None: where the trainer does it
     device: str = "gpu"  # "cpu": add the process baseline (cpu_baseline_bytes)
     cpu_baseline_bytes: float = 0.0  # resident memory of the process before any model is loaded
-    peak_flops: float = DEVICE_PEAK_FLOPS["h100"]  # per device
-    mfu: float = 0.4  # model FLOPs utilisation assumed for forward/backward passes
-    generation_mfu: float = 0.1  # decoding is memory-bandwidth bound: far lower utilisation than training
+    peak_flops: float = GPU_PEAK_FLOPS["h100"]  # gpu: per device, a datasheet figure
+    mfu: float = 0.4  # gpu: model FLOPs utilisation assumed for forward/backward passes
+    generation_mfu: float = 0.1  # gpu: decoding is memory-bandwidth bound: far lower utilisation than training
+    cpu_rates: dict | None = None  # cpu: measured FLOP/s {"decode", "layer", "thin"} (measure_cpu_rates); None: no time
 
     @property
     def sequences(self) -> int:
@@ -202,9 +218,39 @@ class RunSpec:
         """S = s_p + T."""
         return self.prompt_len + self.response_len
 
+    @property
+    def prompts(self) -> int:
+        """U: the distinct prompts, each of which the trainer runs through a model once for its whole group."""
+        return self.distinct_prompts if self.distinct_prompts is not None else self.prompts_per_step
+
+    @property
+    def scored_tokens(self) -> int:
+        """Response tokens the LM head scores in log-prob passes (not padding after EOS, not tool results)."""
+        if self.response_tokens is not None:
+            return self.response_tokens
+        return self.sequences * self.response_len - self.tool_tokens
+
+    @property
+    def budget(self) -> int:
+        """The decoding budget, sampling.max_new_tokens: what the CPU decoder allocates its buffers for."""
+        return self.max_new_tokens if self.max_new_tokens is not None else self.response_len
+
+    @property
+    def micro_batch(self) -> int:
+        """b: sequences in one forward/backward on one device."""
+        return self.micro_batch_size or self.sequences // self.gpus
+
+
+def replay_possible(run: RunSpec) -> bool:
+    """Whether the trainer's update differentiates decoding's own forward (``RLTrainer._reuse_rollout_forward``
+    with ``train.reuse_rollout_forward`` on): the lean decoder (a CPU in fp32), a critic-free algorithm, one
+    epoch, one process, one micro-batch holding the whole batch."""
+    return (run.device == "cpu" and run.dtype == "fp32" and run.algorithm in ("grpo", "rloo") and run.epochs == 1
+            and run.gpus == 1 and run.micro_batch >= run.sequences)
+
 
 def validate(run: RunSpec) -> RunSpec:
-    """The run with aliases resolved, or a PlanError naming the bad value and the fix."""
+    """The run with aliases and defaults resolved, or a PlanError naming the bad value and the fix."""
     sharding = SHARDING_ALIASES.get(run.sharding, run.sharding)
     if sharding not in SHARDING:
         raise PlanError(f"unknown sharding '{run.sharding}': use one of {', '.join(SHARDING)} (fsdp = zero3)")
@@ -219,16 +265,33 @@ def validate(run: RunSpec) -> RunSpec:
         raise PlanError(f"unknown dtype '{run.dtype}': use fp32 or bf16")
     if run.device not in ("gpu", "cpu"):
         raise PlanError(f"unknown device '{run.device}': use gpu or cpu")
-    for name in ("gpus", "group_size", "prompts_per_step", "micro_batch_size", "prompt_len", "response_len", "epochs"):
+    for name in ("gpus", "group_size", "prompts_per_step", "prompt_len", "response_len", "epochs"):
         if getattr(run, name) < 1:
             raise PlanError(f"{name.replace('_', '-')} must be >= 1 (got {getattr(run, name)})")
+    if run.budget < run.response_len:
+        raise PlanError(f"max-new-tokens ({run.budget}) must be at least the response length T ({run.response_len})")
+    if run.micro_batch_size < 0:
+        raise PlanError(f"micro-batch-size must be >= 0 (0: the whole batch at once; got {run.micro_batch_size})")
     if run.lora_rank < 0:
         raise PlanError(f"lora-rank must be >= 0 (0: full fine-tuning; got {run.lora_rank})")
     if not (0 < run.mfu <= 1 and 0 < run.generation_mfu <= 1):
         raise PlanError(f"MFU must be in (0, 1] (got mfu={run.mfu}, generation_mfu={run.generation_mfu})")
     if run.sequences % run.gpus:
         raise PlanError(f"P·G = {run.sequences} sequences do not split evenly over {run.gpus} devices; change P, G or gpus")
-    return replace(run, sharding=sharding)
+    if not 1 <= run.prompts <= run.prompts_per_step:
+        raise PlanError(f"distinct-prompts must be between 1 and P = {run.prompts_per_step} (got {run.prompts})")
+    if not 0 <= run.tool_tokens < run.sequences * run.response_len:
+        raise PlanError(f"tool-tokens must be >= 0 and fewer than B·T = {run.sequences * run.response_len} "
+                        f"(got {run.tool_tokens})")
+    if not 0 < run.scored_tokens <= run.sequences * run.response_len - run.tool_tokens:
+        raise PlanError(f"response-tokens must be between 1 and B·T − tool tokens = "
+                        f"{run.sequences * run.response_len - run.tool_tokens} (got {run.scored_tokens})")
+    replay = replay_possible(run)
+    if run.reuse_rollout_forward and not replay:
+        raise PlanError("the update reuses decoding's forward only on a CPU in fp32, for grpo or rloo, with one epoch, "
+                        "one device and one micro-batch holding the whole batch: drop --reuse-rollout-forward or "
+                        "change those settings")
+    return replace(run, sharding=sharding, reuse_rollout_forward=replay if run.reuse_rollout_forward is None else run.reuse_rollout_forward)
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -277,6 +340,17 @@ def activation_elements_per_token(m: ModelShape, checkpointing: bool) -> float:
     return L * h + per_layer if checkpointing else L * per_layer
 
 
+def update_tokens(run: RunSpec) -> int:
+    """Tokens one forward of the update's micro-batch runs through the policy. One process runs a group's
+    prompt once (``rollout/hf.response_logprobs``, ``share_prompts``): U_b·s_p + b·T with U_b = the micro-batch's
+    share of the distinct prompts; under DDP / FSDP2 every row runs its own prompt: b·S."""
+    b = run.micro_batch
+    if run.gpus > 1:
+        return b * run.seq_len
+    prompts = max(1, -(-run.prompts * b // run.sequences))  # ceil: a micro-batch holds whole groups
+    return prompts * run.prompt_len + b * run.response_len
+
+
 # How many (b, T+1, V) fp32 logit tensors are alive at once in the update when the model's own head runs
 # (DDP or FSDP2, several processes): the LM head's output, the temperature-scaled copy log-softmax keeps for
 # backward, and the entropy's probabilities and product (``rollout/hf._logprobs_from_logits``); backward then
@@ -289,12 +363,47 @@ LOGIT_COPIES = 4
 CHUNKED_LOGIT_COPIES = 2
 LOGPROB_CHUNK_BYTES = 32 * 2**20  # = rollout.hf.LOGPROB_CHUNK_BYTES (a test keeps them equal)
 LOGPROB_KEEP_BYTES = 128 * 2**20  # = rollout.hf.LOGPROB_KEEP_BYTES
+RECORD_LOGITS_BYTES = 128 * 2**20  # = cpu.decoder.RECORD_LOGITS_BYTES
+
+
+def recording_rows(run: RunSpec, steps: int) -> int:
+    """Rows decoding's recording holds (``cpu/decoder.LlamaDecoder``, ``record=True``) after ``steps`` decoding
+    steps: each distinct prompt's first s_p − 1 columns once (the prefix), then B rows per step."""
+    return run.prompts * (run.prompt_len - 1) + run.sequences * steps
+
+
+def recording_bytes(m: ModelShape, run: RunSpec) -> float:
+    """What decoding keeps for the update's backward, fp32: per layer and row the layer's input, the q/k/v
+    products, the residual after attention and the gate/up products (2h + (a + 2k)·d + 2f values); per
+    decoding row the last layer's output (h); and the logits of every decoding row when B·(budget)·V fp32
+    fits in RECORD_LOGITS_BYTES (``cpu/decoder.py``).
+
+    Counted as the decoder allocates it (``torch.empty``), for the whole sampling budget, not for the T steps
+    it ran: a page is resident once written, so a fresh process's first step, which writes T steps' rows
+    into new pages, can sit below this; later steps reuse heap pages earlier steps wrote (``train.cpu_allocator``
+    retain keeps them), and their resident peak reaches it."""
+    h, f, d = m.hidden_size, m.intermediate_size, m.d
+    per_row = m.num_layers * (2 * h + (m.num_heads + 2 * m.num_kv_heads) * d + 2 * f)
+    decoded = run.sequences * run.budget
+    logits = decoded * m.vocab_size * 4
+    return (recording_rows(run, run.budget) * per_row + decoded * h) * 4 + (logits if logits <= RECORD_LOGITS_BYTES else 0)
+
+
+def replay_temporaries(m: ModelShape, run: RunSpec) -> float:
+    """The largest set of temporaries the replayed backward (``cpu/replay.Recording.backward``) holds at once,
+    over every recorded row: the gradient flowing down the residual (h) and, inside the MLP's backward,
+    silu(gate), the down projection's input and input gradient and the gate's gradient (4f) with the norm's
+    input gradient and output (2h) and the LoRA branch's input gradient (h); plus two chunks of at most
+    32 MiB (the head's logits, an attention block's probabilities)."""
+    return recording_rows(run, run.response_len) * (4 * m.intermediate_size + 4 * m.hidden_size) * 4 + 2 * LOGPROB_CHUNK_BYTES
 
 
 @dataclass(frozen=True)
 class Memory:
     """Bytes per device by component; ``peak`` = persistent states + the larger of the two phases. Gradients
-    belong to the update phase: the trainer frees them after each optimiser step (``trainers/update.py``)."""
+    belong to the update phase: the trainer frees them after each optimiser step (``trainers/update.py``).
+    Decoding's recording (the update on decoding's forward) is held from generation through the update, so
+    it is in both phases."""
 
     policy: ModelStates
     critic: ModelStates | None
@@ -307,6 +416,8 @@ class Memory:
     kv_cache: float  # generation: this device's share of the B sequences, whole length S
     baseline: float  # cpu: the process before any model (imports, allocator); 0 on a GPU
     decode_layout: float = 0.0  # cpu, fp32: the linear weights' oneDNN layout while decoding (cpu/decoder.py, kernels.decoding_weights)
+    recording: float = 0.0  # decoding's recorded forward, when the update reuses it (cpu/replay.py)
+    replay_temporaries: float = 0.0  # the replayed backward's largest set of temporaries
 
     @property
     def gradients(self) -> float:
@@ -319,11 +430,11 @@ class Memory:
 
     @property
     def update_phase(self) -> float:
-        return self.activations + self.logits + self.gradients
+        return self.recording + self.replay_temporaries + self.activations + self.logits + self.gradients
 
     @property
     def generation_phase(self) -> float:
-        return self.kv_cache + self.decode_layout
+        return self.recording + self.kv_cache + self.decode_layout
 
     @property
     def peak(self) -> float:
@@ -333,6 +444,14 @@ class Memory:
 def kv_cache_bytes(m: ModelShape, tokens: int, dtype: str) -> float:
     """KV cache = 2 (K and V) · L · k · d · bytes per token (the cache HF generate / vLLM fill)."""
     return 2 * m.num_layers * m.num_kv_heads * m.d * DTYPE_BYTES[dtype] * tokens
+
+
+def chunked_logit_bytes(positions: int, vocab: int) -> float:
+    """One process's chunked LM head (``rollout/hf._HeadLogProbs``) over ``positions`` scored tokens: the kept
+    probabilities plus one chunk while they fit in LOGPROB_KEEP_BYTES, else two chunks."""
+    full = positions * vocab * 4
+    chunk = min(LOGPROB_CHUNK_BYTES, full)
+    return full + chunk if full <= LOGPROB_KEEP_BYTES else CHUNKED_LOGIT_COPIES * chunk
 
 
 def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
@@ -345,18 +464,25 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
     reference = frozen_copy if run.reference and not lora else 0.0  # LoRA: the base weights, adapter off
     reward_model = frozen_copy if run.reward_model else 0.0
 
-    tokens = run.micro_batch_size * run.seq_len  # one micro-batch on one device
     act_bytes = DTYPE_BYTES[dt]
-    models_backpropagated = 2 if run.algorithm == "ppo" else 1  # cohortrl backpropagates policy and critic together
-    no_ckpt = models_backpropagated * tokens * activation_elements_per_token(m, False) * act_bytes
-    ckpt = models_backpropagated * tokens * activation_elements_per_token(m, True) * act_bytes
-    full_logits = run.micro_batch_size * (run.response_len + 1) * m.vocab_size * 4
-    if run.gpus == 1:  # one process: the chunked head (rollout/hf._HeadLogProbs)
-        chunk = min(LOGPROB_CHUNK_BYTES, full_logits)
-        logits = full_logits + chunk if full_logits <= LOGPROB_KEEP_BYTES else CHUNKED_LOGIT_COPIES * chunk
+    b = run.micro_batch
+    scored_b = run.scored_tokens * b // run.sequences  # the micro-batch's share of the scored tokens
+    if run.reuse_rollout_forward:  # the update runs no forward: decoding's recording stands in for activations
+        no_ckpt = ckpt = logits = 0.0
+        recording, temporaries = recording_bytes(m, run), replay_temporaries(m, run)
     else:
-        logits = LOGIT_COPIES * full_logits
-    kv = kv_cache_bytes(m, run.sequences // n * run.seq_len, dt)
+        tokens, critic_tokens = update_tokens(run), (b * run.seq_len if run.algorithm == "ppo" else 0)
+        no_ckpt = (tokens + critic_tokens) * activation_elements_per_token(m, False) * act_bytes
+        ckpt = (tokens + critic_tokens) * activation_elements_per_token(m, True) * act_bytes
+        if run.gpus == 1:  # one process: the chunked head (rollout/hf._HeadLogProbs)
+            logits = chunked_logit_bytes(scored_b, m.vocab_size)
+        else:
+            logits = LOGIT_COPIES * b * (run.response_len + 1) * m.vocab_size * 4
+        recording = temporaries = 0.0
+    # K and V of every row's whole length. The CPU's lean decoder (fp32) allocates them zeroed, every page
+    # touched, for the whole budget before the first step (cpu/decoder.py); HF generate grows them to T.
+    length = run.prompt_len + (run.budget if run.device == "cpu" and dt == "fp32" else run.response_len)
+    kv = kv_cache_bytes(m, run.sequences // n * length, dt)
     # On a CPU in fp32 (train.cpu_linear auto), decoding holds a second copy of every linear weight, the
     # projections and the LM head, in oneDNN's layout (the lean decoder's merged q/k/v and gate/up copies, or
     # kernels.decoding_weights for transformers' forward: the same bytes); LoRA's small matrices are not counted.
@@ -366,7 +492,7 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
         policy=policy, critic=critic, reference=reference, reward_model=reward_model,
         activations=ckpt if run.checkpointing else no_ckpt, activations_no_ckpt=no_ckpt, activations_ckpt=ckpt,
         logits=logits, kv_cache=kv, baseline=run.cpu_baseline_bytes if run.device == "cpu" else 0.0,
-        decode_layout=decode_layout,
+        decode_layout=decode_layout, recording=recording, replay_temporaries=temporaries,
     )
 
 
@@ -378,47 +504,119 @@ def forward_flops(m: ModelShape, seq_len: int, logit_positions: int, vocab_head:
     Chinchilla, arXiv 2203.15556, App. F) with the causal mean context ctx = (S + 1)/2."""
     layers = 2 * m.num_layers * m.layer_params * seq_len
     head = 2 * m.hidden_size * m.vocab_size * logit_positions if vocab_head else 2 * m.hidden_size * logit_positions
-    attention = 4 * m.num_layers * m.num_heads * m.d * seq_len * (seq_len + 1) / 2
-    return layers + head + attention
+    return layers + head + attention_flops(m, seq_len * (seq_len + 1) / 2)
+
+
+def attention_flops(m: ModelShape, pairs: float) -> float:
+    """QKᵀ and the weighted sum of V over ``pairs`` (query, key) pairs: 4·L·a·d each (Chinchilla, App. F)."""
+    return 4 * m.num_layers * m.num_heads * m.d * pairs
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass over a batch's tokens, split by what its FLOPs are spent on."""
+
+    layers: float  # the layers' weight products: 2 per weight per token
+    attention: float
+    head: float  # the LM head (or a critic's value head) on the positions it scores
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.attention + self.head
+
+
+def batch_pass(m: ModelShape, run: RunSpec, shared: bool, head_positions: int, vocab_head: bool = True) -> Pass:
+    """A forward over the whole batch. ``shared``: each distinct prompt once and every response against its
+    prompt's cache (``response_logprobs`` with ``share_prompts``, the recording's rows): U·s_p + B·T tokens;
+    else every sequence whole, B·S tokens."""
+    B, sp, T, U = run.sequences, run.prompt_len, run.response_len, run.prompts
+    if shared:
+        tokens, pairs = U * sp + B * T, U * sp * (sp + 1) / 2 + B * (T * sp + T * (T + 1) / 2)
+    else:
+        tokens, pairs = B * run.seq_len, B * run.seq_len * (run.seq_len + 1) / 2
+    head = 2 * m.hidden_size * (m.vocab_size if vocab_head else 1) * head_positions
+    return Pass(2 * m.num_layers * m.layer_params * tokens, attention_flops(m, pairs), head)
 
 
 @dataclass(frozen=True)
 class Flops:
     """FLOPs of one whole step (all devices) by phase."""
 
-    generation: float
+    prefill: float  # generation: each distinct prompt once
+    decoding: float  # generation: B rows per step, T steps (layers, attention, the head on every row)
     reference: float
     reward_model: float
     old_logprobs: float
     critic: float  # PPO: values at rollout time + forward/backward in the update
-    policy: float  # forward/backward in the update (+ recomputation with checkpointing)
+    policy: float  # the update: forward/backward (+ recomputation with checkpointing), or the replayed backward
+    adapters: float = 0.0  # LoRA's rank-r products wherever they run beside the frozen weights (all phases)
+
+    @property
+    def generation(self) -> float:
+        return self.prefill + self.decoding
 
     @property
     def total(self) -> float:
-        return self.generation + self.reference + self.reward_model + self.old_logprobs + self.critic + self.policy
+        return (self.generation + self.reference + self.reward_model + self.old_logprobs + self.critic + self.policy
+                + self.adapters)
+
+
+PHASES = ("prefill", "decoding", "reference", "reward_model", "old_logprobs", "critic", "policy", "adapters")
+
+
+def backward_flops(p: Pass, lora: bool, head_trained: bool) -> float:
+    """Backward ≈ 2 × forward (Kaplan §2.1: 6N per token in training = 2N forward + 4N backward): the input
+    gradient and the weight gradient, one product each. Frozen weights (LoRA's base, a frozen head) still pass
+    the input gradient on but get none of their own: 1 × their forward. Attention has no weights: its
+    backward is 2 × its forward (dQ, dK from the scores' gradient, dV and the scores' gradient from dO)."""
+    return p.layers * (1 if lora else 2) + 2 * p.attention + p.head * (2 if head_trained else 1)
+
+
+def adapter_flops(m: ModelShape, run: RunSpec, tokens: int) -> float:
+    """LoRA's own products, 2·r·(in + out) per adapted matrix and token forward (``m.lora_params`` per token),
+    counted apart from the frozen weights' because they run at another rate: rank-r products are thin.
+    The update (its own forward and backward, or the replayed backward, which runs each adapter forward again
+    under autograd: ``cpu/replay.linear_backward``) costs 3 × that on its ``tokens``; an old-log-prob pass 1 ×;
+    generation 1 × unless the CPU decoder folds the adapter into its weight copy (fp32, ``cpu/decoder.py``).
+    The reference is the base with the adapter off: none."""
+    if not run.lora_rank:
+        return 0.0
+    forward = 2 * m.lora_params(run.lora_rank) * tokens
+    folded = run.device == "cpu" and run.dtype == "fp32"
+    return forward * (3 * run.epochs + (1 if run.epochs > 1 else 0) + (0 if folded else 1))
 
 
 def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
-    B, S, T = run.sequences, run.seq_len, run.response_len
-    # Generation: prefill of s_p tokens and T decoded tokens, logits only for the decoded ones; the same
-    # 2N-per-token count as a forward of the whole sequence.
-    gen = B * forward_flops(m, S, T)
-    fwd = forward_flops(m, S, T + 1)  # the update and scoring passes keep logits of the last T+1 positions
-    # Backward ≈ 2 × forward (Kaplan §2.1: 6N per token in training = 2N forward + 4N backward). With LoRA the
-    # frozen weights still pass gradients to the activations (2N) but get none of their own: backward ≈ 1 ×
-    # forward. Full recomputation adds one more forward (Korthikanti §5).
-    backward = 1 if run.lora_rank else 2
-    recompute = 1 if run.checkpointing else 0
-    policy = run.epochs * B * fwd * (1 + backward + recompute)
+    B, T, U, sp = run.sequences, run.response_len, run.prompts, run.prompt_len
+    lora = run.lora_rank > 0
+    # Generation: each distinct prompt's first s_p − 1 tokens once (prefill), then B rows per step for T steps:
+    # the layers and the head on every row (finished rows and tool-result tokens included: the batch steps
+    # together), attention over the prompt and the steps so far.
+    prefill = 2 * m.num_layers * m.layer_params * U * (sp - 1) + attention_flops(m, U * (sp - 1) * sp / 2)
+    decoding = (2 * m.num_layers * m.layer_params + 2 * m.hidden_size * m.vocab_size) * B * T \
+        + attention_flops(m, B * (T * sp + T * (T - 1) / 2))
+    shared = run.gpus == 1  # one process runs a group's prompt once in the log-prob passes
+    score = batch_pass(m, run, shared, run.scored_tokens)
+    recompute = score.layers + score.attention if run.checkpointing else 0.0  # Korthikanti §5: one more forward
+    if run.reuse_rollout_forward:
+        # cpu/replay.py: the update's backward on decoding's recording, no forward of its own; it recomputes the
+        # attention's forward per layer and the head's logits when they were not kept.
+        kept = B * run.budget * m.vocab_size * 4 <= RECORD_LOGITS_BYTES  # the decoder decides on its budget
+        policy = backward_flops(score, lora, not lora) + score.attention + (0 if kept else score.head)
+    else:
+        policy = run.epochs * (score.total + backward_flops(score, lora, not lora) + recompute)
     critic = 0.0
-    if run.algorithm == "ppo":
-        cfwd = forward_flops(m, S, T + 1, vocab_head=False)
-        critic = B * cfwd + run.epochs * B * cfwd * (1 + 2 + recompute)
+    if run.algorithm == "ppo":  # the critic runs every sequence whole (trainers/critic.response_values), fully trained
+        values = batch_pass(m, run, False, B * (T + 1), vocab_head=False)
+        critic_recompute = values.layers + values.attention if run.checkpointing else 0.0
+        critic = values.total + run.epochs * (values.total + backward_flops(values, False, True) + critic_recompute)
     return Flops(
-        generation=gen,
-        reference=B * fwd if run.reference else 0.0,
-        reward_model=B * forward_flops(m, S, 1, vocab_head=False) if run.reward_model else 0.0,
-        old_logprobs=B * fwd if run.epochs > 1 else 0.0,
+        prefill=prefill,
+        decoding=decoding,
+        adapters=adapter_flops(m, run, U * sp + B * T),
+        reference=score.total if run.reference else 0.0,
+        reward_model=batch_pass(m, run, False, B, vocab_head=False).total if run.reward_model else 0.0,
+        old_logprobs=score.total if run.epochs > 1 else 0.0,
         critic=critic,
         policy=policy,
     )
@@ -431,20 +629,28 @@ class Plan:
     run: RunSpec
     memory: Memory
     flops: Flops
-    step_seconds: dict[str, float] = field(default_factory=dict)  # per phase, on one device
+    step_seconds: dict[str, float] = field(default_factory=dict)  # per phase, on one device; empty: not known
 
     @property
-    def step_time(self) -> float:
-        return sum(self.step_seconds.values())
+    def step_time(self) -> float | None:
+        return sum(self.step_seconds.values()) if self.step_seconds else None
 
 
 def step_seconds(flops: Flops, run: RunSpec) -> dict[str, float]:
-    """Time = FLOPs per device / (peak FLOP/s · MFU); the N devices split the step's sequences evenly."""
+    """Seconds per phase on one device (the N devices split the step's sequences evenly).
+    GPU: FLOPs / (datasheet peak · an assumed MFU): a model prediction. CPU: FLOPs / the matrix-product rate
+    measured on the machine (``measure_cpu_rates``): decoding at its B-row rate, LoRA's products at the
+    thin (rank-r) rate, every other phase at the rate of a training pass through real layers; {} when no rate was measured or given: no time is better than an invented one."""
+    per_device = {k: getattr(flops, k) / run.gpus for k in PHASES}
+    if run.device == "cpu":
+        if not run.cpu_rates:
+            return {}
+        rates = run.cpu_rates
+        rate = {"decoding": rates["decode"], "adapters": rates["thin"]}
+        return {k: v / rate.get(k, rates["layer"]) for k, v in per_device.items()}
     train_rate = run.peak_flops * run.mfu
     gen_rate = run.peak_flops * run.generation_mfu
-    per_device = {k: getattr(flops, k) / run.gpus for k in
-                  ("generation", "reference", "reward_model", "old_logprobs", "critic", "policy")}
-    return {k: v / (gen_rate if k == "generation" else train_rate) for k, v in per_device.items()}
+    return {k: v / (gen_rate if k in ("prefill", "decoding") else train_rate) for k, v in per_device.items()}
 
 
 def plan(model: ModelShape | str, run: RunSpec) -> Plan:
@@ -454,6 +660,31 @@ def plan(model: ModelShape | str, run: RunSpec) -> Plan:
     run = validate(run)
     flops = plan_flops(shape, run)
     return Plan(shape, run, plan_memory(shape, run), flops, step_seconds(flops, run))
+
+
+def run_spec_from_config(cfg, **sizes) -> RunSpec:
+    """The RunSpec of a cohortrl ``Config`` (its algorithm, P, G, β, LoRA, micro-batches, dtype, the update on
+    decoding's recording), with ``sizes`` (prompt_len, response_len, response_tokens, tool_tokens,
+    distinct_prompts, device, cpu_rates, cpu_baseline_bytes, ...) for what a config does not fix. Without
+    ``response_len``: the sampling budget, the longest a step can be."""
+    a, t = cfg.algorithm, cfg.train
+    algorithm = a.name if a.name == "ppo" else ("rloo" if a.estimator == "rloo" else "grpo")
+    device = sizes.pop("device", "cpu" if t.device in ("auto", "cpu") else "gpu")
+    spec = dict(
+        algorithm=algorithm, dtype={"float32": "fp32"}.get(cfg.model.dtype, "bf16"),
+        lora_rank=cfg.model.lora.r if cfg.model.lora.enabled else 0, group_size=a.group_size,
+        prompts_per_step=a.prompts_per_step, micro_batch_size=a.micro_batch_size, reference=a.beta > 0,
+        epochs=a.epochs, checkpointing=t.activation_checkpointing, device=device,
+        response_len=cfg.sampling.max_new_tokens, max_new_tokens=cfg.sampling.max_new_tokens,
+        prompt_len=cfg.data.max_prompt_tokens,
+    )
+    # The trainer reuses decoding's forward only where the config lets it (train.reuse_rollout_forward, one
+    # minibatch, no KL in the reward, no resampled groups, the CPU fast path on).
+    reusable = (t.reuse_rollout_forward and t.cpu_fast_path == "auto" and a.minibatches == 1 and not a.kl_in_reward
+                and a.zero_variance != "resample")
+    spec.update(sizes)
+    run = RunSpec(**spec)
+    return run if reusable else replace(run, reuse_rollout_forward=False)
 
 
 def memory_rows(p: Plan) -> list[tuple[str, float]]:
@@ -466,43 +697,147 @@ def memory_rows(p: Plan) -> list[tuple[str, float]]:
     if mem.critic:
         rows += [("critic weights", mem.critic.weights), ("critic gradients", mem.critic.gradients),
                  ("critic optimizer states", mem.critic.optimizer)]
-    rows += [("reference model", mem.reference), ("reward model", mem.reward_model),
-             ("activations, no checkpointing", mem.activations_no_ckpt),
-             ("activations, checkpointing", mem.activations_ckpt),
-             ("logits (fp32, update micro-batch)", mem.logits), ("KV cache (generation)", mem.kv_cache)]
+    rows += [("reference model", mem.reference), ("reward model", mem.reward_model)]
+    if p.run.reuse_rollout_forward:
+        rows += [("decoding's recording (update on it, generation through update)", mem.recording),
+                 ("replayed backward's temporaries (update)", mem.replay_temporaries)]
+    else:
+        rows += [("activations, no checkpointing", mem.activations_no_ckpt),
+                 ("activations, checkpointing", mem.activations_ckpt),
+                 ("logits (fp32, update micro-batch)", mem.logits)]
+    rows.append(("KV cache (generation)", mem.kv_cache))
     if mem.decode_layout:
         rows.append(("linear weights in oneDNN's layout (cpu, generation)", mem.decode_layout))
     return rows
+
+
+def time_heading(r: RunSpec) -> str:
+    """What the time column is: a CPU calibration measured on this machine, or a GPU model prediction."""
+    if r.device == "cpu":
+        if not r.cpu_rates:
+            return "s (not shown: no measured CPU rate)"
+        rates = r.cpu_rates
+        return (f"s, calibrated (measured here, GFLOP/s: decoding {rates['decode'] / 1e9:.0f} at {r.sequences} rows, "
+                f"layers {rates['layer'] / 1e9:.0f}, rank-r {rates['thin'] / 1e9:.0f})")
+    return (f"s, model prediction, not measured ({r.peak_flops / 1e12:g} TFLOP/s datasheet peak, "
+            f"MFU {r.mfu:g}, decoding {r.generation_mfu:g})")
 
 
 def format_plan(p: Plan) -> str:
     """The plan as two markdown tables (memory per device, FLOPs and time per step)."""
     r, m = p.run, p.model
     lora = f"LoRA r={r.lora_rank}" if r.lora_rank else "full fine-tuning"
+    tokens = f"; {r.prompts} distinct prompts" if r.prompts != r.prompts_per_step else ""
+    if r.tool_tokens or r.response_tokens is not None:
+        tokens += f"; {r.scored_tokens} scored response tokens, {r.tool_tokens} tool-result tokens"
     lines = [
         f"{m.name}: {m.params / 1e9:.3f}B parameters (h={m.hidden_size}, L={m.num_layers}, heads={m.num_heads}, "
         f"kv heads={m.num_kv_heads}, f={m.intermediate_size}, V={m.vocab_size})",
-        f"{r.algorithm}, {r.gpus} device(s), sharding {r.sharding}, {r.dtype}, {lora}; P={r.prompts_per_step} x "
-        f"G={r.group_size} = {r.sequences} sequences of {r.prompt_len}+{r.response_len} tokens; micro-batch "
-        f"{r.micro_batch_size}; activation checkpointing {'on' if r.checkpointing else 'off'}",
+        f"{r.algorithm}, {r.gpus} {r.device}(s), sharding {r.sharding}, {r.dtype}, {lora}; P={r.prompts_per_step} x "
+        f"G={r.group_size} = {r.sequences} sequences of {r.prompt_len}+{r.response_len} tokens{tokens}; micro-batch "
+        f"{r.micro_batch}; activation checkpointing {'on' if r.checkpointing else 'off'}; update "
+        f"{'on decoding' + chr(39) + 's recording' if r.reuse_rollout_forward else 'with its own forward'}",
         "",
-        "| memory per device | GiB |",
+        f"| memory per device{'' if r.device == 'cpu' else ' (model prediction, not measured)'} | GiB |",
         "|---|---:|",
     ]
     lines += [f"| {name} | {value / GIB:.3f} |" for name, value in memory_rows(p)]
     mem = p.memory
     lines += [
         f"| **persistent (weights, optimizer states, models{' + baseline' if mem.baseline else ''})** | {mem.persistent / GIB:.3f} |",
-        f"| **update phase (gradients + activations as chosen + logits)** | {mem.update_phase / GIB:.3f} |",
-        f"| **peak = persistent + max(update phase, generation phase{' (KV cache + weight layout)' if mem.decode_layout else ' (KV cache)'})** | {mem.peak / GIB:.3f} |",
+        f"| **update phase** | {mem.update_phase / GIB:.3f} |",
+        f"| **generation phase** | {mem.generation_phase / GIB:.3f} |",
+        f"| **peak = persistent + max(update phase, generation phase)** | {mem.peak / GIB:.3f} |",
         "",
-        f"| FLOPs per step (all devices) | TFLOP | s on one device ({r.peak_flops / 1e12:g} TFLOP/s peak) |",
+        f"| FLOPs per step (all devices) | TFLOP | {time_heading(r)} |",
         "|---|---:|---:|",
     ]
-    names = {"generation": f"generation (MFU {r.generation_mfu:g})", "reference": "reference forward",
+    names = {"prefill": "generation: prefill", "decoding": "generation: decoding", "reference": "reference forward",
              "reward_model": "reward model forward", "old_logprobs": "old log-probs forward",
-             "critic": "critic forward/backward", "policy": f"policy forward/backward (MFU {r.mfu:g})"}
+             "critic": "critic forward/backward",
+             "policy": "policy backward on the recording" if r.reuse_rollout_forward else "policy forward/backward",
+             "adapters": "LoRA adapters' products (all passes)"}
     for key, label in names.items():
-        lines.append(f"| {label} | {getattr(p.flops, key) / 1e12:.2f} | {p.step_seconds[key]:.2f} |")
-    lines.append(f"| **total** | {p.flops.total / 1e12:.2f} | {p.step_time:.2f} |")
+        seconds = f"{p.step_seconds[key]:.2f}" if p.step_seconds else "-"
+        lines.append(f"| {label} | {getattr(p.flops, key) / 1e12:.3f} | {seconds} |")
+    total = f"{p.step_time:.2f}" if p.step_seconds else "-"
+    lines.append(f"| **total** | {p.flops.total / 1e12:.3f} | {total} |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- CPU calibration
+def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, repeats: int = 3) -> dict[str, float]:
+    """This CPU's fp32 rates (FLOP/s, as the planner counts FLOPs) for the three kinds of work a step does,
+    on ``threads`` torch threads:
+
+    - ``decode``: ``rows`` × h by h × f products (one row per sequence) over as many distinct h × f weights as
+      the model's linear layers hold (at most DECODE_PROBE_BYTES): a decoding step reads every weight once for
+      a few rows, so its rate is set by how fast the weights stream from memory, not by the arithmetic, and a
+      probe on one cache-resident weight overstates it several times;
+    - ``layer``: forward and backward, under autograd, of two transformers Llama layers of the model's shape
+      (full fine-tuning, 2 sequences of 256 tokens): prefill, scoring and the update, where the products run
+      on many rows and beside them the norms, rotary embedding, attention's softmax, SwiGLU and autograd's
+      bookkeeping, which a bare product leaves out (a bare 2048-row product runs about 1.6 × faster here);
+    - ``thin``: 2048 rows through a rank-``rank`` pair of products (f → r, r → f), LoRA's adapters' shapes.
+
+    Timed in the process's CPU time (``time.process_time``), not wall time: on a shared machine the wall clock
+    also counts the time other processes held the cores; × ``threads`` gives the rate of undisturbed threads
+    (with more than one, threads that spin while they wait for each other make it an underestimate). Each rate
+    is the best of ``repeats`` timings."""
+    import time
+
+    import torch
+    import transformers
+
+    F = torch.nn.functional
+    h, f = m.hidden_size, m.intermediate_size
+    linear_bytes = (m.num_layers * m.layer_matrix_params + m.vocab_size * h) * 4
+    n_weights = max(1, int(min(linear_bytes, DECODE_PROBE_BYTES) // (h * f * 4)))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        weights = [torch.randn(f, h) for _ in range(n_weights)]
+        x = torch.randn(rows, h)
+        dy, down, up, a = torch.randn(2048, f), torch.randn(rank, f), torch.randn(f, rank), torch.randn(2048, rank)
+        probe = replace(m, num_layers=2, vocab_size=256)  # two layers, a token vocabulary too small to matter
+        block = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=probe.vocab_size, hidden_size=h, intermediate_size=f, num_hidden_layers=probe.num_layers,
+            num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.d,
+            tie_word_embeddings=True))
+        ids = torch.randint(0, probe.vocab_size, (2, 256))
+
+        def train_block():
+            block(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.sum().backward()
+
+        products = {  # name: (FLOPs as the planner counts them, the work)
+            "decode": (2 * rows * h * f * n_weights, lambda: [F.linear(x, w) for w in weights]),
+            "layer": (training_flops(probe, *ids.shape), train_block),
+            "thin": (2 * 2 * 2048 * f * rank, lambda: (F.linear(dy, down), F.linear(a, up))),
+        }
+        rates = {}
+        for name, (flops, work) in products.items():
+            work()  # first touch: allocation and kernel selection
+            reps = max(1, int(2e9 // flops))  # ~2 GFLOP, or one pass over the weights, per timing
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.process_time()
+                for _ in range(reps):
+                    work()
+                best = min(best, (time.process_time() - start) / reps)
+            rates[name] = flops / best * threads
+        return rates
+    finally:
+        torch.set_num_threads(previous)
+
+
+def training_flops(m: ModelShape, sequences: int, seq_len: int) -> float:
+    """Forward and backward of ``sequences`` whole sequences, full fine-tuning, logits on every position."""
+    tokens = sequences * seq_len
+    p = Pass(2 * m.num_layers * m.layer_params * tokens, attention_flops(m, sequences * seq_len * (seq_len + 1) / 2),
+             2 * m.hidden_size * m.vocab_size * tokens)
+    return p.total + backward_flops(p, lora=False, head_trained=True)
+
+
+# The decoding probe's weights: the model's own size up to this (the size of a 135M-parameter model in fp32);
+# past the last-level cache the rate no longer depends on it.
+DECODE_PROBE_BYTES = 2**29

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,14 @@ from cohortrl.planner import (
     kv_cache_bytes,
     model_states,
     plan,
+    recording_bytes,
     resolve_shape,
+    run_spec_from_config,
 )
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA2_7B = PRESETS["7b"]
+SMOL = ModelShape("SmolLM2-135M shape", 576, 30, 9, 3, 1536, 49152, True)  # h, L, a, k, f, V; d = 64
 
 
 def test_llama2_7b_parameter_count():
@@ -121,11 +125,12 @@ def test_logits_are_chunk_bounded_on_one_process_and_four_full_copies_under_ddp(
     assert one.logits == 2 * 32 * 2**20  # two 32 MiB chunks: the full tensor never exists
     ddp = plan("7b", RunSpec(gpus=8, micro_batch_size=4, response_len=1024)).memory
     assert ddp.logits == 4 * 524_800_000  # the model's own head: output, scaled copy, entropy's two temporaries
-    # within the keep budget, the probabilities are kept for backward, plus one chunk of logits:
-    # 1·3·32000·4 = 384,000 bytes (less than a chunk) kept, and the chunk that made them
-    assert plan("7b", RunSpec(micro_batch_size=1, response_len=2)).memory.logits == 2 * 384_000
-    # 1·1000·32000·4 = 128,000,000 bytes ≤ 128 MiB = 134,217,728: kept, plus a 32 MiB chunk
-    assert plan("7b", RunSpec(micro_batch_size=1, response_len=999)).memory.logits == 128_000_000 + 32 * 2**20
+    # within the keep budget, the probabilities of the scored tokens (the T response tokens, not T + 1: the
+    # chunked head runs on real response positions only) are kept for backward, plus one chunk of logits:
+    # 1·2·32000·4 = 256,000 bytes (less than a chunk) kept, and the chunk that made them
+    assert plan("7b", RunSpec(micro_batch_size=1, response_len=2)).memory.logits == 2 * 256_000
+    # 1·999·32000·4 = 127,872,000 bytes ≤ 128 MiB = 134,217,728: kept, plus a 32 MiB chunk
+    assert plan("7b", RunSpec(micro_batch_size=1, response_len=999)).memory.logits == 127_872_000 + 32 * 2**20
 
 
 def test_cpu_plan_adds_the_baseline():
@@ -136,10 +141,21 @@ def test_cpu_plan_adds_the_baseline():
     assert with_base.peak - without.peak == 350 * 2**20
 
 
-def test_step_time_follows_flops_peak_and_mfu():
+def test_gpu_step_time_follows_flops_peak_and_mfu():
     p = plan("7b", RunSpec(gpus=8, peak_flops=1e15, mfu=0.5, generation_mfu=0.1))
     assert p.step_seconds["policy"] == pytest.approx(p.flops.policy / 8 / (1e15 * 0.5))
-    assert p.step_seconds["generation"] == pytest.approx(p.flops.generation / 8 / (1e15 * 0.1))
+    assert p.step_seconds["decoding"] == pytest.approx(p.flops.decoding / 8 / (1e15 * 0.1))
+    assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 8 / (1e15 * 0.1))
+
+
+def test_cpu_time_is_shown_only_from_a_measured_rate():
+    run = RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, prompt_len=100, response_len=50)
+    assert plan(SMOL, run).step_time is None  # no rate: no time, not a datasheet guess
+    p = plan(SMOL, replace(run, cpu_rates={"decode": 2e10, "layer": 2e11, "thin": 5e10}))
+    assert p.step_seconds["decoding"] == pytest.approx(p.flops.decoding / 2e10)  # B-row products: the decode rate
+    assert p.step_seconds["policy"] == pytest.approx(p.flops.policy / 2e11)  # through whole layers: the layer rate
+    assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 2e11)
+    assert p.step_seconds["adapters"] == pytest.approx(p.flops.adapters / 5e10)  # LoRA's rank-r products
 
 
 def test_config_json_directory(tmp_path):
@@ -204,9 +220,142 @@ def test_cpu_fp32_generation_holds_the_linear_weights_in_onednns_layout():
     # = 3,538,944 linear weights; 30 layers = 106,168,320, + the tied head 49,152·576 = 28,311,552 → 134,479,872
     # fp32 values = 537,919,488 bytes, held while decoding (kernels.decoding_weights).
     smol = ModelShape("smol", 576, 30, 9, 3, 1536, 49152, True)
-    cpu = plan(smol, RunSpec(device="cpu", dtype="fp32", peak_flops=1e11)).memory
+    cpu = plan(smol, RunSpec(device="cpu", dtype="fp32", reuse_rollout_forward=False)).memory
     assert cpu.decode_layout == 4 * (30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) + 49152 * 576) == 537_919_488
     assert cpu.generation_phase == cpu.kv_cache + cpu.decode_layout
     assert cpu.peak == cpu.persistent + max(cpu.update_phase, cpu.generation_phase)
     assert plan(smol, RunSpec(device="gpu", dtype="fp32")).memory.decode_layout == 0  # GPUs keep PyTorch's kernels
-    assert plan(smol, RunSpec(device="cpu", dtype="bf16", peak_flops=1e11)).memory.decode_layout == 0
+    assert plan(smol, RunSpec(device="cpu", dtype="bf16")).memory.decode_layout == 0
+
+
+# ---------------------------------------------------------------------------------------------- what the trainer does
+CPU_GRPO = RunSpec(device="cpu", dtype="fp32", lora_rank=16, prompts_per_step=2, group_size=4, prompt_len=101,
+                   response_len=50, reference=False)
+
+
+def test_lora_trains_no_frozen_weight_its_states_are_the_adapters_only():
+    # SmolLM2, r = 16: per layer q, o 2·(576+576), k, v 2·(576+192), gate, up, down 3·(576+1536)
+    # = 10,176 inputs + outputs; · 16 · 30 layers = 4,884,480 trained parameters, fp32: 4 bytes of gradient and
+    # 8 of AdamW moments each. The 134.5M frozen base weights are counted once, as weights only.
+    lora = plan(SMOL, CPU_GRPO).memory
+    assert SMOL.lora_params(16) == 16 * 30 * 10_176 == 4_884_480
+    assert lora.policy.gradients == 4 * 4_884_480
+    assert lora.policy.optimizer == 8 * 4_884_480
+    assert lora.policy.weights == 4 * (SMOL.params + 4_884_480)
+    full = plan(SMOL, replace(CPU_GRPO, lora_rank=0)).memory
+    assert full.policy.gradients == 4 * SMOL.params
+
+
+def test_lora_backward_has_no_weight_gradient_products():
+    # Frozen weights pass dx (one product per weight) but get no dW (the other): the layers' backward is 1x
+    # their forward with LoRA, 2x without; the update's own forward and attention's 2x are the same for both.
+    run = replace(CPU_GRPO, reuse_rollout_forward=False)
+    lora, full = plan(SMOL, run).flops, plan(SMOL, replace(run, lora_rank=0)).flops
+    tokens = 2 * 101 + 8 * 50  # each distinct prompt once, then every response (shared prompts)
+    layers = 2 * 30 * SMOL.layer_params * tokens
+    head = 2 * 576 * 49152 * 8 * 50  # the scored response tokens; the tied head is frozen under LoRA
+    assert full.policy - lora.policy == pytest.approx(layers + head)
+
+
+def test_lora_adapters_run_in_the_update_but_are_folded_into_decoding_on_a_cpu():
+    # The adapters' own products: 2·r·(in + out) per matrix and token forward = 2·4,884,480 per token; the
+    # update runs them forward and back (3x) on each distinct prompt's tokens once and every response token:
+    # 2·101 + 8·50 = 602 tokens. The CPU decoder folds them into its weights; the reference switches them off.
+    assert plan(SMOL, CPU_GRPO).flops.adapters == 3 * 2 * 4_884_480 * 602
+    on_gpu = plan(SMOL, replace(CPU_GRPO, device="gpu", dtype="bf16")).flops.adapters
+    assert on_gpu == 4 * 2 * 4_884_480 * 602  # generation runs them too
+    assert plan(SMOL, replace(CPU_GRPO, lora_rank=0)).flops.adapters == 0
+
+
+def test_a_shared_prompt_is_prefilled_and_recorded_once_per_distinct_prompt():
+    one_prompt = replace(CPU_GRPO, prompts_per_step=1, group_size=8)  # B = 8 either way
+    two_prompts = CPU_GRPO
+    # prefill: U·(s_p − 1) tokens through the layers; G does not multiply it
+    per_token = 2 * 30 * SMOL.layer_params
+    attention = lambda U: 4 * 30 * 9 * 64 * U * 100 * 101 / 2  # noqa: E731  causal over s_p − 1 = 100 columns
+    assert plan(SMOL, one_prompt).flops.prefill == pytest.approx(per_token * 100 + attention(1))
+    assert plan(SMOL, two_prompts).flops.prefill == pytest.approx(per_token * 200 + attention(2))
+    # the recording: U·(s_p − 1) prefix rows + B·T decoding rows, 2h + (a + 2k)·d + 2f = 5,184 values per
+    # layer and row; + the final hidden state of each decoding row; + the logits while B·T·V·4 fits in 128 MiB
+    # (8·50·49,152·4 = 78,643,200 bytes: kept)
+    rows = 100 + 8 * 50
+    assert recording_bytes(SMOL, one_prompt) == (rows * 30 * 5_184 + 8 * 50 * 576) * 4 + 78_643_200
+    # allocated for the sampling budget, not the steps decoding ran: 8 more rows per step of budget
+    # (8·90·49,152·4 = 141,557,760 bytes of logits > 128 MiB: not kept)
+    budget = replace(one_prompt, max_new_tokens=90)
+    assert recording_bytes(SMOL, budget) == ((100 + 8 * 90) * 30 * 5_184 + 8 * 90 * 576) * 4
+    # identical prompts passed as distinct ones cost their prefix again
+    assert plan(SMOL, replace(two_prompts, distinct_prompts=1)).flops.prefill == plan(SMOL, one_prompt).flops.prefill
+
+
+def test_tool_result_tokens_run_through_the_model_but_are_not_scored():
+    plain = replace(CPU_GRPO, reference=True)
+    with_tools = replace(plain, tool_tokens=120)  # the same padded length: results are part of T
+    a, b = plan(SMOL, plain), plan(SMOL, with_tools)
+    assert b.memory.recording == a.memory.recording and b.memory.kv_cache == a.memory.kv_cache
+    assert b.flops.decoding == a.flops.decoding  # fed one per step like sampled tokens, head included
+    # the reference's log-prob pass: the head (2·h·V each) skips the 120 tool tokens
+    assert a.flops.reference - b.flops.reference == pytest.approx(120 * 2 * 576 * 49152)
+    assert b.run.scored_tokens == 8 * 50 - 120
+
+
+def test_the_update_on_decodings_recording_replaces_activations_and_holds_through_both_phases():
+    replayed = plan(SMOL, CPU_GRPO)
+    assert replayed.run.reuse_rollout_forward  # the trainer's default on a CPU in fp32 for GRPO
+    m = replayed.memory
+    assert m.activations == m.logits == 0 and m.recording > 0
+    assert m.generation_phase == m.recording + m.kv_cache + m.decode_layout
+    assert m.update_phase == m.recording + m.replay_temporaries + m.gradients
+    # no forward in the update: its FLOPs are the backward's and attention's recomputed forward
+    plain = plan(SMOL, replace(CPU_GRPO, reuse_rollout_forward=False))
+    assert replayed.flops.policy < plain.flops.policy
+    # PPO, several micro-batches or a GPU: the update runs its own forward
+    for run in (replace(CPU_GRPO, algorithm="ppo"), replace(CPU_GRPO, micro_batch_size=2),
+                replace(CPU_GRPO, device="gpu"), replace(CPU_GRPO, epochs=2)):
+        assert not plan(SMOL, run).run.reuse_rollout_forward
+
+
+def test_asking_for_the_recording_where_the_trainer_cannot_use_it_is_refused():
+    with pytest.raises(PlanError, match="reuses decoding's forward only on a CPU in fp32"):
+        plan(SMOL, replace(CPU_GRPO, algorithm="ppo", reuse_rollout_forward=True))
+
+
+def test_micro_batches_divide_the_update_activations():
+    whole = plan(SMOL, replace(CPU_GRPO, algorithm="ppo")).memory
+    halves = plan(SMOL, replace(CPU_GRPO, algorithm="ppo", micro_batch_size=4)).memory
+    # policy: each distinct prompt once + b·T (2·101 + 8·50 = 602 tokens, then 101 + 4·50 = 301);
+    # the critic runs every sequence whole: b·S (8·151 = 1208, then 604). Half the batch, half of both.
+    per_token = activation_elements_per_token(SMOL, False) * 4
+    assert whole.activations == pytest.approx((602 + 1208) * per_token)
+    assert halves.activations == pytest.approx((301 + 604) * per_token)
+
+
+def test_run_spec_from_config_takes_the_trainers_settings():
+    from cohortrl.config import Config
+
+    cfg = Config.from_yaml(REPO / "configs" / "eng_grpo.yaml", ["model.init=null"])
+    run = run_spec_from_config(cfg, prompt_len=185)
+    assert (run.algorithm, run.lora_rank, run.prompts_per_step, run.group_size) == ("grpo", 16, 4, 8)
+    assert (run.reference, run.micro_batch_size, run.response_len, run.dtype, run.device) == (False, 0, 256, "fp32", "cpu")
+    assert plan(SMOL, run).run.reuse_rollout_forward
+    ppo = run_spec_from_config(cfg.with_overrides("algorithm.name=ppo"), prompt_len=185)
+    assert ppo.algorithm == "ppo" and not plan(SMOL, ppo).run.reuse_rollout_forward
+    off = run_spec_from_config(cfg.with_overrides("train.reuse_rollout_forward=false"), prompt_len=185)
+    assert not plan(SMOL, off).run.reuse_rollout_forward
+
+
+def test_the_recordings_logit_budget_is_the_decoders():
+    from cohortrl import planner
+    from cohortrl.cpu import decoder
+
+    assert planner.RECORD_LOGITS_BYTES == decoder.RECORD_LOGITS_BYTES
+
+
+def test_cli_labels_gpu_figures_as_predictions_and_shows_no_unmeasured_cpu_time():
+    gpu = cli("7b", "--gpus", "8", "--sharding", "zero3")
+    assert gpu.returncode == 0, gpu.stderr
+    assert "model prediction, not measured" in gpu.stdout
+    cpu = cli("tiny-llama", "--device", "cpu", "--dtype", "fp32", "-P", "2", "-G", "4", "--no-measure")
+    assert cpu.returncode == 0, cpu.stderr
+    assert "not shown: no measured CPU rate" in cpu.stdout
+    assert "| **total** |" in cpu.stdout and cpu.stdout.rstrip().endswith("| - |")
