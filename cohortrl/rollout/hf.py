@@ -263,6 +263,8 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
             feed, positions = token.unsqueeze(-1), next_position + t
             if lean is None:
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            else:
+                decoder.end_rows(ended)  # ended rows leave its products
     ids_out = torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1)
     if record:
         return ids_out, lengths.cpu(), Recording(decoder, prefix, mask)
