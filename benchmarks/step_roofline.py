@@ -190,6 +190,7 @@ def worker(args) -> dict:
             step_s = time.perf_counter() - t0
             trainer.step_count += 1
             counts = token_counts(batches[-1].rollout)
+            print(f"step {len(steps) + 1}: {step_s:.1f} s", file=sys.stderr, flush=True)
             steps.append({"step_s": step_s, "time": {k[5:]: v for k, v in metrics.items() if k.startswith("time/")},
                           "probe": probe.take(), "counts": {k: v for k, v in counts.items() if k != "tool_positions"},
                           "flops": phase_flops(shape, counts), "reused": metrics.get("rollout_forward_reused"),
@@ -225,9 +226,9 @@ def run_worker(tree: Path, args, profile: bool) -> dict:
         cmd.append("--profile")
     cmd += [f"--override={o}" for o in args.overrides]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
+    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=tree)  # its log and progress: stderr
     if out.returncode != 0:
-        raise SystemExit(f"worker in {tree} failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
+        raise SystemExit(f"worker in {tree} failed (rc {out.returncode}); its log is above")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

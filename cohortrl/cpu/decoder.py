@@ -391,30 +391,35 @@ class LlamaDecoder:
                 for buffer, t in zip(self.records[i], (x, y_qkv, x_mid, y_gu)):
                     buffer[where] = t
             x = out
-        logits = self._linear(rms_norm(x, *self.norm), self.head)
-        if rows is not None:
-            logits = logits.new_zeros(self.B, logits.shape[1]).index_copy_(0, rows, logits)
-        s, B = self.s, self.B
-        self.col += 1
-        self.s += 1
-        if self.record:  # the caller may mask the returned logits in place (min_new_tokens): z is a copy
+        logits = self._linear(rms_norm(x, *self.norm), self.head)  # (n, V)
+        if self.record:
             self.fed.append(token_B)
             self.finals[step_rows] = x
-            if self.keep_logits:
-                kept = self.logits[s * B:(s + 1) * B]
-                kept.copy_(logits)
-            else:
-                kept = logits.clone()
-            z = kept / self.temperature if self.temperature != 1.0 else kept
-            logz = z.logsumexp(-1)
-            self.logz.append(logz)
-            self.entropy.append(logz - (z - logz[:, None]).exp_().mul_(z).sum(-1))
-            self._z = z
-        return logits
+            self._record_logits(logits, step_rows)
+        self.col += 1
+        self.s += 1
+        return logits if rows is None else logits.new_zeros(self.B, logits.shape[1]).index_copy_(0, rows, logits)
+
+    def _record_logits(self, logits: torch.Tensor, step_rows) -> None:
+        """Keep what the update reads of this step's logits (n, V) of the rows computed (``step_rows``, as
+        :meth:`step` has them): log Z and the entropy at the temperature, and the logits while they fit; a row
+        not computed gets 0 (no loss reaches it). The caller may mask the returned logits in place
+        (min_new_tokens): z is a copy."""
+        B, rows = self.B, self.rows
+        if self.keep_logits:
+            self.logits[step_rows] = logits
+        z = logits / self.temperature if self.temperature != 1.0 else logits.clone()
+        logz = z.logsumexp(-1)
+        entropy = logz - (z - logz[:, None]).exp_().mul_(z).sum(-1)
+        self.logz.append(logz if rows is None else logz.new_zeros(B).index_copy_(0, rows, logz))
+        self.entropy.append(entropy if rows is None else entropy.new_zeros(B).index_copy_(0, rows, entropy))
+        self._z, self._z_rows = z, rows
 
     def sampled(self, token_B: torch.Tensor) -> None:
         """Record the token sampled from the last step's logits (the response token of that step)."""
-        self.target.append(self._z.gather(-1, token_B[:, None]).squeeze(-1))
+        rows = self._z_rows
+        target = self._z.gather(-1, (token_B if rows is None else token_B[rows])[:, None]).squeeze(-1)
+        self.target.append(target if rows is None else target.new_zeros(self.B).index_copy_(0, rows, target))
         self._z = None
 
 
