@@ -83,13 +83,17 @@ def install_probe(probe: Probe, batches: list) -> None:
     from cohortrl.trainers import sampler
 
     probe.wrap(decoder.LlamaDecoder, "_prefill", "prompt_prefill", lambda a, k, r: list(a[1].shape))
-    probe.wrap(decoder.LlamaDecoder, "step", "decode_steps", lambda a, k, r: int(a[1].shape[0]))
+    # the rows each step computed (a tree whose decoder drops ended rows has them in ``rows``)
+    probe.wrap(decoder.LlamaDecoder, "step", "decode_steps",
+               lambda a, k, r: len(a[0].rows) if getattr(a[0], "rows", None) is not None else int(a[1].shape[0]))
     probe.wrap(decoder.LlamaDecoder, "prefill_tools", "tool_prefill", lambda a, k, r: None)
     probe.wrap(hf, "_sample", "sample_tokens")
     probe.wrap(tools.ToolSession, "after_step", "tool_detect_and_run")
     probe.wrap(tools.ToolSession, "_run", "tool_run")
     probe.wrap(replay.Recording, "__init__", "recording_build")
-    probe.wrap(replay.Recording, "backward", "update_backward")
+    # the recorded rows the backward's products ran on (all, unless this tree's backward has ``_reached_rows``)
+    probe.wrap(replay.Recording, "backward", "update_backward",
+               lambda a, k, r: len(a[0]._reached_rows(a[1].t().float())) if hasattr(a[0], "_reached_rows") else None)
     probe.wrap(hf, "_finish", "decode_texts")
     original = sampler.Sampler.sample
 
@@ -131,8 +135,9 @@ def token_counts(rollout) -> dict:
             "tool_positions": [row.nonzero().flatten().tolist() for row in tool]}
 
 
-def phase_flops(shape: dict, counts: dict) -> dict:
-    """Needed and executed FLOPs per phase (see the module docstring), from one step's tokens."""
+def phase_flops(shape: dict, counts: dict, rows_per_step: list[int], update_rows: int | None) -> dict:
+    """Needed and executed FLOPs per phase (see the module docstring), from one step's tokens, the rows each
+    decoding step computed and the rows the update's backward ran its products on (None: all recorded)."""
     nb, nh, d, L = shape["n_body"], shape["n_head"], shape["d"], shape["layers"]
     B, G, S, Tp = counts["B"], counts["G"], counts["S"], counts["Tp"]
     prompts = counts["prompt_len"][::G]  # one per group (groups are contiguous)
@@ -150,13 +155,15 @@ def phase_flops(shape: dict, counts: dict) -> dict:
                 tool_f += body + (0 if s in tool else 2 * nh)
             else:
                 sampled_f += body + (0 if s in tool else 2 * nh)
-    # the step's executed work: every row, every step, the head included
-    decode_exec = sum(2 * (nb + nh) * 1 + att(counts["prompt_len"][b] + s) for b in range(B) for s in range(S))
+    # the step's executed work: the rows each step computed, the head included (their attention as the average
+    # row's of the whole batch: the rows computed are not recorded one by one)
+    every = sum(att(counts["prompt_len"][b] + s) for b in range(B) for s in range(S)) / (B * S)
+    decode_exec = sum(rows_per_step) * (2 * (nb + nh) + every)
     n_resp = counts["sampled"]  # response tokens the loss reaches
-    rows = len(prompts) * Tp + B * S
+    rows = update_rows if update_rows is not None else len(prompts) * Tp + B * S
     update_needed = (2 * nb * (sum(prompts) + counts["sampled"] + counts["tool"]) + 4 * nh * n_resp
                      + 3 * (prefill_needed - 2 * nb * sum(prompts)))
-    update_exec = 2 * nb * rows + 4 * nh * n_resp + 3 * (decode_exec - 2 * (nb + nh) * B * S) + 3 * (prefill_exec - 2 * nb * len(prompts) * Tp)
+    update_exec = 2 * nb * rows + 4 * nh * n_resp + 3 * (B * S * every + prefill_exec - 2 * nb * len(prompts) * Tp)
     return {"prompt_prefill": (prefill_needed, prefill_exec), "decode_sampled": sampled_f, "decode_tool": tool_f,
             "decode_ended": ended_f, "decode": (sampled_f + tool_f, decode_exec), "update": (update_needed, update_exec)}
 
@@ -185,15 +192,17 @@ def worker(args) -> dict:
         shape = model_shape(trainer.model)
         steps = []
         for _ in range(args.steps):
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             metrics = trainer.step()
-            step_s = time.perf_counter() - t0
+            step_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
             trainer.step_count += 1
             counts = token_counts(batches[-1].rollout)
             print(f"step {len(steps) + 1}: {step_s:.1f} s", file=sys.stderr, flush=True)
-            steps.append({"step_s": step_s, "time": {k[5:]: v for k, v in metrics.items() if k.startswith("time/")},
-                          "probe": probe.take(), "counts": {k: v for k, v in counts.items() if k != "tool_positions"},
-                          "flops": phase_flops(shape, counts), "reused": metrics.get("rollout_forward_reused"),
+            taken = probe.take()
+            steps.append({"step_s": step_s, "cpu_s": cpu_s, "time": {k[5:]: v for k, v in metrics.items() if k.startswith("time/")},
+                          "probe": taken, "counts": {k: v for k, v in counts.items() if k != "tool_positions"},
+                          "flops": phase_flops(shape, counts, taken["extra"]["decode_steps"],
+                                               taken["extra"]["update_backward"][0]), "reused": metrics.get("rollout_forward_reused"),
                           "accuracy": metrics.get("accuracy")})
         profile = profile_step(trainer) if args.profile else None
         trainer.close()
@@ -254,8 +263,8 @@ def table(result: dict, peak: float) -> list[str]:
         row("prompt prefill", flops("prompt_prefill", 0), flops("prompt_prefill", 1), probe("prompt_prefill"),
             f"{c['B'] // c['G']} distinct prompts, padded to {c['Tp']} columns"),
         row("generation steps (sampled + tool tokens)", flops("decode", 0), flops("decode", 1), probe("decode_steps"),
-            f"{c['sampled']} sampled + {c['tool']} tool tokens over S = {c['S']} steps × B = {c['B']}; ended rows "
-            f"{med(lambda s: s['flops']['decode_ended']) / 1e9:.1f} GFLOP"),
+            f"{c['sampled']} sampled + {c['tool']} tool tokens over S = {c['S']} steps × B = {c['B']}: "
+            f"{sum(c['length'])} row-steps needed, {sum(steps[-1]['probe']['extra']['decode_steps'])} computed"),
         row("tool-result prefill", 0.0, 0.0, probe("tool_prefill"), "fed one token per step above unless timed here")
         if probe("tool_prefill") else "| tool-result prefill | (in the steps above) | | | | | fed one token per step |",
         f"| sampling, tool detection and calls, texts | | | {probe('sample_tokens') + probe('tool_detect_and_run') + probe('decode_texts'):.2f} | | | "
@@ -265,7 +274,8 @@ def table(result: dict, peak: float) -> list[str]:
         f"| reference / old log-probs | 0 | 0 | {timer('reference'):.2f} | | | β = 0 and on-policy: not computed |",
         row("update (backward + optimiser)", flops("update", 0), flops("update", 1), timer("train"),
             f"backward {probe('update_backward'):.2f} s, optimiser {timer('optimizer'):.2f} s; forward reused: {steps[-1]['reused']}"),
-        f"| **step** | | | **{med(lambda s: s['step_s']):.2f}** | | | medians of {len(steps)} step(s) |",
+        f"| **step** | | | **{med(lambda s: s['step_s']):.2f}** | | | medians of {len(steps)} step(s); the process's CPU "
+        f"time {med(lambda s: s['cpu_s']):.2f} s |",
     ]
     return lines
 
@@ -333,6 +343,10 @@ def main() -> None:
         cur = [s["step_s"] for o in results["current"] for s in o["steps"]]
         print(f"step s, baseline: {', '.join(f'{x:.2f}' for x in base)}; current: {', '.join(f'{x:.2f}' for x in cur)}")
         print(f"median ratio baseline / current: {statistics.median(base) / statistics.median(cur):.2f}x")
+        base = [s["cpu_s"] for o in results["baseline"] for s in o["steps"]]
+        cur = [s["cpu_s"] for o in results["current"] for s in o["steps"]]
+        print(f"step CPU s (the worker process's user + system time), baseline: {', '.join(f'{x:.2f}' for x in base)}; "
+              f"current: {', '.join(f'{x:.2f}' for x in cur)}; median ratio {statistics.median(base) / statistics.median(cur):.2f}x")
     if args.out:
         args.out.write_text(json.dumps({"peaks": peaks, "results": results}, indent=1))
 
