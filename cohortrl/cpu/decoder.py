@@ -13,7 +13,9 @@ model's own weights and does only the arithmetic:
 - a preallocated KV cache, written in place;
 - the rotary cos/sin for every step computed once, by the model's own rotary module (any rope type it has),
   applied as one complex product per tensor (q and k features reordered into adjacent pairs);
-- attention as two batched products over each KV head's group of query heads (no repeated K/V).
+- attention as two batched products over each KV head's group of query heads (no repeated K/V);
+- rows that have ended (EOS, a stop string) leave the products (:meth:`LlamaDecoder.end_rows`): a batch
+  decodes until its longest response ends, and its shorter rows would otherwise be computed to the end.
 
 PEFT LoRA adapters are folded into the laid-out copy (W + s·B·A): the same function, computed in one
 product. Only plain LoRA; DoRA, LoRA bias or other variants fall back to transformers' forward, as do other
@@ -41,6 +43,9 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 # A recording decoder keeps every step's logits (B·S·V fp32) up to this size, as the chunked LM head keeps its
 # probabilities (rollout/hf.py); above it the update recomputes them from the recorded final hidden states.
 RECORD_LOGITS_BYTES = 128 * 2**20
+# Rows that have ended leave the products once this share of the rows still computed has ended
+# (:meth:`LlamaDecoder.end_rows`): dropping them costs a copy of the survivors' KV cache, so not at every end.
+DROP_SHARE = 0.25
 
 
 class Unsupported(Exception):
@@ -259,6 +264,9 @@ class LlamaDecoder:
         key_bias = torch.zeros(B, 1, 1, T, dtype=dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
         self.key_bias_groups = key_bias.expand(B, self.Hkv, 1, T).reshape(B * self.Hkv, 1, T)  # per KV head
         self.rotation = self.rotation_for(positions_BS)  # (B, S, 1, D/2)
+        self.B = B
+        self.rows: torch.Tensor | None = None  # the rows still computed (None: all B); the cache holds only theirs
+        self.dropped: dict[int, int] = {}  # row -> the first step that did not compute it
         self.s = 0
         self.record = record
         V = base.get_output_embeddings().weight.shape[0]
@@ -327,55 +335,91 @@ class LlamaDecoder:
         weight, bias = packed
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
 
+    def end_rows(self, ended_B: torch.Tensor) -> None:
+        """Rows ``ended_B`` (B,) bool have ended: their next tokens are padding nobody reads. Once ``DROP_SHARE``
+        of the rows still computed have ended, they leave the products; from then on :meth:`step` returns 0
+        as their logits and records nothing for them (``cpu/replay.py`` never reads a row after its end).
+        Each row's arithmetic is unchanged: oneDNN computes a row of a product the same whatever the other
+        rows (checked bit for bit by ``tests/cpu/test_decoder.py``), except a one-row product, which takes
+        another kernel: one row never computes alone while others could join it."""
+        rows = self.rows if self.rows is not None else torch.arange(self.B)
+        keep = ~ended_B.to(rows.device)[rows]
+        n = int(keep.sum())
+        if n == 0 or n > (1 - DROP_SHARE) * len(rows):
+            return
+        if n == 1 and len(rows) > 1:  # a second row, ended, keeps the products at two rows
+            keep[int((~keep).nonzero()[0])] = True
+        for row in rows[~keep].tolist():
+            self.dropped[row] = self.s
+        self.rows = rows[keep]
+        self.k = [k[keep] for k in self.k]
+        self.v = [v[keep] for v in self.v]
+        Hkv = self.Hkv
+        self.key_bias_groups = self.key_bias_groups.view(len(rows), Hkv, 1, -1)[keep].flatten(0, 1)
+
     @torch.no_grad()
     def step(self, token_B: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (the next column); the next-token logits (B, V)."""
-        B, H, Hkv, D = token_B.shape[0], self.H, self.Hkv, self.D
+        """Feed one token per row (the next column); the next-token logits (B, V), 0 for rows no longer
+        computed (:meth:`end_rows`)."""
+        H, Hkv, D, rows = self.H, self.Hkv, self.D, self.rows
         c, qk = self.col, (H + Hkv) * D
-        first = self.n_prefix + self.s * B  # this step's recorded rows
-        x = F.embedding(token_B, self.embed)  # (B, d)
-        bias = self.key_bias_groups[..., : c + 1]  # (B·Hkv, 1, c+1)
-        rotation = self.rotation[:, self.s]  # (B, 1, D/2)
+        # this step's rows in the records (after the prefix's) and in the final states: a slice while every
+        # row is computed, else the computed rows' indices
+        first = self.s * self.B
+        step_rows = slice(first, first + self.B) if rows is None else first + rows
+        where = slice(first + self.n_prefix, first + self.n_prefix + self.B) if rows is None else self.n_prefix + step_rows
+        token_n = token_B if rows is None else token_B[rows]
+        n = token_n.shape[0]  # the rows computed
+        x = F.embedding(token_n, self.embed)  # (n, d)
+        bias = self.key_bias_groups[..., : c + 1]  # (n·Hkv, 1, c+1)
+        rotation = self.rotation[:, self.s] if rows is None else self.rotation[rows, self.s]  # (n, 1, D/2)
         for i, (w_in, eps_in, qkv, o, w_post, eps_post, gate_up, down) in enumerate(self.layers):
             y_qkv = self._linear(rms_norm(x, w_in, eps_in), qkv)
-            q_k = rotate(y_qkv[:, :qk].view(B, H + Hkv, D), rotation)  # queries and keys rotated together
+            q_k = rotate(y_qkv[:, :qk].view(n, H + Hkv, D), rotation)  # queries and keys rotated together
             keys, values = self.k[i], self.v[i]
             keys[:, :, c] = q_k[:, H:]
-            values[:, :, c] = y_qkv[:, qk:].view(B, Hkv, D)
-            # each KV head serves H / Hkv query heads: (B·Hkv, g, D) @ (B·Hkv, D, c+1), scaled, plus the key mask
-            scores = torch.baddbmm(bias, q_k[:, :H].reshape(B * Hkv, H // Hkv, D),
+            values[:, :, c] = y_qkv[:, qk:].view(n, Hkv, D)
+            # each KV head serves H / Hkv query heads: (n·Hkv, g, D) @ (n·Hkv, D, c+1), scaled, plus the key mask
+            scores = torch.baddbmm(bias, q_k[:, :H].reshape(n * Hkv, H // Hkv, D),
                                    keys[:, :, : c + 1].flatten(0, 1).transpose(1, 2), alpha=self.scale)
-            attn = torch.bmm(scores.softmax(-1), values[:, :, : c + 1].flatten(0, 1)).view(B, H * D)
+            attn = torch.bmm(scores.softmax(-1), values[:, :, : c + 1].flatten(0, 1)).view(n, H * D)
             x_mid = self._linear_add(attn, o, x)  # x + o_proj(attn), the add inside the product
             y_gu = self._linear(rms_norm(x_mid, w_post, eps_post), gate_up)
             half = y_gu.shape[1] // 2
             out = self._linear_add(F.silu(y_gu[:, :half]).mul_(y_gu[:, half:]), down, x_mid)
             if self.record:
                 for buffer, t in zip(self.records[i], (x, y_qkv, x_mid, y_gu)):
-                    buffer[first:first + B] = t
+                    buffer[where] = t
             x = out
-        logits = self._linear(rms_norm(x, *self.norm), self.head)
-        s = self.s
+        logits = self._linear(rms_norm(x, *self.norm), self.head)  # (n, V)
+        if self.record:
+            self.fed.append(token_B)
+            self.finals[step_rows] = x
+            self._record_logits(logits, step_rows)
         self.col += 1
         self.s += 1
-        if self.record:  # the caller may mask the returned logits in place (min_new_tokens): z is a copy
-            self.fed.append(token_B)
-            self.finals[s * B:(s + 1) * B] = x
-            if self.keep_logits:
-                kept = self.logits[s * B:(s + 1) * B]
-                kept.copy_(logits)
-            else:
-                kept = logits.clone()
-            z = kept / self.temperature if self.temperature != 1.0 else kept
-            logz = z.logsumexp(-1)
-            self.logz.append(logz)
-            self.entropy.append(logz - (z - logz[:, None]).exp_().mul_(z).sum(-1))
-            self._z = z
-        return logits
+        return logits if rows is None else logits.new_zeros(self.B, logits.shape[1]).index_copy_(0, rows, logits)
+
+    def _record_logits(self, logits: torch.Tensor, step_rows) -> None:
+        """Keep what the update reads of this step's logits (n, V) of the rows computed (``step_rows``, as
+        :meth:`step` has them): log Z and the entropy at the temperature, and the logits while they fit; a row
+        not computed gets 0 (no loss reaches it). The caller may mask the returned logits in place
+        (min_new_tokens): z is a copy."""
+        B, rows = self.B, self.rows
+        if self.keep_logits:
+            self.logits[step_rows] = logits
+        z = logits / self.temperature if self.temperature != 1.0 else logits.clone()
+        logz = z.logsumexp(-1)
+        entropy = logz - (z - logz[:, None]).exp_().mul_(z).sum(-1)
+        self.logz.append(logz if rows is None else logz.new_zeros(B).index_copy_(0, rows, logz))
+        self.entropy.append(entropy if rows is None else entropy.new_zeros(B).index_copy_(0, rows, entropy))
+        self._z, self._z_rows = z, rows
 
     def sampled(self, token_B: torch.Tensor) -> None:
         """Record the token sampled from the last step's logits (the response token of that step)."""
-        self.target.append(self._z.gather(-1, token_B[:, None]).squeeze(-1))
+        rows = self._z_rows
+        target = self._z.gather(-1, (token_B if rows is None else token_B[rows])[:, None]).squeeze(-1)
+        self.target.append(target if rows is None else target.new_zeros(self.B).index_copy_(0, rows, target))
         self._z = None
 
 

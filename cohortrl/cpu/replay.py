@@ -164,6 +164,16 @@ class Recording:
             self.U = self.P = 0
             self.prefix_ids = torch.zeros(0, dtype=torch.long)
         self.blocks = self._blocks()
+        # Rows decoding stopped computing after their end (``LlamaDecoder.end_rows``) were never written. Their
+        # q/k/v still enter the attention's batched products, as keys no query reads and queries whose gradient
+        # is 0; they must be finite there (0 · NaN is NaN): 0. Nothing else of theirs is read (``backward``
+        # computes only the rows the gradient reaches).
+        self.dropped = dict(decoder.dropped)  # row -> the first step not computed
+        unwritten = [self.U * self.P + s * self.B + b for b, first in self.dropped.items() for s in range(first, self.S)]
+        if unwritten:
+            unwritten = torch.tensor(unwritten)
+            for layer in self.records:
+                layer[1][unwritten] = 0
 
     # ------------------------------------------------------------------------------------------ log-probs
     def _logits(self, rows) -> torch.Tensor:
@@ -368,6 +378,15 @@ class Recording:
                     grads.add(base.bias, g if back is None else g[back])
         return grad_h1
 
+    def _reached_rows(self, g_SB: torch.Tensor) -> torch.Tensor:
+        """The rows (sorted) whose states the loss's gradient reaches: every prefix row, and each decoding row's
+        steps up to its last with a nonzero dL/dlogp. A later step's states feed no earlier one (causal
+        attention), so the steps after it, the padding after the row's end included, get a gradient of 0."""
+        steps = torch.arange(self.S)
+        last_B = torch.where(g_SB != 0, steps[:, None], -1).amax(0) if self.S else torch.zeros(0, dtype=torch.long)
+        reached_N = (steps[:, None] <= last_B).reshape(-1).nonzero().squeeze(-1)
+        return torch.cat([torch.arange(self.U * self.P), self.U * self.P + reached_N])
+
     @torch.no_grad()
     def backward(self, grad_logp_BT: torch.Tensor, response_ids_BT: torch.Tensor, temperature: float) -> None:
         """Accumulate dL/dθ into the model's ``.grad`` given dL/d logp (B, T) of :meth:`logprobs`' values for
@@ -377,11 +396,18 @@ class Recording:
         temperature = self.temperature
         N_prefix = self.U * self.P
         N = N_prefix + self.S * self.B
-        grad_x = torch.zeros(N, self.finals_NH.shape[1])
+        g_N = grad_logp_BT.t().reshape(-1).float()
+        # The layers' products run on the rows the gradient reaches only (n of the N recorded); the attention,
+        # whose blocks are laid out over all N, gets and gives its gradients as (N, ·), 0 on the others.
+        reached = self._reached_rows(g_N.view(self.S, self.B))
+        n = len(reached)
+        take = (lambda t: t) if n == N else (lambda t: t[reached])  # noqa: E731
+        at = torch.full((N,), -1, dtype=torch.long)
+        at[reached] = torch.arange(n)  # a recorded row's place among the reached
+        grad_x = torch.zeros(n, self.finals_NH.shape[1])
         grads = Gradients()
 
         # The head: logp = z[target] − log Σ exp z with z = logits / temperature, so dlogp/dlogits = (onehot − p) / temperature.
-        g_N = grad_logp_BT.t().reshape(-1).float()
         target_N = response_ids_BT.t().reshape(-1)
         logz_N = self.logz_SB.reshape(-1)
         rows = g_N.nonzero().squeeze(-1)  # the positions the loss reaches
@@ -400,13 +426,14 @@ class Recording:
             if temperature != 1.0:
                 grad_logits.div_(temperature)
             grad_h[s:s + chunk] = linear_backward(head, h[s:s + chunk], grad_logits, grads)
-        grad_x[N_prefix + rows] = rms_norm_backward(final, norm, grad_h, grads)
+        grad_x[at[N_prefix + rows]] = rms_norm_backward(final, norm, grad_h, grads)
         self.finals_NH = self.logits_NV = None
 
         for i in reversed(range(len(base.model.layers))):
             layer = base.model.layers[i]
             attn, mlp = layer.self_attn, layer.mlp
             x_in, qkv, x_mid, gate_up = self.records[i]
+            x_in, x_mid, gate_up = take(x_in), take(x_mid), take(gate_up)
             self.records[i] = None
             # out = x_mid + down(silu(gate) · up), gate, up = gate_proj(h2), up_proj(h2), h2 = norm(x_mid)
             gate, up = gate_up.chunk(2, dim=-1)
@@ -418,7 +445,10 @@ class Recording:
             grad_mid = rms_norm_backward(x_mid, layer.post_attention_layernorm, grad_h2, grads).add_(grad_x)
             # x_mid = x_in + o_proj(attention(q, k, v)), q, k, v = projections of h1 = norm(x_in)
             a, kept = self._attention(qkv, keep_for_backward=True)
-            grad_qkv = self._attention_backward(qkv, linear_backward(attn.o_proj, a, grad_mid, grads), kept)
+            grad_a = linear_backward(attn.o_proj, take(a), grad_mid, grads)
+            if n < N:
+                grad_a = grad_a.new_zeros(N, grad_a.shape[1]).index_copy_(0, reached, grad_a)
+            grad_qkv = take(self._attention_backward(qkv, grad_a, kept))
             h1 = rms_norm(x_in, layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
             grad_h1 = self._qkv_backward(attn, h1, grad_qkv, grads)
             grad_x = rms_norm_backward(x_in, layer.input_layernorm, grad_h1, grads).add_(grad_mid)
@@ -426,7 +456,7 @@ class Recording:
         module = base.get_input_embeddings()
         embedding = module.weight
         if embedding.requires_grad:  # rows of the tokens fed; added in place to a tied head's gradient
-            ids = torch.cat([self.prefix_ids, self.fed])
+            ids = take(torch.cat([self.prefix_ids, self.fed]))
             if getattr(module, "padding_idx", None) is not None:  # nn.Embedding leaves that row's gradient at 0
                 grad_x[ids == module.padding_idx] = 0  # (SmolLM2's padding_idx is <|im_end|>, a real token)
             if embedding not in grads:

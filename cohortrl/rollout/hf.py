@@ -241,7 +241,7 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
                                logits_to_keep=1, **{name: cache}).logits[:, -1].float()
             if t < sampling.min_new_tokens:
                 logits[:, eos] = float("-inf")
-            token = _sample(logits, sampling)
+            token = _sample(logits, sampling, None if t == 0 else (~ended).nonzero().squeeze(-1))
             fed = torch.zeros_like(ended)
             if tools is not None:
                 token, fed = tools.feed(token)
@@ -263,15 +263,29 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
             feed, positions = token.unsqueeze(-1), next_position + t
             if lean is None:
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            else:
+                decoder.end_rows(ended)  # ended rows leave its products
     ids_out = torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1)
     if record:
         return ids_out, lengths.cpu(), Recording(decoder, prefix, mask)
     return ids_out, lengths.cpu()
 
 
-def _sample(logits_BV: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+def _sample(logits_BV: torch.Tensor, sampling: Sampling, rows: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from fp32 logits: argmax at temperature 0, else temperature, top-k, top-p (the
-    smallest set of tokens whose probability reaches top_p, as transformers' TopPLogitsWarper keeps it)."""
+    smallest set of tokens whose probability reaches top_p, as transformers' TopPLogitsWarper keeps it).
+    ``rows``: draw for these rows only (the others get token 0: rows that have ended), each with the
+    uniform it would get in a draw for every row, so the random stream does not depend on which rows ended."""
+    B = logits_BV.shape[0]
+    if rows is None or len(rows) == B:
+        return _draw(logits_BV, sampling)
+    uniform = None if sampling.temperature == 0 else torch.rand(B, 1, dtype=torch.float64, device=logits_BV.device)[rows]
+    token_B = torch.zeros(B, dtype=torch.long, device=logits_BV.device)
+    return token_B.index_copy_(0, rows, _draw(logits_BV[rows], sampling, uniform))
+
+
+def _draw(logits_BV: torch.Tensor, sampling: Sampling, uniform: torch.Tensor | None = None) -> torch.Tensor:
+    """``_sample`` of every row; ``uniform`` (B, 1) fp64: the draws' uniforms, else drawn here."""
     if sampling.temperature == 0:
         return logits_BV.argmax(-1)
     if sampling.temperature != 1.0:
@@ -287,7 +301,9 @@ def _sample(logits_BV: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     # Inverse-CDF draw: one uniform per row. torch.multinomial draws an exponential variate per vocabulary
     # entry instead, which costs more than a small model's forward. fp64 keeps tiny probabilities exact.
     cdf_BV = logits_BV.softmax(-1).cumsum(-1, dtype=torch.float64)  # cast inside the scan: no fp64 copy of the probabilities
-    u_B1 = torch.rand(cdf_BV.shape[0], 1, dtype=cdf_BV.dtype, device=cdf_BV.device) * cdf_BV[:, -1:]
+    if uniform is None:
+        uniform = torch.rand(cdf_BV.shape[0], 1, dtype=cdf_BV.dtype, device=cdf_BV.device)
+    u_B1 = uniform * cdf_BV[:, -1:]
     return torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(-1).clamp(max=cdf_BV.shape[-1] - 1)
 
 

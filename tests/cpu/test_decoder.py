@@ -164,6 +164,41 @@ def test_the_lean_step_samples_the_same_with_and_without_shared_prefill(temperat
     assert torch.equal(grouped.response_mask, flat.response_mask)
 
 
+@needs_onednn
+@pytest.mark.parametrize("record", [False, True])
+def test_ended_rows_leave_the_products_and_the_others_sample_the_same_tokens(record, monkeypatch):
+    """Rows dropped once they end (``LlamaDecoder.end_rows``): every other row's arithmetic is unchanged, so
+    one seed samples the same responses as decoding every row to the end. Many EOS ids: rows end early."""
+    model, tok = load_model("tiny-llama-4l", seed=7)
+    model.generation_config.eos_token_id = list(range(10, len(tok), 5))
+    rows = [{"prompt": p} for p in PROMPTS]
+    dropped = []
+    real = LlamaDecoder.end_rows
+
+    def spy(self, ended):
+        real(self, ended)
+        dropped.append(dict(self.dropped))
+
+    out = {}
+    for share in (2.0, 0.0):  # 2: no row ever leaves (the share of ended rows is at most 1); 0: at every end
+        monkeypatch.setattr(decoder_module, "DROP_SHARE", share)
+        monkeypatch.setattr(LlamaDecoder, "end_rows", spy)
+        dropped.clear()
+        torch.manual_seed(0)
+        with linear_kernels("onednn"):
+            out[share], _ = generate(model, tok, rows, 4, Sampling(temperature=1.0, max_new_tokens=12), record=record)
+        assert bool(dropped and dropped[-1]) == (share == 0.0)
+    lengths = out[0.0].lengths
+    assert lengths.min() < lengths.max()  # rows ended at different steps: some were dropped while others went on
+    assert len(dropped[-1]) >= len(rows) * 4 - 2  # every row but the last two (never one row alone) left
+    assert torch.equal(out[0.0].response_ids, out[2.0].response_ids)
+    assert torch.equal(out[0.0].response_mask, out[2.0].response_mask)
+    if record:  # what the update reads of the recording: the response tokens' log-probs and entropies
+        for got, expected in zip(out[0.0].replay.logprobs(out[0.0].response_ids, out[0.0].response_mask, 1.0),
+                                 out[2.0].replay.logprobs(out[2.0].response_ids, out[2.0].response_mask, 1.0)):
+            assert torch.equal(got, expected)
+
+
 class _NewerLoraLinear(torch.nn.Module):
     """A LoRA layer as a later PEFT might lay it out: a base layer and a delta weight, but none of the
     attributes (``disable_adapters``, ``merged``, ``active_adapters``, ``lora_A``) the fast path reads."""

@@ -56,7 +56,8 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 @needs_onednn
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-4l", "qwen2", "tied", "tiny-llama-4l+lora", "qwen2+lora",
-                                  "tied/recomputed", "qwen2+lora/recomputed", "qwen2/blocks"])
+                                  "tied/recomputed", "qwen2+lora/recomputed", "qwen2/blocks", "tiny-llama-4l+lora/dropped",
+                                  "tied/dropped"])
 def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
     name, _, variant = name.partition("/")
     recomputed = variant == "recomputed"
@@ -64,6 +65,8 @@ def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
         monkeypatch.setattr(decoder_module, "RECORD_LOGITS_BYTES", 0)
     if variant == "blocks":  # the attention one prompt or one row at a time, the head one position at a time
         monkeypatch.setattr(replay_module, "CHUNK_BYTES", 1)
+    if variant == "dropped":  # every row leaves decoding's products at its end: never recorded after it
+        monkeypatch.setattr(decoder_module, "DROP_SHARE", 0.0)
     model, tok = build(name)
     temperature = 0.8
     rows = [{"prompt": p} for p in PROMPTS]
@@ -74,6 +77,7 @@ def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
         assert recording is not None and (recording.logits_NV is None) == bool(recomputed)
         lengths = rollout.lengths
         assert lengths.min() < 8 and lengths.unique().numel() > 1  # responses end at different steps: padding
+        assert recording.dropped or variant != "dropped"
         ids, mask, response_ids = rollout.input_ids(), rollout.attention_mask(), rollout.response_ids
         torch.manual_seed(1)
         weights = torch.randn(response_ids.shape) * rollout.response_mask  # dL/dlogp: any loss through logp

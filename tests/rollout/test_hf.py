@@ -282,7 +282,7 @@ def test_a_pad_token_sampled_inside_a_response_does_not_end_it(monkeypatch):
     eos = hf.eos_token_ids(model, tok)[0]
     a, b = 40, 41
     script = iter([a, tok.pad_token_id, b, eos])
-    monkeypatch.setattr(hf, "_sample", lambda logits, sampling: torch.full((logits.shape[0],), next(script)))
+    monkeypatch.setattr(hf, "_sample", lambda logits, sampling, rows=None: torch.full((logits.shape[0],), next(script)))
     rollout, _ = generate(model, tok, ROWS[:1], 1, Sampling(temperature=1.0, max_new_tokens=6))
     assert rollout.response_ids[0, :4].tolist() == [a, tok.pad_token_id, b, eos]
     assert rollout.response_mask[0].tolist() == [1, 1, 1, 1]  # through the EOS; the loop stopped there
