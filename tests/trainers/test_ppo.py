@@ -71,7 +71,7 @@ def test_make_trainer_picks_the_algorithm(tmp_path, addition_jsonl):
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_few_steps_with_rule_rewards_move_policy_and_critic(tmp_path, addition_jsonl, lora, cpu_path):
     cfg = ppo_config(addition_jsonl, model={"lora": {"enabled": lora, "r": 4}}, algorithm={"epochs": 2, "minibatches": 2},
-                     train={"cpu_linear": cpu_path.cpu_linear})
+                     train=cpu_path.train)
     trainer = PPOTrainer(cfg, tmp_path)
     policy_before, critic_before = params_of(trainer), {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
     rows = trainer.train()
