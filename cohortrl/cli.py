@@ -161,7 +161,7 @@ def cmd_eval(args) -> int:
     from cohortrl import cpu
     from cohortrl.cpu.kernels import linear_kernels
     from cohortrl.data import load_rows
-    from cohortrl.rewards.scoring import WeightedReward, resolve
+    from cohortrl.rewards.scoring import WeightedReward, check_columns, resolve
     from cohortrl.rollout.hf import model_device
     from cohortrl.trainers import checkpoint
     from cohortrl.trainers.evaluate import EVAL_ROWS, evaluate_config
@@ -196,6 +196,7 @@ def cmd_eval(args) -> int:
         print(f"evaluating {args.adapter or cfg.model.name} with {run_dir / 'config.yaml'} on {len(eval_rows)} held-out "
               f"prompts: {saved or _held_out_set(cfg)}", file=sys.stderr, flush=True)
     correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), timeout_s=cfg.reward.timeout_s)
+    check_columns({fn.name: correctness.fn}, eval_rows, "held-out rows")
     # The linear kernel the trainer's own evaluations use (train.cpu_fast_path), so both report the same numbers.
     with linear_kernels(cpu.linear_kernel(cfg.train, model_device(model), model), model):
         responses: list[dict] = []

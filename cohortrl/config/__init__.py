@@ -292,13 +292,13 @@ def validate(cfg: Config) -> None:
         proc is not None or not needs.steps,
         "algorithm.estimator", a.estimator, "uses step rewards: set reward.process (e.g. {name: task_steps})",
     )
-    from cohortrl.algorithms import ESTIMATOR_NEEDS
+    from cohortrl.algorithms import ADVANTAGE_ESTIMATORS
 
     require(
         proc is None or a.name == "ppo" or needs.steps,
         "reward.process", proc and proc.name,
         f"step rewards would be ignored by estimator '{a.estimator}'; use one that reads them "
-        f"({', '.join(n for n, x in ESTIMATOR_NEEDS.items() if x.steps)})",
+        f"({', '.join(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.needs.steps)})",
     )
     cfg.reward.check()
     cfg.rollout.check(cfg.sampling)

@@ -389,12 +389,12 @@ class AlgorithmConfig:
     def advantage_needs(self):
         """What this algorithm's advantages need from the run (``cohortrl.algorithms.EstimatorNeeds``): PPO's
         GAE, or what the estimator registered under ``estimator`` declared."""
-        from cohortrl.algorithms import ESTIMATOR_NEEDS, GAE_NEEDS, EstimatorNeeds
+        from cohortrl.algorithms import GAE_NEEDS, estimator_needs
 
-        return GAE_NEEDS if self.name == "ppo" else ESTIMATOR_NEEDS.get(self.estimator, EstimatorNeeds())
+        return GAE_NEEDS if self.name == "ppo" else estimator_needs(self.estimator)
 
     def check(self) -> None:
-        from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, SEQUENCE_ADVANTAGE_LOSSES
+        from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, needs_sequence_advantages
 
         a = self
         for path, name, registry in (
@@ -409,7 +409,7 @@ class AlgorithmConfig:
         needs = a.advantage_needs()
         source = "PPO's GAE" if a.name == "ppo" else f"estimator '{a.estimator}'"
         require(
-            a.policy_loss not in SEQUENCE_ADVANTAGE_LOSSES or needs.per_sequence, "algorithm.policy_loss", a.policy_loss,
+            not needs_sequence_advantages(a.policy_loss) or needs.per_sequence, "algorithm.policy_loss", a.policy_loss,
             f"needs one advantage per response, but {source} gives advantages that vary along the response (each token "
             "would get the response's mean advantage); use policy_loss: clip, or an outcome estimator (grpo, dr_grpo, rloo)",
         )
