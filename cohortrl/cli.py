@@ -283,8 +283,8 @@ def cmd_models(args) -> int:
             print(rollout.completions[0])
         return 0
     print("aliases:")
-    for name, what in ALIASES.items():
-        print(f"  {name:24s} {what}")
+    for name, alias in ALIASES.items():
+        print(f"  {name:24s} {alias.description}")
     cached = cached_models()
     print(f"cached in {cohortrl_home() / 'models'}: {', '.join(cached) if cached else '(none)'}")
     return 0

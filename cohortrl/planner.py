@@ -139,22 +139,23 @@ def resolve_shape(spec: str) -> ModelShape:
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return shape_from_config(json.loads((path / "config.json").read_text()), spec)
-    from cohortrl.models import GGUF_PACKAGES, TINY_MODELS, cohortrl_home
+    from cohortrl.models import ALIASES, cohortrl_home
 
-    if spec in TINY_MODELS:
+    alias = ALIASES.get(spec)
+    if alias is not None and alias.tiny is not None:
         from cohortrl.models import build_tiny_tokenizer
 
-        t = TINY_MODELS[spec]
+        t = alias.tiny
         return ModelShape(spec, t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads, t.intermediate_size,
                           len(build_tiny_tokenizer()), tie_embeddings=True)
-    if spec in GGUF_PACKAGES:
+    if alias is not None:
         cached = cohortrl_home() / "models" / spec / "config.json"
         if not cached.is_file():
             raise PlanError(f"model '{spec}' is not converted yet; run `cohortrl models --load {spec}` once, then plan again")
         return shape_from_config(json.loads(cached.read_text()), spec)
     raise PlanError(
         f"unknown model '{spec}': give a size preset ({', '.join(PRESETS)}), a directory with a config.json, "
-        f"or a cohortrl alias ({', '.join([*TINY_MODELS, *GGUF_PACKAGES])})"
+        f"or a cohortrl alias ({', '.join(ALIASES)})"
     )
 
 

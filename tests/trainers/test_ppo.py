@@ -44,10 +44,10 @@ def tiny_reward_model(tmp_path_factory):
     user's reward model would be."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from cohortrl.models import TINY_MODELS, build_tiny_tokenizer
+    from cohortrl.models import ALIASES, build_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("rm")
-    tokenizer, spec = build_tiny_tokenizer(), TINY_MODELS["tiny-llama"]
+    tokenizer, spec = build_tiny_tokenizer(), ALIASES["tiny-llama"].tiny
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
