@@ -20,26 +20,31 @@ def pytest_addoption(parser):
     )
 
 
-@pytest.fixture(autouse=True)
-def plain_path_pass(request, monkeypatch):
-    """Under ``--cpu-fast-path=off``: each ``Config`` built gets ``train.cpu_fast_path = off`` after its checks,
-    unless its ``train.cpu_linear`` or ``train.cpu_allocator`` asks for a part of the fast path by name (such a
-    test is about the fast path and keeps it). Configs built in a subprocess are not reached."""
-    if request.config.getoption("--cpu-fast-path") != "off":
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--cpu-fast-path") == "off":
+        skip = pytest.mark.skip(reason="a test of the CPU fast path itself (--cpu-fast-path=off)")
+        for item in items:
+            if item.get_closest_marker("fast_path"):
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_fast_path_pass(request) -> str:
+    """``auto`` or ``off``: the pass this session runs. Under ``off``, every config built in this process and in
+    the processes its tests start runs on the plain path (``tests/plain_path/sitecustomize.py`` says how), for
+    the whole session, so session- and module-scoped fixtures build theirs on it too."""
+    setting = request.config.getoption("--cpu-fast-path")
+    if setting != "off":
+        yield setting
         return
-    if request.node.get_closest_marker("fast_path"):
-        pytest.skip("a test of the CPU fast path (--cpu-fast-path=off)")
     from cohortrl.config import Config
+    from tests.plain_path.sitecustomize import plain
 
-    post_init = Config.__post_init__
-
-    def on_the_plain_path(cfg):
-        post_init(cfg)  # converted and checked as given; off allows all that auto does but these two names
-        t = cfg.train
-        if t.cpu_linear in ("auto", "aten") and t.cpu_allocator in ("auto", "system"):
-            t.cpu_fast_path = "off"
-
-    monkeypatch.setattr(Config, "__post_init__", on_the_plain_path)
+    folder = str(REPO / "tests" / "plain_path")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Config, "__post_init__", plain(Config.__post_init__))
+        patch.setenv("PYTHONPATH", os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p))
+        yield setting
 
 
 @pytest.fixture(scope="session")

@@ -215,6 +215,7 @@ def test_metrics_and_curves_are_written(tmp_path, addition_jsonl):
     assert (tmp_path / "final" / "config.json").exists()
 
 
+@pytest.mark.fast_path
 @pytest.mark.parametrize("setting", ["auto", "aten"])
 def test_steps_and_evaluations_run_under_the_configured_linear_kernel(tmp_path, addition_jsonl, monkeypatch, setting):
     """``train.cpu_linear``: auto sends a CPU step's and evaluation's linear layers to oneDNN (where the build
