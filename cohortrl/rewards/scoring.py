@@ -224,7 +224,7 @@ def _column_fix(missing: list[str]) -> str:
         fixes.append("set data.answer_column to the column holding the reference answers")
     if "sample" in missing:
         fixes.append("train on a gym task (data.source: task:NAME), whose rows carry 'sample'")
-    return ", ".join(fixes + ["or use a reward function that does not read them"])
+    return ", ".join(fixes + ["or change the function (a parameter without a default is read as the column of its name)"])
 
 
 def raised_at(error: BaseException, fn) -> str:

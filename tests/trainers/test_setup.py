@@ -170,17 +170,20 @@ def test_the_reference_is_a_frozen_copy_or_with_lora_the_policy_without_its_adap
     ({"name": "accuracy"}, {"prompt": "What is 2 + 3?", "solution": "5"},
      "reward function 'accuracy' reads the column(s) ['answer'], which the training rows do not have (they have: "
      "solution); add the column(s) to the data, set data.answer_column to the column holding the reference answers, "
-     "or use a reward function that does not read them"),
+     "or change the function (a parameter without a default is read as the column of its name)"),
     ({"name": "accuracy", "kwargs": {"answer_column": "gold"}}, {"prompt": "What is 2 + 3?", "answer": "5"},
      "reward function 'accuracy' reads the column(s) ['gold'], which the training rows do not have (they have: "
-     "answer); add the column(s) to the data, or use a reward function that does not read them"),
+     "answer); add the column(s) to the data, "
+     "or change the function (a parameter without a default is read as the column of its name)"),
     ({"name": "task"}, {"prompt": "What is 2 + 3?", "answer": "5"},
      "reward function 'task' reads the column(s) ['sample'], which the training rows do not have (they have: "
      "answer); add the column(s) to the data, train on a gym task (data.source: task:NAME), whose rows carry "
-     "'sample', or use a reward function that does not read them"),
+     "'sample', "
+     "or change the function (a parameter without a default is read as the column of its name)"),
     ({"name": f"{FNS}:reads_difficulty"}, {"prompt": "What is 2 + 3?", "answer": "5"},
      f"reward function '{FNS}:reads_difficulty' reads the column(s) ['difficulty'], which the training rows do not "
-     "have (they have: answer); add the column(s) to the data, or use a reward function that does not read them"),
+     "have (they have: answer); add the column(s) to the data, "
+     "or change the function (a parameter without a default is read as the column of its name)"),
 ])
 def test_a_reward_that_reads_a_column_the_rows_lack_is_refused_before_the_model_loads(
     tmp_path, monkeypatch, reward, rows, message
