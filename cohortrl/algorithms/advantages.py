@@ -8,9 +8,9 @@ A = (r − mean) / (std + eps).
 A group whose rewards are all equal carries no signal; every group-normalised estimator returns exactly 0
 for it (not 0/eps noise, not NaN).
 
-``ADVANTAGE_ESTIMATORS`` maps a name to a function with ONE signature (see ``AdvantageEstimator``), so the
-GRPO trainer looks the name up and calls it without branching. GAE needs a critic's values and is called
-directly by the PPO trainer.
+``ADVANTAGE_ESTIMATORS`` maps a name to a function with ONE signature (see ``AdvantageEstimator``) and what it
+needs from the run (``EstimatorNeeds``), so the GRPO trainer looks the name up and calls it without branching.
+GAE needs a critic's values and is called directly by the PPO trainer.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from cohortrl.algorithms.masked import as_bool_mask, broadcast_to_tokens, masked_fill_padding, masked_whiten
-from cohortrl.algorithms.registry import lookup, register
+from cohortrl.algorithms.registry import Entry, Registry, lookup, register
 from cohortrl.algorithms.shaping import outcome_token_rewards
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "get_advantage_estimator",
     "register_advantage_estimator",
     "EstimatorNeeds",
-    "ESTIMATOR_NEEDS",
     "GAE_NEEDS",
     "estimator_needs",
 ]
@@ -374,18 +373,6 @@ def _grpo_combined(
     return _grpo(rewards=rewards, response_mask=response_mask, group_size=group_size, eps=eps) + process_coef * process
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "grpo": _grpo,
-    "grpo_batch": _grpo_batch,
-    "dr_grpo": _dr_grpo,
-    "rloo": _rloo,
-    "reinforce_pp": _reinforce_pp,
-    "reinforce_pp_baseline": _reinforce_pp_baseline,
-    "grpo_process": _grpo_process,
-    "grpo_combined": _grpo_combined,
-}
-
-
 @dataclass(frozen=True)
 class EstimatorNeeds:
     """What an estimator needs from the rest of the run, so the config is checked against the registry
@@ -402,17 +389,19 @@ class EstimatorNeeds:
 
 
 _OUTCOME_GROUP = EstimatorNeeds(groups=True, per_sequence=True)
-ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
-    "grpo": _OUTCOME_GROUP,
-    "grpo_batch": _OUTCOME_GROUP,
-    "dr_grpo": _OUTCOME_GROUP,
-    "rloo": _OUTCOME_GROUP,
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", EstimatorNeeds, "register_advantage_estimator", {
+    "grpo": Entry(_grpo, _OUTCOME_GROUP),
+    "grpo_batch": Entry(_grpo_batch, _OUTCOME_GROUP),
+    "dr_grpo": Entry(_dr_grpo, _OUTCOME_GROUP),
+    "rloo": Entry(_rloo, _OUTCOME_GROUP),
     # Return-to-go varies along the response once token rewards (a KL in the reward) are present.
-    "reinforce_pp": EstimatorNeeds(),
-    "reinforce_pp_baseline": EstimatorNeeds(groups=True),
-    "grpo_process": EstimatorNeeds(groups=True, steps=True),
-    "grpo_combined": EstimatorNeeds(groups=True, steps=True),
-}
+    "reinforce_pp": Entry(_reinforce_pp, EstimatorNeeds()),
+    "reinforce_pp_baseline": Entry(_reinforce_pp_baseline, EstimatorNeeds(groups=True)),
+    "grpo_process": Entry(_grpo_process, EstimatorNeeds(groups=True, steps=True)),
+    "grpo_combined": Entry(_grpo_combined, EstimatorNeeds(groups=True, steps=True)),
+})
+"""Every advantage estimator by name: ``Entry(fn, EstimatorNeeds)``, ``fn`` of the one `AdvantageEstimator`
+signature. Entries come in through `register_advantage_estimator`; one without its needs is refused."""
 GAE_NEEDS = EstimatorNeeds()
 """PPO's GAE advantages (`gae_advantages`, computed by the PPO trainer, not looked up by name): per token."""
 
@@ -421,22 +410,15 @@ def register_advantage_estimator(name: str, *, groups: bool = False, steps: bool
     """Decorator: select ``fn`` by ``algorithm.estimator: NAME``. It must take the keyword arguments of
     ``AdvantageEstimator`` (or ``**kwargs``) and return advantages (N, T), 0 on padding. The keywords
     declare what it needs (`EstimatorNeeds`); the config is checked against them."""
-    add = register(ADVANTAGE_ESTIMATORS, name, "advantage estimator", AdvantageEstimator)
-
-    def decorator(fn):
-        add(fn)
-        ESTIMATOR_NEEDS[name] = EstimatorNeeds(groups=groups, steps=steps, per_sequence=per_sequence)
-        return fn
-
-    return decorator
+    needs = EstimatorNeeds(groups=groups, steps=steps, per_sequence=per_sequence)
+    return register(ADVANTAGE_ESTIMATORS, name, AdvantageEstimator, needs)
 
 
 def estimator_needs(name: str) -> EstimatorNeeds:
     """What the registered estimator ``name`` declared (`EstimatorNeeds`)."""
-    get_advantage_estimator(name)  # an unknown name: the registry's error
-    return ESTIMATOR_NEEDS.get(name, EstimatorNeeds())
+    return lookup(ADVANTAGE_ESTIMATORS, name).needs
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The registered estimator called ``name``; an unknown name raises ValueError naming the closest one."""
-    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
+    return lookup(ADVANTAGE_ESTIMATORS, name).fn

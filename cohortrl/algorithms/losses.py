@@ -7,21 +7,23 @@ Shapes: N responses, T response tokens; ``response_mask`` (N, T). ``old_logp``, 
 ``old_logp=logp`` (one update per rollout) gets ρ = 1 with the right gradient instead of a silent zero.
 Every loss is exactly 0 on padding, and padded inputs never reach a non-linear op.
 
-``POLICY_LOSSES`` maps a name to a function with ONE signature (see ``PolicyLoss``).
+``POLICY_LOSSES`` maps a name to a function with ONE signature (see ``PolicyLoss``) and what it needs from the
+advantages (``LossNeeds``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from cohortrl.algorithms.masked import as_bool_mask, broadcast_to_tokens, masked_fill_padding, masked_mean
-from cohortrl.algorithms.registry import lookup, register
+from cohortrl.algorithms.registry import Entry, Registry, lookup, register
 
 __all__ = [
     "POLICY_LOSS_LEVELS", "policy_loss", "value_loss", "PolicyLoss", "POLICY_LOSSES", "get_policy_loss", "register_policy_loss",
-    "SEQUENCE_ADVANTAGE_LOSSES", "needs_sequence_advantages",
+    "LossNeeds", "needs_sequence_advantages",
     "truncated_importance_weights",
 ]
 
@@ -161,38 +163,38 @@ def _gspo(*, logp, old_logp, advantages, response_mask, clip_low, clip_high, dua
     return policy_loss(logp, old_logp, advantages, response_mask, clip_low, clip_high, dual_clip, level="sequence")
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {"clip": _clip, "gspo": _gspo}
-SEQUENCE_ADVANTAGE_LOSSES: set[str] = {"gspo"}
-"""Losses that need one advantage per response. GSPO's sequence ratio s_i multiplies every token's A_{i,t},
-so its gradient gives each token −s_i·mean_t(A_{i,t})/|o_i|, not the token's own advantage: with advantages
-that vary along a response (reinforce_pp, grpo_process, PPO's GAE) that is not the estimator's credit."""
+@dataclass(frozen=True)
+class LossNeeds:
+    """What a policy loss needs from the advantages. ``sequence_advantages``: one advantage per response. GSPO's
+    sequence ratio s_i multiplies every token's A_{i,t}, so its gradient gives each token −s_i·mean_t(A_{i,t})/|o_i|,
+    not the token's own advantage: with advantages that vary along a response (reinforce_pp, grpo_process, PPO's
+    GAE) that is not the estimator's credit."""
+
+    sequence_advantages: bool = False
+
+
+POLICY_LOSSES = Registry("policy loss", LossNeeds, "register_policy_loss", {
+    "clip": Entry(_clip, LossNeeds()),
+    "gspo": Entry(_gspo, LossNeeds(sequence_advantages=True)),
+})
+"""Every policy loss by name: ``Entry(fn, LossNeeds)``, ``fn`` of the one `PolicyLoss` signature."""
 
 
 def register_policy_loss(name: str, *, sequence_advantages: bool = False):
     """Decorator: select ``fn`` by ``algorithm.policy_loss: NAME``. It must take the keyword arguments of
     ``PolicyLoss`` (or ``**kwargs``) and return (loss (N, T), metrics with clip_frac_low / clip_frac_high).
     ``sequence_advantages``: it is only right when every token of a response has the same advantage."""
-    add = register(POLICY_LOSSES, name, "policy loss", PolicyLoss)
-
-    def decorator(fn):
-        add(fn)
-        SEQUENCE_ADVANTAGE_LOSSES.discard(name)
-        if sequence_advantages:
-            SEQUENCE_ADVANTAGE_LOSSES.add(name)
-        return fn
-
-    return decorator
+    return register(POLICY_LOSSES, name, PolicyLoss, LossNeeds(sequence_advantages=sequence_advantages))
 
 
 def needs_sequence_advantages(name: str) -> bool:
     """Whether the registered policy loss ``name`` needs one advantage per response."""
-    get_policy_loss(name)  # an unknown name: the registry's error
-    return name in SEQUENCE_ADVANTAGE_LOSSES
+    return lookup(POLICY_LOSSES, name).needs.sequence_advantages
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The registered policy loss called ``name``; an unknown name raises ValueError naming the closest one."""
-    return lookup(POLICY_LOSSES, name, "policy loss")
+    return lookup(POLICY_LOSSES, name).fn
 
 
 def truncated_importance_weights(

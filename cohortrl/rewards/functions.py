@@ -15,6 +15,7 @@ config's ``kwargs`` (``make_accuracy(mode="answer_line")``), so a YAML file can 
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from cohortrl.grading.answers import ACCURACY_MODES, answers_match, commits_to_a_number, extract_answer
@@ -33,6 +34,19 @@ def completion_text(completion) -> str:
 def _prompt(prompts: list, i: int):
     """The prompt of completion ``i`` for a grader-error record (the doctests pass one prompt for several)."""
     return prompts[i] if i < len(prompts) else None
+
+
+def reading(fn: RewardFn, column: str) -> RewardFn:
+    """``fn``, which takes the rows' columns as ``**columns``, declaring that it reads ``column``: the column
+    becomes a keyword-only parameter of its signature, the way a reward function names what it reads
+    (`cohortrl.rewards.scoring.reads`), for a built-in whose column is a setting known only when its factory runs.
+    Calls are unchanged: the column still arrives in ``**columns``."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    rest = next(i for i, p in enumerate(params) if p.kind == p.VAR_KEYWORD)
+    declared = inspect.Parameter(column, inspect.Parameter.KEYWORD_ONLY)
+    fn.__signature__ = sig.replace(parameters=params[:rest] + [declared] + params[rest:])
+    return fn
 
 
 def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_column: str = "answer") -> RewardFn:
@@ -54,7 +68,7 @@ def make_accuracy(mode: str = "answer_line", rel_tol: float = 1e-6, answer_colum
             out.append(contained("accuracy", _prompt(prompts, i), completion, grade))
         return out
 
-    return accuracy
+    return reading(accuracy, answer_column)
 
 
 def _accuracy_of(completion: str, gold, mode: str, rel_tol: float) -> float:

@@ -143,12 +143,12 @@ class FunctionSteps(StepSource):
 
 
 def build_step_source(name: str, kwargs: dict | None, *, timeout_s: float | None = None, policy=None,
-                      tokenizer=None, reference=None) -> StepSource:
+                      tokenizer=None, reference=None, rows: list[dict] = ()) -> StepSource:
     """The step source ``reward.process`` names: a source built from the trainer's policy (``implicit_prm``:
     ``policy`` is its initial weights, ``reference`` the frozen π_ref or None to copy the policy), else a
-    process reward function (`resolve_process`)."""
+    process reward function (`resolve_process`), refused if it reads a column the training ``rows`` lack."""
     from cohortrl.reward_models.implicit_prm import ImplicitPRM
-    from cohortrl.rewards.scoring import RewardFunctionError
+    from cohortrl.rewards.scoring import RewardFunctionError, check_columns
 
     policy_sources = {"implicit_prm": ImplicitPRM}
     if name in policy_sources:
@@ -158,7 +158,9 @@ def build_step_source(name: str, kwargs: dict | None, *, timeout_s: float | None
         except TypeError as e:
             raise RewardFunctionError(f"process reward '{name}' does not take kwargs {sorted(kwargs)}: {e}") from None
         return cls(policy, tokenizer, reference=reference, **kwargs)
-    return FunctionSteps(name, resolve_process(name, kwargs), timeout_s)
+    fn = resolve_process(name, kwargs)
+    check_columns({name: fn}, list(rows), "training rows")
+    return FunctionSteps(name, fn, timeout_s)
 
 
 def _normalised(text: str) -> str:

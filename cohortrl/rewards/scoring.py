@@ -36,8 +36,9 @@ from cohortrl.rewards import grader_errors
 from cohortrl.rewards.functions import BUILTIN_REWARDS
 from cohortrl.user_code import check_reward_signature, load_object
 
-# The keyword arguments every call carries besides the dataset's columns (TRL's names).
-CALL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+# The keyword arguments every call carries besides the rows' own columns (TRL's names and cohortrl's two,
+# `rollout_columns`).
+GIVEN = ("prompts", "completions", "completion_ids", "trainer_state", "completion_lengths", "max_new_tokens")
 
 
 class RewardFunctionError(RuntimeError):
@@ -183,15 +184,47 @@ def trl_completions(prompts: list, completions: list) -> list:
     return [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
 
 
-def _unfilled(fn, kwargs: dict) -> list[str]:
-    """Parameters of ``fn`` without a default that no keyword argument fills (a column the data lacks, or a
-    parameter named otherwise than TRL names it, such as ``def f(p, c, **kw)``)."""
+def reads(fn) -> list[str]:
+    """What a reward function declares it reads: its named parameters without a default (TRL's convention, ``def
+    f(completions, answer, **kwargs)`` reads the column ``answer``); a built-in's include the column its settings
+    name (`cohortrl.rewards.functions.reading`)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return []
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in params if p.kind in kinds and p.default is p.empty and p.name not in kwargs]
+    return [p.name for p in params if p.kind in kinds and p.default is p.empty]
+
+
+def _unfilled(fn, kwargs: dict) -> list[str]:
+    """Parameters of ``fn`` without a default that no keyword argument fills (a column the data lacks, or a
+    parameter named otherwise than TRL names it, such as ``def f(p, c, **kw)``)."""
+    return [name for name in reads(fn) if name not in kwargs]
+
+
+def check_columns(functions: dict[str, Callable], rows: list[dict], what: str) -> None:
+    """Refuse, before the first step, a reward function (``functions``: name -> function) that reads a column
+    the ``rows`` do not have, which would otherwise stop the run when it is first called. ``what`` names the rows
+    in the error ("training rows")."""
+    if not rows:
+        return  # none of these rows will be scored
+    have = {key for row in rows for key in row} - {"prompt"}  # the prompt reaches a function as `prompts`
+    for name, fn in functions.items():
+        missing = [c for c in reads(fn) if c not in have and c not in GIVEN]
+        if missing:
+            raise RewardFunctionError(
+                f"reward function '{name}' reads the column(s) {missing}, which the {what} do not have (they have: "
+                f"{', '.join(sorted(have)) or 'only the prompt'}); {_column_fix(missing)}"
+            )
+
+
+def _column_fix(missing: list[str]) -> str:
+    fixes = ["add the column(s) to the data"]
+    if "answer" in missing:
+        fixes.append("set data.answer_column to the column holding the reference answers")
+    if "sample" in missing:
+        fixes.append("train on a gym task (data.source: task:NAME), whose rows carry 'sample'")
+    return ", ".join(fixes + ["or change the function (a parameter without a default is read as the column of its name)"])
 
 
 def raised_at(error: BaseException, fn) -> str:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from cohortrl.tools.errors import ToolError
 from cohortrl.user_code import UserCodeError, load_object
 
 # A result longer than this is refused (an error text instead): results are appended to the response as
@@ -31,10 +32,6 @@ _MAX_ERROR_CHARS = 200
 # result holding one could close its own turn early in what graders read, and the text after it (an ANSWER line,
 # say) would pass for the model's although those tokens are outside the loss; in results they are escaped.
 _PROTOCOL_TAG = re.compile(r"<(\s*/?\s*(?:call|result|tool_call|tool_response)\s*>)", re.IGNORECASE)
-
-
-class ToolError(ValueError):
-    """A failed call, its message written for the model, which reads it as the call's result."""
 
 
 class ToolSetupError(UserCodeError):
@@ -118,6 +115,7 @@ def make_tool(fn: Callable, ref: str | None = None) -> Tool:
 
 def builtin_tools() -> dict[str, Callable]:
     """The built-in tools by name."""
+    # Imported here, not above, only because simulate loads the whole gym (about 0.5 s) and most runs have no tools.
     from cohortrl.tools.calculator import calculator
     from cohortrl.tools.simulate import simulate
 

@@ -26,7 +26,7 @@ import math
 import re
 from decimal import Decimal
 
-from cohortrl.tools.base import ToolError
+from cohortrl.tools.errors import ToolError
 
 MAX_LENGTH = 300  # characters of one expression: any gym step's expression is far shorter
 MAX_DEPTH = 32  # nested parentheses / unary signs; each level costs a few Python stack frames

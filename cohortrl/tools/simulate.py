@@ -14,7 +14,7 @@ import dataclasses
 
 from cohortrl import tasks
 from cohortrl.tasks.controller import STAGES
-from cohortrl.tools.base import ToolError
+from cohortrl.tools.errors import ToolError
 
 _MAX_MISSES = 3  # performance misses listed in the feedback; more only lengthen the result
 

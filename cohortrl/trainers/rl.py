@@ -42,7 +42,7 @@ from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source
-from cohortrl.rewards.scoring import TrainerState, WeightedReward, resolve
+from cohortrl.rewards.scoring import TrainerState, WeightedReward, check_columns, resolve
 from cohortrl.rollout.hf import micro_batched_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.rollout.types import Rollout
@@ -183,6 +183,8 @@ class RLTrainer(Trainer):
         train_rows, eval_rows = load_rows(cfg.data, cfg.train.seed, inputs.train_rows, inputs.eval_rows)
         self.stream = PromptStream(train_rows, cfg.train.seed)
         self.eval_rows = eval_rows[: cfg.eval.n_prompts]
+        check_columns({r.name: r.fn for r in self.rewards}, train_rows, "training rows")  # before the model loads
+        check_columns({self.correctness.name: self.correctness.fn}, self.eval_rows, "held-out rows")
         return len(train_rows)
 
     def _build_models(self, inputs, n_train_rows: int) -> None:
@@ -230,7 +232,7 @@ class RLTrainer(Trainer):
         p = cfg.reward.process
         self.process = None if p is None else build_step_source(  # the implicit PRM starts from the initial policy
             p.name, p.kwargs, timeout_s=cfg.reward.timeout_s, policy=self.model, tokenizer=self.tokenizer,
-            reference=self.reference_copy,
+            reference=self.reference_copy, rows=self.stream.rows,
         )
         self.generator = None  # the vLLM engine, when sampling.backend is vllm
         if cfg.sampling.backend == "vllm":

@@ -56,7 +56,7 @@ from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.data import (
     DataError, PromptStream, check_prompt, load_examples, load_rows, prompt_key, prompt_messages, render_prompt,
 )
-from cohortrl.rewards.scoring import WeightedReward, resolve
+from cohortrl.rewards.scoring import WeightedReward, check_columns, resolve
 from cohortrl.rollout.hf import prompt_framing, response_logprobs
 from cohortrl.rollout.tools import tool_protocol, toolset
 from cohortrl.tools import chat, result_spans, with_calculator
@@ -349,6 +349,7 @@ class SFTTrainer(Trainer):
         guards.check_prompts_fit(cfg, self.tokenizer, self.tools, {"held-out prompt": self.eval_rows})
         fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
         self.correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), fn.weight, cfg.reward.timeout_s)
+        check_columns({fn.name: self.correctness.fn}, self.eval_rows, "held-out rows")
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         allocate_optimizer_state(self.optimizer)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from cohortrl.algorithms import SEQUENCE_ADVANTAGE_LOSSES, masked_fill_padding, masked_mean
+from cohortrl.algorithms import masked_fill_padding, masked_mean, needs_sequence_advantages
 
 TRACE_DIR = "traces"
 CLIP_SIDES = ("", "low", "high", "dual")  # the values of an update's ``clip`` tensor, by index
@@ -68,7 +68,7 @@ class StepTrace:
     def __init__(self, step: int, cfg, tokenizer, algorithm: str, reward_weights: dict[str, float]):
         a = cfg.algorithm
         self.tokenizer = tokenizer
-        self.sequence_ratio = a.policy_loss in SEQUENCE_ADVANTAGE_LOSSES  # GSPO clips the response's mean ratio
+        self.sequence_ratio = needs_sequence_advantages(a.policy_loss)  # GSPO clips the response's mean ratio
         self.clip = (a.clip_low, a.clip_high, a.dual_clip)
         self.data = {
             "version": 1, "step": step, "algorithm": algorithm,

@@ -65,7 +65,7 @@ A_EPS_1 = {
 
 @pytest.mark.parametrize("name", sorted(A_EPS_1))
 def test_registry_entries_pass_eps_on_and_default_it_to_1e_6(name):
-    estimator = ADVANTAGE_ESTIMATORS[name]
+    estimator = ADVANTAGE_ESTIMATORS[name].fn
     a = A_EPS_1[name]
     expected = t([[-a, -a], [a, a]])
     got = estimator(rewards=REWARDS, response_mask=MASK, group_size=2, eps=1.0, **STEPS)
@@ -78,7 +78,7 @@ def test_registry_entries_pass_eps_on_and_default_it_to_1e_6(name):
 
 
 def test_grpo_combined_defaults_process_coef_to_1_and_scales_the_process_part():
-    combined = ADVANTAGE_ESTIMATORS["grpo_combined"]
+    combined = ADVANTAGE_ESTIMATORS["grpo_combined"].fn
     default = combined(rewards=REWARDS, response_mask=MASK, group_size=2, eps=1.0, **STEPS)
     assert torch.equal(default, combined(rewards=REWARDS, response_mask=MASK, group_size=2, eps=1.0,
                                          process_coef=1.0, **STEPS))
@@ -95,7 +95,7 @@ def test_reinforce_pp_entries_use_the_token_rewards_they_are_given(name):
     #   baseline: row totals [1, 0], group mean 0.5: returns [[0.5, -0.5], [-0.5, -0.5]]
     #   either way, over 4 tokens: centred [0.75, -0.25, -0.25, -0.25], sample var (0.5625 + 3 · 0.0625) / 3
     #   = 0.25, std 0.5: whitened [1.5, -0.5, -0.5, -0.5] (eps = 1e-6 moves it by < 4e-6)
-    got = ADVANTAGE_ESTIMATORS[name](rewards=REWARDS, response_mask=MASK, group_size=2,
+    got = ADVANTAGE_ESTIMATORS[name].fn(rewards=REWARDS, response_mask=MASK, group_size=2,
                                      token_rewards=t([[1.0, 0.0], [0.0, 0.0]]))
     torch.testing.assert_close(got, t([[1.5, -0.5], [-0.5, -0.5]]), rtol=0, atol=1e-5)
 
@@ -103,7 +103,7 @@ def test_reinforce_pp_entries_use_the_token_rewards_they_are_given(name):
 def test_grpo_process_names_what_is_missing_and_where_it_comes_from():
     with pytest.raises(ValueError, match=r"needs step_ends: pass each response's step rewards and the token "
                                          r"index where each step ends \(a process reward function provides them\)"):
-        ADVANTAGE_ESTIMATORS["grpo_process"](rewards=REWARDS, response_mask=MASK, group_size=2,
+        ADVANTAGE_ESTIMATORS["grpo_process"].fn(rewards=REWARDS, response_mask=MASK, group_size=2,
                                              step_rewards=[[0.0], [1.0]])
 
 
@@ -111,13 +111,13 @@ def test_grpo_process_names_what_is_missing_and_where_it_comes_from():
 def test_policy_loss_entries_pass_dual_clip_on(name):
     # One token, ρ = exp(log 4) = 4, A = −1, ε = 0.2: unclipped −A·ρ = 4, clipped −A·clip(4, 0.8, 1.2) = 1.2,
     # max = 4; dual clip c = 3 caps it at −c·A = 3. (For GSPO the one-token sequence ratio is also 4.)
-    loss, metrics = POLICY_LOSSES[name](
+    loss, metrics = POLICY_LOSSES[name].fn(
         logp=t([[math.log(4.0)]]), old_logp=t([[0.0]]), advantages=t([-1.0]), response_mask=torch.ones(1, 1),
         clip_low=0.2, clip_high=0.2, dual_clip=3.0,
     )
     torch.testing.assert_close(loss, t([[3.0]]))
     assert metrics["clip_frac_dual"] == 1.0
-    uncapped, _ = POLICY_LOSSES[name](
+    uncapped, _ = POLICY_LOSSES[name].fn(
         logp=t([[math.log(4.0)]]), old_logp=t([[0.0]]), advantages=t([-1.0]), response_mask=torch.ones(1, 1),
         clip_low=0.2, clip_high=0.2,
     )
@@ -189,8 +189,8 @@ def test_grpo_process_passes_credit_on():
     a = 0.5 / (math.sqrt(0.5) + 1)
     kwargs = dict(rewards=t([1.0]), response_mask=torch.ones(1, 2), group_size=1, eps=1.0,
                   step_rewards=[[1.0, 0.0]], step_ends=[[0, 1]])
-    summed = ADVANTAGE_ESTIMATORS["grpo_process"](**kwargs)
-    least = ADVANTAGE_ESTIMATORS["grpo_process"](credit="min", **kwargs)
+    summed = ADVANTAGE_ESTIMATORS["grpo_process"].fn(**kwargs)
+    least = ADVANTAGE_ESTIMATORS["grpo_process"].fn(credit="min", **kwargs)
     torch.testing.assert_close(summed.double(), t([[0.0, -a]]), rtol=0, atol=1e-6)
     torch.testing.assert_close(least.double(), t([[-a, -a]]), rtol=0, atol=1e-6)
 
@@ -266,7 +266,7 @@ def test_register_checks_the_call_signature_and_refuses_a_taken_name():
 
     try:
         assert register_advantage_estimator("mine_test")(mine) is mine
-        assert ADVANTAGE_ESTIMATORS["mine_test"] is mine
+        assert ADVANTAGE_ESTIMATORS["mine_test"].fn is mine
         assert register_advantage_estimator("mine_test")(mine) is mine  # the same function again: no error
         with pytest.raises(ValueError) as caught:
             register_advantage_estimator("mine_test")(lambda **kwargs: None)
@@ -409,7 +409,7 @@ def test_grpo_combined_passes_credit_on():
     #   credit "min": every token min(b, −b) = −b; total row 0: a − b, row 1: −a − b
     #   (credit "sum" would give b − b = 0 on token 0 instead)
     a, b = 0.5 / (math.sqrt(0.5) + 1), 0.5 / (math.sqrt(1 / 3) + 1)
-    got = ADVANTAGE_ESTIMATORS["grpo_combined"](
+    got = ADVANTAGE_ESTIMATORS["grpo_combined"].fn(
         rewards=t([1.0, 0.0]), response_mask=torch.ones(2, 2), group_size=2, eps=1.0, credit="min",
         step_rewards=[[1.0, 0.0], [1.0, 0.0]], step_ends=[[0, 1], [0, 1]])
     torch.testing.assert_close(got.double(), t([[a - b, a - b], [-a - b, -a - b]]), rtol=0, atol=1e-6)
@@ -420,5 +420,5 @@ def test_the_gspo_entry_is_sequence_level():
     #   "clip" (token level): −A·ρ_t = [−2, −1];  "gspo": s = exp((log 2 + 0) / 2) = √2 on both tokens: [−√2, −√2]
     kwargs = dict(logp=t([[math.log(2.0), 0.0]]), old_logp=t([[0.0, 0.0]]), advantages=t([1.0]),
                   response_mask=torch.ones(1, 2), clip_low=0.5, clip_high=10.0)
-    torch.testing.assert_close(POLICY_LOSSES["clip"](**kwargs)[0], t([[-2.0, -1.0]]))
-    torch.testing.assert_close(POLICY_LOSSES["gspo"](**kwargs)[0], t([[-math.sqrt(2.0)] * 2]))
+    torch.testing.assert_close(POLICY_LOSSES["clip"].fn(**kwargs)[0], t([[-2.0, -1.0]]))
+    torch.testing.assert_close(POLICY_LOSSES["gspo"].fn(**kwargs)[0], t([[-math.sqrt(2.0)] * 2]))

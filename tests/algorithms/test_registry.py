@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 import cohortrl.algorithms as algorithms
 from cohortrl.algorithms import (
     ADVANTAGE_ESTIMATORS,
-    ESTIMATOR_NEEDS,
     POLICY_LOSSES,
+    Entry,
     AdvantageEstimator,
     EstimatorNeeds,
+    LossNeeds,
     PolicyLoss,
     estimator_needs,
     get_advantage_estimator,
@@ -222,17 +223,32 @@ def test_a_registered_estimator_needs_what_its_keywords_declare_and_nothing_by_d
         register_advantage_estimator("needs_groups_test", groups=True)(mine)
         register_advantage_estimator("needs_steps_test", steps=True)(mine)
         register_advantage_estimator("needs_one_per_response_test", per_sequence=True)(mine)
-        ADVANTAGE_ESTIMATORS["put_in_by_hand_test"] = mine  # not through the decorator: declares nothing
         assert estimator_needs("needs_nothing_test") == EstimatorNeeds()
         assert estimator_needs("needs_groups_test") == EstimatorNeeds(groups=True)
         assert estimator_needs("needs_steps_test") == EstimatorNeeds(steps=True)
         assert estimator_needs("needs_one_per_response_test") == EstimatorNeeds(per_sequence=True)
-        assert estimator_needs("put_in_by_hand_test") == EstimatorNeeds()
+        assert ADVANTAGE_ESTIMATORS["needs_groups_test"] == Entry(mine, EstimatorNeeds(groups=True))  # one table
     finally:
-        for name in ("needs_nothing_test", "needs_groups_test", "needs_steps_test", "needs_one_per_response_test",
-                     "put_in_by_hand_test"):
+        for name in ("needs_nothing_test", "needs_groups_test", "needs_steps_test", "needs_one_per_response_test"):
             ADVANTAGE_ESTIMATORS.pop(name, None)
-            ESTIMATOR_NEEDS.pop(name, None)
+
+
+@pytest.mark.parametrize("registry, fix", [
+    (ADVANTAGE_ESTIMATORS, "register_advantage_estimator"), (POLICY_LOSSES, "register_policy_loss"),
+])
+def test_an_entry_put_in_by_hand_without_what_it_needs_is_refused(registry, fix):
+    """No silent default: a bare function, or an entry whose needs are the other kind's, never enters a table."""
+    def mine(**kwargs):
+        return kwargs["rewards"]
+
+    other = LossNeeds() if registry is ADVANTAGE_ESTIMATORS else EstimatorNeeds()
+    for how in (lambda: registry.__setitem__("by_hand_test", mine), lambda: registry.update(by_hand_test=mine),
+                lambda: registry.setdefault("by_hand_test", mine), lambda: registry.__ior__({"by_hand_test": mine}),
+                lambda: registry.__setitem__("by_hand_test", Entry(mine, other))):
+        with pytest.raises(TypeError, match=rf"'by_hand_test': a registry entry is Entry\(fn, \w+Needs\(\.\.\.\)\), "
+                                            rf"not a \w+; add it with {fix}, which declares what it needs"):
+            how()
+        assert "by_hand_test" not in registry
 
 
 def test_a_policy_loss_needs_one_advantage_per_response_only_when_it_says_so():
@@ -253,4 +269,3 @@ def test_a_policy_loss_needs_one_advantage_per_response_only_when_it_says_so():
     finally:
         for name in ("per_token_test", "per_response_test"):
             POLICY_LOSSES.pop(name, None)
-            algorithms.SEQUENCE_ADVANTAGE_LOSSES.discard(name)

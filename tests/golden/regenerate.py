@@ -9,6 +9,7 @@ installed torch version and this CPU's vendor (``runs.golden_key``), then writes
     python -m tests.golden.regenerate            # regenerate, print the diff, write
     python -m tests.golden.regenerate --check    # print the diff only; exit 1 if anything moved
     python -m tests.golden.regenerate ppo grpo   # only these runs (the others stay as pinned)
+    python -m tests.golden.regenerate --cpu-fast-path=off   # the plain CPU path's numbers, under their own key
 
 Regenerate only when a change of the numbers is intended (a fix, a deliberate change of an algorithm), and
 say in the commit message which runs moved and why.
@@ -29,9 +30,10 @@ from tests.golden.runs import GOLDEN_FILE, RUNS, compare
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run_in_a_fresh_process(names: list[str], out: Path, reverse: bool) -> dict:
+def _run_in_a_fresh_process(names: list[str], out: Path, reverse: bool, cpu_fast_path: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "tests.golden.runs", "--out", str(out), *(["--reverse"] if reverse else []), *names]
+    cmd = [sys.executable, "-m", "tests.golden.runs", "--out", str(out), f"--cpu-fast-path={cpu_fast_path}",
+           *(["--reverse"] if reverse else []), *names]
     done = subprocess.run(cmd, cwd=REPO, env=env)
     if done.returncode:
         sys.exit(f"golden runs failed (exit code {done.returncode}): {' '.join(cmd)}")
@@ -49,6 +51,8 @@ def _bitwise_differences(a: dict, b: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="print the diff, write nothing; exit 1 if anything moved")
+    parser.add_argument("--cpu-fast-path", choices=("auto", "off"), default="auto",
+                        help="off: pin the plain CPU path's numbers (their own key, runs.golden_key)")
     parser.add_argument("names", nargs="*", help="runs to regenerate (default: all)")
     args = parser.parse_args(argv)
     names = args.names or list(RUNS)
@@ -57,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown run(s) {unknown}; the runs are {list(RUNS)}")
 
     with tempfile.TemporaryDirectory(prefix="golden-") as tmp:
-        first = _run_in_a_fresh_process(names, Path(tmp) / "a.json", reverse=False)
-        second = _run_in_a_fresh_process(names, Path(tmp) / "b.json", reverse=True)
+        first = _run_in_a_fresh_process(names, Path(tmp) / "a.json", False, args.cpu_fast_path)
+        second = _run_in_a_fresh_process(names, Path(tmp) / "b.json", True, args.cpu_fast_path)
     unstable = _bitwise_differences(first["runs"], second["runs"])
     if unstable:
         print("not bit-repeatable across two processes; nothing written:\n  " + "\n  ".join(unstable))

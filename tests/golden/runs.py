@@ -129,16 +129,18 @@ SFT_SPAN_ROWS = [_span_row(a, b) for a in range(5) for b in range(8)]
 SFT_DATASETS = {"sft_spans": SFT_SPAN_ROWS}  # an SFT run's rows when not SFT_ROWS
 
 
-def golden_key() -> str:
+def golden_key(cpu_fast_path: str = "auto") -> str:
     """Whose numbers apply here: the torch version and the CPU's vendor. The same torch rounds differently on
     another vendor's CPU (oneDNN and MKL pick kernels by it; docs/testing.md, "Golden runs"), so each vendor
-    has its own pinned numbers."""
+    has its own pinned numbers. So has the plain CPU path (``cpu_fast_path`` off, the pass ``pytest
+    --cpu-fast-path=off`` runs), which rounds otherwise than the fast path and reuses no forward of decoding's."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         vendor = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id"))
     except (OSError, StopIteration):
         vendor = platform.machine() or "unknown"
-    return f"{torch.__version__} {vendor}"
+    key = f"{torch.__version__} {vendor}"
+    return key if cpu_fast_path == "auto" else f"{key} cpu_fast_path={cpu_fast_path}"
 
 
 def is_sft(name: str) -> bool:
@@ -232,9 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the golden runs and write their numbers as JSON.")
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--reverse", action="store_true", help="run them in the opposite order")
+    parser.add_argument("--cpu-fast-path", choices=("auto", "off"), default="auto",
+                        help="off: on the plain CPU path, as `pytest --cpu-fast-path=off` runs them")
     parser.add_argument("names", nargs="*", help="runs to do (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(THREADS)
+    if args.cpu_fast_path == "off":  # the switch the test pass makes (a fresh process: for good)
+        from cohortrl.config import Config
+        from tests.plain_path.sitecustomize import plain
+
+        Config.__post_init__ = plain(Config.__post_init__)
     names = args.names or list(RUNS)
     unknown = [n for n in names if n not in RUNS]
     if unknown:
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = run(name, Path(tmp) / name)
             seconds[name] = time.perf_counter() - start
             print(f"{name}: {seconds[name]:.1f} s wall, {time.process_time() - cpu:.1f} s CPU", file=sys.stderr)
-    Path(args.out).write_text(json.dumps({"key": golden_key(), "runs": {n: results[n] for n in names},
+    Path(args.out).write_text(json.dumps({"key": golden_key(args.cpu_fast_path), "runs": {n: results[n] for n in names},
                                           "seconds": seconds}, indent=1))
     return 0
 

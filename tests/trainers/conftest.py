@@ -1,7 +1,8 @@
-"""The two CPU paths a trainer test can run on (``cpu_path``): "fast", ``train.cpu_linear=auto`` (on a CPU build
-with oneDNN: oneDNN linear products, the lean decoder, the update reusing decoding's forward where the config
-allows it), and "plain", ``train.cpu_linear=aten`` (plain transformers and autograd throughout); and
-``one_thread``, for tests that compare whole runs."""
+"""The two CPU paths a trainer test can run on (``cpu_path``): "fast", ``train.cpu_fast_path=auto`` (on a CPU
+build with oneDNN: oneDNN linear products, the lean decoder, the update reusing decoding's forward where the
+config allows it), and "plain", ``train.cpu_fast_path=off`` (plain transformers and autograd throughout).
+``pytest --cpu-fast-path=off`` (tests/conftest.py) runs every trainer test on the plain path; there the "fast"
+case skips. ``one_thread``: for tests that compare whole runs."""
 
 import pytest
 import torch
@@ -11,13 +12,13 @@ from cohortrl.cpu import decoder
 
 
 class CPUPath:
-    """Sets nothing itself: a test passes ``train.cpu_linear = cpu_path.cpu_linear`` to its trainers, then calls
+    """Sets nothing itself: a test passes ``train=cpu_path.train`` settings to its trainers, then calls
     :meth:`check`, which asserts that they really ran this path (counted by spies on oneDNN's linear op and on
     the lean decoder, over the whole test)."""
 
     def __init__(self, name: str, monkeypatch):
         self.name = name
-        self.cpu_linear = {"fast": "auto", "plain": "aten"}[name]
+        self.train = {"fast": {"cpu_fast_path": "auto"}, "plain": {"cpu_fast_path": "off"}}[name]
         self.onednn_products, self.decoders = [], []
         onednn, init = kernels._onednn, decoder.LlamaDecoder.__init__
         monkeypatch.setattr(kernels, "_onednn", lambda *a: self.onednn_products.append(1) or onednn(*a))
@@ -46,6 +47,8 @@ class CPUPath:
 
 @pytest.fixture(params=["fast", "plain"])
 def cpu_path(request, monkeypatch) -> CPUPath:
+    if request.param == "fast" and request.config.getoption("--cpu-fast-path") == "off":
+        pytest.skip("the fast path's case (--cpu-fast-path=off)")
     return CPUPath(request.param, monkeypatch)
 
 

@@ -68,3 +68,8 @@ def raises_from_step_2(prompts, completions, trainer_state, **columns):
     if trainer_state.global_step >= 1:
         raise ValueError("broken from step 2 on")
     return constant(prompts, completions)
+
+
+def reads_difficulty(prompts, completions, difficulty, **columns):
+    """Reads the column ``difficulty`` by naming it (TRL's convention)."""
+    return [float(d) for d in difficulty]

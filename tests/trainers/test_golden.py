@@ -16,9 +16,15 @@ import torch
 from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, POLICY_LOSSES
 from tests.golden.runs import GOLDEN_FILE, REGENERATE, RUNS, THREADS, compare, config, golden_key, is_sft, run
 
-KEY = golden_key()
 PINNED_BY_KEY = json.loads(GOLDEN_FILE.read_text())  # {golden_key(): {run: [per-step numbers]}}
-PINNED = PINNED_BY_KEY.get(KEY)
+
+
+@pytest.fixture(scope="module")
+def golden(cpu_fast_path_pass) -> tuple[str, dict | None, str]:
+    """The key of the numbers that apply to this machine and this pass's CPU path, those numbers (None if none
+    are pinned) and the command that pins them."""
+    key = golden_key(cpu_fast_path_pass)
+    return key, PINNED_BY_KEY.get(key), REGENERATE + ("" if cpu_fast_path_pass == "auto" else " --cpu-fast-path=off")
 
 
 @pytest.fixture
@@ -31,22 +37,23 @@ def golden_threads():
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_golden_run_reproduces_its_pinned_numbers(tmp_path, golden_threads, name):
-    if PINNED is None:
-        pytest.skip(f"no golden numbers for {KEY} (pinned: {', '.join(PINNED_BY_KEY)}); "
-                    f"pin them with `{REGENERATE}`")
-    if name not in PINNED:
+def test_golden_run_reproduces_its_pinned_numbers(tmp_path, golden_threads, golden, name):
+    key, pinned, regenerate = golden
+    if pinned is None:
+        pytest.skip(f"no golden numbers for {key} (pinned: {', '.join(PINNED_BY_KEY)}); "
+                    f"pin them with `{regenerate}`")
+    if name not in pinned:
         # A run added since another machine's numbers were pinned is pinned for the machines it was run on: it
         # skips elsewhere (saying which), and fails only when no machine has pinned it.
-        elsewhere = [key for key, runs in PINNED_BY_KEY.items() if name in runs]
-        assert elsewhere, f"golden run {name!r} has no pinned numbers for any machine; run `{REGENERATE} {name}`"
-        pytest.skip(f"golden run {name!r} is pinned only for {', '.join(elsewhere)}, not for {KEY}; "
-                    f"pin it here with `{REGENERATE} {name}`")
+        elsewhere = [k for k, runs in PINNED_BY_KEY.items() if name in runs]
+        assert elsewhere, f"golden run {name!r} has no pinned numbers for any machine; run `{regenerate} {name}`"
+        pytest.skip(f"golden run {name!r} is pinned only for {', '.join(elsewhere)}, not for {key}; "
+                    f"pin it here with `{regenerate} {name}`")
     got = run(name, tmp_path)
-    differences = compare(PINNED[name], got)
+    differences = compare(pinned[name], got)
     assert not differences, (
         f"golden run {name!r} moved:\n  " + "\n  ".join(differences)
-        + f"\nIf the change is intended, `{REGENERATE}` pins the new numbers (and prints this diff)."
+        + f"\nIf the change is intended, `{regenerate}` pins the new numbers (and prints this diff)."
     )
 
 
@@ -64,12 +71,13 @@ def test_every_estimator_and_aggregation_mode_has_a_golden_run():
     assert any(is_sft(n) for n in RUNS)
 
 
-def test_the_runs_are_distinguishable():
+def test_the_runs_are_distinguishable(golden):
     """Every run's pinned numbers differ from every other's: a setting swapped for another (an estimator run
     as grpo, an aggregation mode ignored) cannot reproduce the run it replaced."""
-    if PINNED is None:
-        pytest.skip(f"no golden numbers for {KEY}; pin them with `{REGENERATE}`")
-    names = [n for n in RUNS if n in PINNED]
+    key, pinned, regenerate = golden
+    if pinned is None:
+        pytest.skip(f"no golden numbers for {key}; pin them with `{regenerate}`")
+    names = [n for n in RUNS if n in pinned]
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            assert compare(PINNED[a], PINNED[b]), f"golden runs {a!r} and {b!r} have the same numbers"
+            assert compare(pinned[a], pinned[b]), f"golden runs {a!r} and {b!r} have the same numbers"

@@ -50,12 +50,12 @@ def params_of(trainer):
 def test_every_estimator_aggregation_and_zero_variance_setting_trains(
     tmp_path, addition_jsonl, estimator, aggregation, zero_variance, cpu_path
 ):
-    """On the fast path every setting; on the plain path (train.cpu_linear=aten) every estimator x aggregation
+    """On the fast path every setting; on the plain path (train.cpu_fast_path=off) every estimator x aggregation
     with zero_variance=keep (filter and resample change which rows reach the update, not the path's forward)."""
     cfg = tiny_config(
         addition_jsonl,
         algorithm={"estimator": estimator, "aggregation": aggregation, "zero_variance": zero_variance, "group_size": 4},
-        train={"cpu_linear": cpu_path.cpu_linear}, eval={"n_prompts": 0},
+        train=cpu_path.train, eval={"n_prompts": 0},
     )
     trainer = GRPOTrainer(cfg, tmp_path)
     before = params_of(trainer)
@@ -139,7 +139,7 @@ def test_token_weights_reproduce_aggregate_on_any_split(mode):
 
 
 def test_resume_after_step_k_reproduces_the_uninterrupted_run(tmp_path, addition_jsonl, cpu_path):
-    cfg = tiny_config(addition_jsonl, train={"steps": 4, "checkpoint_every": 2, "cpu_linear": cpu_path.cpu_linear},
+    cfg = tiny_config(addition_jsonl, train={"steps": 4, "checkpoint_every": 2, **cpu_path.train},
                       algorithm={"epochs": 2, "minibatches": 2})
     full = GRPOTrainer(cfg, tmp_path / "full").train()
     GRPOTrainer(cfg, tmp_path / "split").train(steps=2)
@@ -282,6 +282,7 @@ def test_metrics_and_curves_are_written(tmp_path, addition_jsonl):
     assert (tmp_path / "final" / "config.json").exists()
 
 
+@pytest.mark.fast_path
 @pytest.mark.parametrize("setting", ["auto", "aten"])
 def test_steps_and_evaluations_run_under_the_configured_linear_kernel(tmp_path, addition_jsonl, monkeypatch, setting):
     """``train.cpu_linear``: auto sends a CPU step's and evaluation's linear layers to oneDNN (where the build

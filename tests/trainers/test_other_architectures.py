@@ -44,6 +44,7 @@ def finite(row, keys):
     return all(torch.isfinite(torch.tensor(float(row[k]))) for k in keys)
 
 
+@pytest.mark.fast_path  # what train.cpu_fast_path=auto says when it steps aside
 def test_grpo_trains_a_gpt2_through_transformers_and_says_once_why(tmp_path, addition_jsonl, monkeypatch, caplog):
     model, tok = tiny_gpt2()
     assert sum(p.numel() for p in model.parameters()) < 300_000

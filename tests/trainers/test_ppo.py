@@ -44,10 +44,10 @@ def tiny_reward_model(tmp_path_factory):
     user's reward model would be."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from cohortrl.models import TINY_MODELS, build_tiny_tokenizer
+    from cohortrl.models import ALIASES, build_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("rm")
-    tokenizer, spec = build_tiny_tokenizer(), TINY_MODELS["tiny-llama"]
+    tokenizer, spec = build_tiny_tokenizer(), ALIASES["tiny-llama"].tiny
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
@@ -71,7 +71,7 @@ def test_make_trainer_picks_the_algorithm(tmp_path, addition_jsonl):
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_few_steps_with_rule_rewards_move_policy_and_critic(tmp_path, addition_jsonl, lora, cpu_path):
     cfg = ppo_config(addition_jsonl, model={"lora": {"enabled": lora, "r": 4}}, algorithm={"epochs": 2, "minibatches": 2},
-                     train={"cpu_linear": cpu_path.cpu_linear})
+                     train=cpu_path.train)
     trainer = PPOTrainer(cfg, tmp_path)
     policy_before, critic_before = params_of(trainer), {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
     rows = trainer.train()

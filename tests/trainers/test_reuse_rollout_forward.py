@@ -22,6 +22,7 @@ def replays(monkeypatch) -> list:
     return calls
 
 
+@pytest.mark.fast_path
 @needs_onednn
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_step_on_decodings_forward_matches_a_step_on_its_own(tmp_path, addition_jsonl, monkeypatch, lora):
@@ -47,6 +48,7 @@ def test_a_step_on_decodings_forward_matches_a_step_on_its_own(tmp_path, additio
     assert (on["rollout_forward_reused"], off["rollout_forward_reused"]) == (1, 0)  # the metric says which path ran
 
 
+@pytest.mark.fast_path
 @needs_onednn
 @pytest.mark.parametrize("change", [
     {"train": {"steps": 1, "reuse_rollout_forward": False}},
@@ -64,6 +66,7 @@ def test_settings_where_decodings_forward_is_not_the_updates_turn_it_off(tmp_pat
     assert calls == [] and row["grad_norm"] > 0 and row["rollout_forward_reused"] == 0
 
 
+@pytest.mark.fast_path
 @needs_onednn
 def test_one_micro_batch_holding_the_whole_rollout_keeps_it_on(tmp_path, addition_jsonl):
     cfg = tiny_config(addition_jsonl, train={"steps": 1}, algorithm={"micro_batch_size": 8})  # P·G = 2 × 4
@@ -72,6 +75,7 @@ def test_one_micro_batch_holding_the_whole_rollout_keeps_it_on(tmp_path, additio
     assert trainer.rollout_forward_reusable and trainer.step()["rollout_forward_reused"] == 1
 
 
+@pytest.mark.fast_path
 @needs_onednn
 def test_ppo_runs_its_own_forward(tmp_path, addition_jsonl, monkeypatch):
     calls = replays(monkeypatch)

@@ -2,12 +2,15 @@
 given in Python (tools) reach the rollout, the policy's seed decides a random model's weights. The step's own
 wiring is in ``test_wiring.py``; the optimiser and LR schedule in ``test_optimizer.py``."""
 
+import json
+
 import pytest
 import torch
 
+from cohortrl.rewards.scoring import RewardFunctionError
 from cohortrl.trainers import rl, setup
 from cohortrl.trainers.grpo import GRPOTrainer
-from tests.trainers.test_grpo import tiny_config
+from tests.trainers.test_grpo import FNS, tiny_config
 
 
 def spy_on_load_model(module, monkeypatch, tmp_path) -> tuple[list, str]:
@@ -161,3 +164,54 @@ def test_the_reference_is_a_frozen_copy_or_with_lora_the_policy_without_its_adap
     with reference() as model:
         assert model is policy and layer.disable_adapters
     assert not layer.disable_adapters
+
+
+@pytest.mark.parametrize("reward, rows, message", [
+    ({"name": "accuracy"}, {"prompt": "What is 2 + 3?", "solution": "5"},
+     "reward function 'accuracy' reads the column(s) ['answer'], which the training rows do not have (they have: "
+     "solution); add the column(s) to the data, set data.answer_column to the column holding the reference answers, "
+     "or change the function (a parameter without a default is read as the column of its name)"),
+    ({"name": "accuracy", "kwargs": {"answer_column": "gold"}}, {"prompt": "What is 2 + 3?", "answer": "5"},
+     "reward function 'accuracy' reads the column(s) ['gold'], which the training rows do not have (they have: "
+     "answer); add the column(s) to the data, "
+     "or change the function (a parameter without a default is read as the column of its name)"),
+    ({"name": "task"}, {"prompt": "What is 2 + 3?", "answer": "5"},
+     "reward function 'task' reads the column(s) ['sample'], which the training rows do not have (they have: "
+     "answer); add the column(s) to the data, train on a gym task (data.source: task:NAME), whose rows carry "
+     "'sample', "
+     "or change the function (a parameter without a default is read as the column of its name)"),
+    ({"name": f"{FNS}:reads_difficulty"}, {"prompt": "What is 2 + 3?", "answer": "5"},
+     f"reward function '{FNS}:reads_difficulty' reads the column(s) ['difficulty'], which the training rows do not "
+     "have (they have: answer); add the column(s) to the data, "
+     "or change the function (a parameter without a default is read as the column of its name)"),
+])
+def test_a_reward_that_reads_a_column_the_rows_lack_is_refused_before_the_model_loads(
+    tmp_path, monkeypatch, reward, rows, message
+):
+    """A reward declares the columns it reads (its named parameters; accuracy's is its answer_column setting), and
+    the trainer refuses rows without them at setup, with the fix, instead of a KeyError in the first step."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({**rows, "prompt": f"What is {i} + 3?"}) + "\n" for i in range(20)))
+    calls, _ = spy_on_load_model(setup, monkeypatch, tmp_path)
+    cfg = tiny_config(data, reward={"functions": [reward], "correctness": reward["name"]}, eval={"n_prompts": 0})
+    with pytest.raises(RewardFunctionError) as refused:
+        GRPOTrainer(cfg, tmp_path / "run")
+    assert str(refused.value) == message
+    assert calls == []  # refused before any model loaded
+    assert not (tmp_path / "run").exists()  # and the run directory it claimed is gone
+
+
+def test_the_rows_a_reward_reads_pass_and_held_out_rows_are_checked_too(tmp_path, addition_jsonl, monkeypatch):
+    ok = tiny_config(addition_jsonl, reward={"functions": [{"name": "accuracy"}], "correctness": "accuracy"})
+    assert GRPOTrainer(ok, tmp_path / "ok").rewards[0].name == "accuracy"  # the rows have 'answer'
+    held_out = [{"prompt": "What is 2 + 3?"}]  # no answer: the correctness reward cannot score it
+    with pytest.raises(RewardFunctionError, match=r"^reward function 'accuracy' reads the column\(s\) \['answer'\], "
+                                                  r"which the held-out rows do not have \(they have: only the prompt\)"):
+        GRPOTrainer(ok, tmp_path / "held_out", eval_dataset=held_out)
+
+
+def test_a_process_reward_that_reads_a_column_the_rows_lack_is_refused(tmp_path, addition_jsonl):
+    cfg = tiny_config(addition_jsonl, algorithm={"estimator": "grpo_process"}, reward={"process": {"name": "task_steps"}})
+    with pytest.raises(RewardFunctionError, match=r"^reward function 'task_steps' reads the column\(s\) \['sample'\], "
+                                                  r"which the training rows do not have"):
+        GRPOTrainer(cfg, tmp_path / "run")

@@ -95,7 +95,7 @@ def test_gradient_accumulation_gives_the_whole_batch_mean(tmp_path, cpu_path):
     out = []
     for batch_size, grad_accum in ((4, 1), (2, 2)):
         cfg = sft_config(data={"eval_size": None}, sft={"batch_size": batch_size, "grad_accum": grad_accum},
-                         train={"cpu_linear": cpu_path.cpu_linear})
+                         train=cpu_path.train)
         trainer = SFTTrainer(cfg, tmp_path / str(batch_size), train_dataset=rows)
         out.append(trainer.step())
     cpu_path.check(trainer, decodes=False)  # steps only, no evaluation
@@ -380,7 +380,7 @@ def test_sft_config_is_validated_like_the_rest():
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, cpu_path):
     # LoRA dropout draws random numbers every step and grad_accum splits each step: both must resume exactly.
     cfg = sft_config(model={"lora": {"enabled": True, "r": 4, "dropout": 0.1}}, sft={"batch_size": 2, "grad_accum": 2},
-                     train={"steps": 3, "checkpoint_every": 1, "cpu_linear": cpu_path.cpu_linear},
+                     train={"steps": 3, "checkpoint_every": 1, **cpu_path.train},
                      eval={"every": 1, "n_prompts": 2})
     SFTTrainer(cfg, tmp_path / "whole").train()
     SFTTrainer(cfg, tmp_path / "split").train(steps=1)

@@ -129,19 +129,19 @@ def test_grpo_trains_on_the_configured_estimators_advantages_of_the_steps_reward
         kwargs.update(step_rewards=batch.step_rewards, step_ends=batch.step_ends, credit=credit, process_coef=0.5)
         # the step rewards are the process reward function's scores on the completions (no guard fires here)
         assert batch.step_rewards == [[s for s, _ in steps] for steps in letter_words(None, completions)]
-    expected = ADVANTAGE_ESTIMATORS[estimator](**kwargs)
+    expected = ADVANTAGE_ESTIMATORS[estimator].fn(**kwargs)
     torch.testing.assert_close(targets.advantages, expected, rtol=0, atol=0)
     if estimator != "grpo":  # ... and that output differs from GRPO's: a swap for grpo would not pass
-        assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS["grpo"](**kwargs), atol=1e-4)
+        assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS["grpo"].fn(**kwargs), atol=1e-4)
     # The policy loss is handed exactly those advantages (one update on the whole batch here).
     (call,) = losses
     torch.testing.assert_close(call["advantages"], targets.advantages, rtol=0, atol=0)
     # ... with the configured eps and credit: the defaults would give other advantages
     if estimator in ("grpo", "grpo_batch", "grpo_process", "grpo_combined", "reinforce_pp", "reinforce_pp_baseline"):
         defaults = {**kwargs, "eps": 1e-6, **({"credit": "sum"} if process else {})}
-        assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS[estimator](**defaults), atol=1e-4), estimator
+        assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS[estimator].fn(**defaults), atol=1e-4), estimator
     if estimator == "grpo_process":
-        assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS[estimator](**{**kwargs, "credit": "sum"}), atol=1e-4)
+        assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS[estimator].fn(**{**kwargs, "credit": "sum"}), atol=1e-4)
 
 
 def test_kl_in_the_reward_reaches_a_token_level_estimator_as_token_rewards(tmp_path):
@@ -158,9 +158,9 @@ def test_kl_in_the_reward_reaches_a_token_level_estimator_as_token_rewards(tmp_p
     assert (kl_BT * mask).abs().max() > 1e-3
     shaped, token_rewards = kl_shaped_rewards(step["rewards"], kl_BT, mask, beta)
     kwargs = dict(rewards=shaped, response_mask=mask, group_size=4, eps=1e-6)
-    expected = ADVANTAGE_ESTIMATORS["reinforce_pp"](**kwargs, token_rewards=token_rewards)
+    expected = ADVANTAGE_ESTIMATORS["reinforce_pp"].fn(**kwargs, token_rewards=token_rewards)
     torch.testing.assert_close(step["targets"].advantages, expected, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS["reinforce_pp"](**kwargs), atol=1e-4)
+    assert not torch.allclose(expected, ADVANTAGE_ESTIMATORS["reinforce_pp"].fn(**kwargs), atol=1e-4)
 
 
 def test_grpo_without_a_kl_term_trains_on_the_policy_loss_alone(tmp_path):

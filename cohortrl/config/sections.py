@@ -1,32 +1,22 @@
-"""Typed run configuration: dataclasses, YAML files, ``a.b=value`` overrides, validation before any model loads.
-
-Each field is documented once, in the docstring under it. A YAML file is a serialised :class:`Config`; the
-command line and the Python API build the same object, so both go through the same checks:
-
-* an unknown key fails with its full path and the closest valid key;
-* a wrong type fails with the path, the value and the expected type;
-* an impossible setting (``group_size=1`` with group normalisation, ``clip_high < clip_low`` ...) fails with
-  the path, the value and what to do instead.
-"""
+"""The sections of a run's configuration (``model``, ``data``, ``sampling`` ...): each field documented in the
+docstring under it, and each section's own checks beside its fields (``check``). Checks that read two sections
+(``cohortrl.config.validate``) and the building from YAML and mappings live in ``cohortrl/config/__init__.py``."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
-
-from cohortrl.trl_names import TRL_NAMES
-
 
 class ConfigError(ValueError):
     """A configuration problem, raised before anything expensive happens."""
+
+
+def require(ok: bool, path: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{path}' = {value!r}: {why}")
 
 
 @dataclass
@@ -45,6 +35,9 @@ class LoraConfig:
     )
     """Module names that get an adapter. The default names a Llama-family model's projections; another
     architecture needs its own (GPT-2: ``c_attn``, ``c_proj``, ``c_fc``)."""
+
+    def check(self) -> None:
+        require(self.r >= 1, "model.lora.r", self.r, "must be at least 1")
 
 
 @dataclass
@@ -65,6 +58,15 @@ class ModelConfig:
     KL term measures against (the frozen reference is the supervised model, not ``name``), and, with
     ``lora.enabled``, the base under the run's own new adapter. ``name`` must be the model the supervised run
     started from."""
+
+    def check(self) -> None:
+        self.lora.check()
+        require(
+            self.init is None or any((Path(self.init) / f).is_file() for f in ("adapter_config.json", "config.json")),
+            "model.init", self.init,
+            "must be a directory holding a PEFT adapter (adapter_config.json) or full weights (config.json), "
+            "e.g. the final/ directory of a cohortrl sft run",
+        )
 
 
 @dataclass
@@ -108,6 +110,22 @@ class DataConfig:
     """``reject``: stop with an error naming the prompt, before step 1 (every training and held-out prompt is
     checked when the trainer is built); ``truncate``: keep the last tokens and count it."""
 
+    def check(self) -> None:
+        require(self.level >= 1, "data.level", self.level, "levels start at 1")
+        require(self.train_size >= 0, "data.train_size", self.train_size, "must be >= 0")
+        require(self.eval_size is None or self.eval_size >= 0, "data.eval_size", self.eval_size, "must be >= 0")
+        require(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", self.max_prompt_tokens, "must be at least 1")
+        require(not self.exclude_from_training or self.source.startswith("task:"), "data.exclude_from_training",
+                self.exclude_from_training, "applies to task: sources only (a dataset's own rows: split them yourself)")
+        require(all(isinstance(v, list) and v for v in self.exclude_from_training.values()), "data.exclude_from_training",
+                self.exclude_from_training, "must map a sample field to a non-empty list of values, e.g. {function: [circle_area]}")
+        require(
+            self.source.split(":", 1)[0] in ("task", "jsonl", "hf", "python") and ":" in self.source,
+            "data.source",
+            self.source,
+            "must be task:NAME, jsonl:PATH, hf:DATASET_ID or python:NAME",
+        )
+
 
 @dataclass
 class SamplingConfig:
@@ -133,6 +151,17 @@ class SamplingConfig:
     """With ``backend: vllm``: C in the truncated importance weight min(π_old / π_vLLM, C) that corrects
     for the engine's numerics differing from the trainer's."""
 
+    def check(self) -> None:
+        require(self.temperature >= 0, "sampling.temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
+        require(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        require(self.max_new_tokens >= 1, "sampling.max_new_tokens", self.max_new_tokens, "must be at least 1")
+        require(0 <= self.min_new_tokens <= self.max_new_tokens, "sampling.min_new_tokens", self.min_new_tokens,
+                f"must be between 0 and sampling.max_new_tokens ({self.max_new_tokens})")
+        require(0 < self.vllm_gpu_memory_utilization <= 1, "sampling.vllm_gpu_memory_utilization",
+                self.vllm_gpu_memory_utilization, "must be in (0, 1]")
+        require(self.is_cap > 0, "sampling.is_cap", self.is_cap, "must be > 0")
+
 
 @dataclass
 class RolloutConfig:
@@ -150,6 +179,14 @@ class RolloutConfig:
     described by the template, ``<tool_call>{json}</tool_call>``, results as tool messages); ``text``, the
     ``<call>NAME: ARGUMENT</call>`` protocol for templates without it (SmolLM2); ``auto``, chat when the
     template renders tools in that form, else text. ``chat`` on a template that cannot is refused."""
+
+    def check(self, sampling: SamplingConfig) -> None:
+        # Tool names are resolved by the trainer before the model loads, as reward functions are: a name may be a
+        # function handed over in Python (tools=[fn]), which this file cannot know.
+        require(self.max_tool_calls >= 1, "rollout.max_tool_calls", self.max_tool_calls, "must be at least 1")
+        require(self.tool_timeout_s > 0, "rollout.tool_timeout_s", self.tool_timeout_s, "must be > 0 (seconds)")
+        require(not self.tools or sampling.backend == "hf", "rollout.tools", self.tools,
+                "tool calls run in the hf backend's decoding loop; set sampling.backend=hf or remove the tools")
 
 
 @dataclass
@@ -186,6 +223,11 @@ class ProcessRewardConfig:
     require_answer: bool = True
     """No positive step reward in a response without an ``ANSWER:`` line."""
 
+    def check(self) -> None:
+        require(self.cap > 0, "reward.process.cap", self.cap, "must be > 0")
+        require(self.max_steps >= 1, "reward.process.max_steps", self.max_steps, "must be at least 1")
+        require(self.coef >= 0, "reward.process.coef", self.coef, "must be >= 0")
+
 
 @dataclass
 class RewardConfig:
@@ -205,6 +247,24 @@ class RewardConfig:
     workers: int = 0
     """Score in this many worker processes, overlapping generation (0: in the trainer's process). Reward
     callables handed to the Python API that cannot be imported by name are always scored in-process."""
+
+    def check(self) -> None:
+        require(self.timeout_s >= 0, "reward.timeout_s", self.timeout_s, "must be >= 0 (0: no limit)")
+        if self.process is not None:
+            self.process.check()
+        require(self.workers >= 0, "reward.workers", self.workers, "must be >= 0 (0: score in the trainer's process)")
+        for i, fn in enumerate(self.functions):
+            require(fn.name != "", f"reward.functions[{i}].name", fn.name, "must name a reward function")
+        require(len(self.functions) >= 1, "reward.functions", self.functions, "needs at least one reward function")
+        names = [fn.name for fn in self.functions]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        require(not dupes, "reward.functions", dupes, "each reward function may appear once (its name keys its metrics)")
+        require(
+            self.correctness in names,
+            "reward.correctness",
+            self.correctness,
+            f"must be the name of one of reward.functions ({', '.join(names)})",
+        )
 
 
 @dataclass
@@ -246,6 +306,32 @@ class PPOConfig:
     missing_eos_penalty: Optional[float] = None
     """Subtracted from the reward of a response that ends without EOS or a stop string (hit
     sampling.max_new_tokens); null disables. Discourages rambling past the budget."""
+
+    def check(self) -> None:
+        require(0 <= self.gamma <= 1, "algorithm.ppo.gamma", self.gamma, "must be in [0, 1]")
+        require(0 <= self.lam <= 1, "algorithm.ppo.lam", self.lam, "must be in [0, 1]")
+        require(self.vf_coef > 0, "algorithm.ppo.vf_coef", self.vf_coef,
+                "must be > 0 (the critic learns only from the value loss)")
+        require(self.value_clip is None or self.value_clip > 0, "algorithm.ppo.value_clip", self.value_clip,
+                "must be > 0 or null (no clipping)")
+        require(self.critic_lr is None or self.critic_lr > 0, "algorithm.ppo.critic_lr", self.critic_lr,
+                "must be > 0 or null (use optim.lr)")
+        require(self.critic_warmup_steps >= 0, "algorithm.ppo.critic_warmup_steps", self.critic_warmup_steps,
+                "must be >= 0")
+        require(self.target_kl > 0, "algorithm.ppo.target_kl", self.target_kl, "must be > 0 (nats per response)")
+        require(self.horizon >= 1, "algorithm.ppo.horizon", self.horizon, "must be at least 1")
+        require(
+            self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
+            "algorithm.ppo.missing_eos_penalty",
+            self.missing_eos_penalty,
+            "is subtracted from the reward, so give it as a number >= 0 (or null to disable)",
+        )
+        require(
+            self.critic_init == "policy" or (Path(self.critic_init) / "config.json").is_file(),
+            "algorithm.ppo.critic_init",
+            self.critic_init,
+            "must be 'policy' or a directory with a sequence-classification checkpoint (config.json not found there)",
+        )
 
 
 @dataclass
@@ -305,11 +391,90 @@ class AlgorithmConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO settings (used when ``name`` is ``ppo``)."""
 
-
     @property
     def kl_kind(self) -> str:
         """The KL estimator in use: ``kl_estimator``, or its default for this trainer (k1 PPO, k3 GRPO)."""
         return self.kl_estimator or ("k1" if self.name == "ppo" else "k3")
+
+    def advantage_needs(self):
+        """What this algorithm's advantages need from the run (``cohortrl.algorithms.EstimatorNeeds``): PPO's
+        GAE, or what the estimator registered under ``estimator`` declared."""
+        from cohortrl.algorithms import GAE_NEEDS, estimator_needs
+
+        return GAE_NEEDS if self.name == "ppo" else estimator_needs(self.estimator)
+
+    def check(self) -> None:
+        from cohortrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, needs_sequence_advantages
+
+        a = self
+        for path, name, registry in (
+            ("algorithm.estimator", a.estimator, ADVANTAGE_ESTIMATORS),
+            ("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES),
+        ):
+            close = difflib.get_close_matches(name, list(registry), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            require(name in registry, path, name, f"unknown name; {hint}registered: {', '.join(registry)}")
+        require(a.name != "ppo" or a.estimator == "grpo", "algorithm.estimator", a.estimator,
+                "is GRPO's setting; PPO's advantages are GAE from its critic (tune algorithm.ppo.gamma / lam), so remove it")
+        needs = a.advantage_needs()
+        source = "PPO's GAE" if a.name == "ppo" else f"estimator '{a.estimator}'"
+        require(
+            not needs_sequence_advantages(a.policy_loss) or needs.per_sequence, "algorithm.policy_loss", a.policy_loss,
+            f"needs one advantage per response, but {source} gives advantages that vary along the response (each token "
+            "would get the response's mean advantage); use policy_loss: clip, or an outcome estimator (grpo, dr_grpo, rloo)",
+        )
+        require(a.group_size >= 1, "algorithm.group_size", a.group_size, "must be at least 1")
+        require(
+            a.group_size >= 2 or not needs.groups,
+            "algorithm.group_size",
+            a.group_size,
+            f"estimator '{a.estimator}' normalises within a group and needs at least 2 responses per prompt; "
+            "set algorithm.group_size >= 2 or use algorithm.estimator=reinforce_pp",
+        )
+        require(a.prompts_per_step >= 1, "algorithm.prompts_per_step", a.prompts_per_step, "must be at least 1")
+        require(a.beta >= 0, "algorithm.beta", a.beta, "the KL coefficient must be >= 0 (0 disables the KL term)")
+        require(a.name != "rft" or a.beta == 0, "algorithm.beta", a.beta,
+                "rejection-sampling fine-tuning (algorithm.name=rft) trains with the supervised loss alone, with no KL "
+                "term; set algorithm.beta=0")
+        require(not a.kl_in_reward or a.beta > 0, "algorithm.kl_in_reward", a.kl_in_reward,
+                "puts beta x KL into the reward, but algorithm.beta is 0; set beta > 0 or kl_in_reward: false")
+        require(not a.kl_in_reward or a.name == "grpo", "algorithm.kl_in_reward", a.kl_in_reward,
+                "is GRPO's switch; PPO always puts the KL into its per-token reward (set kl_in_reward: false)")
+        require(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "must be in [0, 1) (the ratio is clipped at 1 - clip_low)")
+        require(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
+        require(
+            a.clip_high >= a.clip_low,
+            "algorithm.clip_high",
+            a.clip_high,
+            f"must be >= algorithm.clip_low ({a.clip_low}); clip-higher widens the upper bound, never narrows it",
+        )
+        require(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 (typically 3) or null")
+        require(a.epochs >= 1, "algorithm.epochs", a.epochs, "must be at least 1")
+        batch = a.group_size * a.prompts_per_step
+        require(
+            a.minibatches >= 1 and batch % a.minibatches == 0,
+            "algorithm.minibatches",
+            a.minibatches,
+            f"must divide the batch of prompts_per_step x group_size = {batch} responses",
+        )
+        require(
+            a.minibatches == 1 or (batch // a.minibatches) % a.group_size == 0,
+            "algorithm.minibatches",
+            a.minibatches,
+            f"each minibatch must hold whole groups of {a.group_size}; use a divisor of prompts_per_step ({a.prompts_per_step})",
+        )
+        require(a.micro_batch_size >= 0, "algorithm.micro_batch_size", a.micro_batch_size, "must be >= 0")
+        require(a.max_resample_draws >= 0, "algorithm.max_resample_draws", a.max_resample_draws, "must be >= 0")
+        require(a.norm_length is None or a.norm_length > 0, "algorithm.norm_length", a.norm_length, "must be > 0 or null")
+        require(a.eps > 0, "algorithm.eps", a.eps, "must be > 0")
+        require(
+            a.group_size >= 2 or a.zero_variance == "keep",
+            "algorithm.zero_variance",
+            a.zero_variance,
+            "a group of one response always has zero variance, so every group would be dropped; "
+            "set algorithm.group_size >= 2 or algorithm.zero_variance=keep",
+        )
+        a.ppo.check()  # also under GRPO: a wrong value is wrong before anyone switches algorithm.name
 
 
 @dataclass
@@ -332,6 +497,13 @@ class OptimConfig:
         """The schedule brings the LR to 0 at train.steps (linear, cosine): steps past it would not train."""
         return self.schedule != "constant"
 
+    def check(self) -> None:
+        require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas,
+                "must be two numbers in [0, 1)")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        require(self.max_grad_norm >= 0, "optim.max_grad_norm", self.max_grad_norm, "must be >= 0 (0 disables clipping)")
+
 
 @dataclass
 class EvalConfig:
@@ -349,6 +521,12 @@ class EvalConfig:
     """Generation budget for evaluation (default: sampling.max_new_tokens)."""
     before: bool = True
     """Evaluate before the first training step."""
+
+    def check(self) -> None:
+        require(self.every >= 0, "eval.every", self.every, "must be >= 0")
+        require(self.n_prompts >= 0, "eval.n_prompts", self.n_prompts, "must be >= 0")
+        require(self.pass_k >= 0, "eval.pass_k", self.pass_k, "must be >= 0")
+        require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be at least 1")
 
 
 @dataclass
@@ -426,6 +604,25 @@ class TrainConfig:
     with ``cohortrl explain RUN_DIR --step N``. Recording copies what the step computed and changes none of its
     numbers; empty (the default): nothing is recorded. Under torchrun rank 0 records its own rows."""
 
+    def check(self) -> None:
+        t = self
+        require(t.steps >= 0, "train.steps", t.steps, "must be >= 0")
+        require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
+        require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0 keeps all)")
+        require(all(n >= 1 for n in t.trace_steps), "train.trace_steps", t.trace_steps,
+                "steps are counted from 1 (the first step is 1, as in metrics.jsonl)")
+        require(t.dist_timeout_s > 0, "train.dist_timeout_s", t.dist_timeout_s, "must be > 0 (seconds)")
+        require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps,
+                "must be >= 0 (0: never stop)")
+        for key in ("cpu_linear", "cpu_allocator"):
+            require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system"),
+                    f"train.{key}", getattr(t, key), "asks for part of the CPU fast path, which train.cpu_fast_path=off "
+                    "turns off; drop one of the two")
+        require(
+            t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
+            "train.device", t.device, "must be auto, cpu, cuda or cuda:N",
+        )
+
 
 @dataclass
 class SFTConfig:
@@ -444,446 +641,8 @@ class SFTConfig:
     """Longest example in tokens (prompt and completion, after the chat template); a longer row stops the run
     with an error naming it rather than being cut."""
 
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The policy model."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Prompts for training and evaluation."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Rollout generation."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Tool calls inside rollouts."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """Reward functions."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantage estimator, loss and update schedule."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimiser."""
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    """Held-out evaluation."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Loop length, seed, checkpoints, logging."""
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    """Supervised fine-tuning (``cohortrl sft``)."""
-    imports: list[str] = field(default_factory=list)
-    """Modules (``package.module``) or files (``path/to/file.py``) imported before the config is checked, so
-    the estimators, losses, reward functions and tasks they register can be named in it."""
-
-    # ---------------------------------------------------------------- construction
-    def __post_init__(self) -> None:
-        """``Config(algorithm={"group_size": 4})`` or ``Config(algorithm=AlgorithmConfig(group_size=4))``: each
-        section, given as a mapping or as its dataclass, goes through the same type checks and validation as a
-        YAML file, with the same errors."""
-        from cohortrl.user_code import import_plugin
-
-        self.imports = _convert(list[str], self.imports, "imports")
-        for ref in self.imports:
-            import_plugin(ref)
-        hints = typing.get_type_hints(Config)
-        for f in dataclasses.fields(self):
-            tp, value = hints[f.name], getattr(self, f.name)
-            if not dataclasses.is_dataclass(tp):
-                continue
-            if isinstance(value, tp):
-                value = dataclasses.asdict(value)
-            setattr(self, f.name, _convert(tp, value, f.name))
-        validate(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Config":
-        return _build(cls, data, "")
-
-    def with_overrides(self, *overrides: str) -> "Config":
-        """A copy with ``a.b=value`` overrides applied: ``cfg.with_overrides("algorithm.group_size=4")``."""
-        return Config.from_dict(apply_overrides(self.to_dict(), list(overrides)))
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, overrides: list[str] = ()) -> "Config":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path} (give the path of a YAML file, e.g. configs/tiny_grpo.yaml)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.constructor.ConstructorError as e:
-            # safe_load builds plain data only; a `!!python/...` tag would construct (and run) Python objects.
-            raise ConfigError(
-                f"config file {path} uses a YAML tag that safe loading refuses ({e.problem}); config files hold plain "
-                "data only (mappings, lists, strings, numbers): remove the tag"
-            ) from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
-        return cls.from_dict(apply_overrides(data, overrides))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-# -------------------------------------------------------------------- overrides
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=value`` overrides (value parsed as YAML) to a nested dict, returning a new dict."""
-    import copy
-
-    data = copy.deepcopy(data)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key.path=value (e.g. algorithm.group_size=4)")
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        node = data
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[parts[-1]] = value
-    return data
-
-
-# -------------------------------------------------------------------- typed building
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        return "a mapping"
-    if tp is type(None):
-        return "null"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-_YAML11_EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
-
-
-def _fail_type(path: str, value: Any, tp: Any) -> ConfigError:
-    return ConfigError(f"config key '{path}': expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise _fail_type(path, value, tp)
-        return _build(tp, value, path + ".")
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise _fail_type(path, value, tp)
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, path)
-            except ConfigError:
-                pass
-        raise _fail_type(path, value, tp)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise _fail_type(path, value, tp)
-        (item_tp,) = typing.get_args(tp)
-        return [_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _fail_type(path, value, tp)
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _fail_type(path, value, tp)
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail_type(path, value, tp)
-        return value
-    if tp is float:
-        # YAML 1.1 (PyYAML) reads 1e-4 as a string: it wants a dot (1.0e-4). Take the number the user meant.
-        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
-            return float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _fail_type(path, value, tp)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _fail_type(path, value, tp)
-        return value
-    raise TypeError(f"unsupported config field type {tp!r} at {path}")  # a bug in this file, not user input
-
-
-def _all_paths(cls: type, prefix: str = "") -> list[str]:
-    out = []
-    for f in dataclasses.fields(cls):
-        out.append(prefix + f.name)
-        tp = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(tp):
-            out.extend(_all_paths(tp, prefix + f.name + "."))
-    return out
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    if cls is AlgorithmConfig:
-        data = _moved_kl_estimator(data)
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            path = prefix + str(key)
-            close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
-            if key in TRL_NAMES:  # a TRL GRPOConfig name: say ours (and how the value carries over)
-                ours, how = TRL_NAMES[key]
-                raise ConfigError(f"unknown config key '{path}': '{key}' is TRL's name; cohortrl's is '{ours}'"
-                                  + (f" ({how})" if how else "") + "; see docs/trl_migration.md")
-            if close:
-                hint = f"; did you mean '{prefix + close[0]}'?"
-            else:  # maybe a key put in the wrong section
-                elsewhere = difflib.get_close_matches(path, _all_paths(Config), n=1, cutoff=0.6)
-                hint = f"; did you mean '{elsewhere[0]}'?" if elsewhere else f"; valid keys here: {', '.join(sorted(names))}"
-            raise ConfigError(f"unknown config key '{path}'{hint}")
-    kwargs = {name: _convert(hints[name], value, prefix + name) for name, value in data.items()}
-    return cls(**kwargs)
-
-
-def _moved_kl_estimator(data: dict[str, Any]) -> dict[str, Any]:
-    """``algorithm.ppo.kl_estimator`` (before there was one ``algorithm.kl_estimator``) still loads, so old
-    YAML files and saved run configs resume unchanged: under PPO it is the estimator PPO used, so it sets
-    ``algorithm.kl_estimator``; under GRPO it was unused and is dropped."""
-    ppo = data.get("ppo")
-    if not isinstance(ppo, dict) or "kl_estimator" not in ppo:
-        return data
-    data, ppo = dict(data), dict(ppo)
-    old = ppo.pop("kl_estimator")
-    data["ppo"] = ppo
-    if data.get("name") == "ppo":
-        data["kl_estimator"] = old
-    import logging
-
-    logging.getLogger(__name__).warning(
-        "config key 'algorithm.ppo.kl_estimator' is deprecated: write algorithm.kl_estimator (one field for both "
-        "trainers)%s", f"; read as algorithm.kl_estimator = {old!r}" if data.get("name") == "ppo" else "; unused by GRPO, ignored")
-    return data
-
-
-# -------------------------------------------------------------------- cross-field validation
-
-
-def _require(ok: bool, path: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{path}' = {value!r}: {why}")
-
-
-def validate(cfg: Config) -> None:
-    """Check settings that are impossible on their own or together. Raises :class:`ConfigError`."""
-    a, s, o, d, e, t = cfg.algorithm, cfg.sampling, cfg.optim, cfg.data, cfg.eval, cfg.train
-    from cohortrl.algorithms import (
-        ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS, GAE_NEEDS, POLICY_LOSSES, EstimatorNeeds, SEQUENCE_ADVANTAGE_LOSSES,
-    )
-
-    for path, name, registry in (
-        ("algorithm.estimator", a.estimator, ADVANTAGE_ESTIMATORS),
-        ("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES),
-    ):
-        close = difflib.get_close_matches(name, list(registry), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        _require(name in registry, path, name, f"unknown name; {hint}registered: {', '.join(registry)}")
-    _require(a.name != "ppo" or a.estimator == "grpo", "algorithm.estimator", a.estimator,
-             "is GRPO's setting; PPO's advantages are GAE from its critic (tune algorithm.ppo.gamma / lam), so remove it")
-    needs = GAE_NEEDS if a.name == "ppo" else ESTIMATOR_NEEDS.get(a.estimator, EstimatorNeeds())
-    source = "PPO's GAE" if a.name == "ppo" else f"estimator '{a.estimator}'"
-    _require(
-        a.policy_loss not in SEQUENCE_ADVANTAGE_LOSSES or needs.per_sequence, "algorithm.policy_loss", a.policy_loss,
-        f"needs one advantage per response, but {source} gives advantages that vary along the response (each token "
-        "would get the response's mean advantage); use policy_loss: clip, or an outcome estimator (grpo, dr_grpo, rloo)",
-    )
-    _require(a.group_size >= 1, "algorithm.group_size", a.group_size, "must be at least 1")
-    _require(
-        a.group_size >= 2 or not needs.groups,
-        "algorithm.group_size",
-        a.group_size,
-        f"estimator '{a.estimator}' normalises within a group and needs at least 2 responses per prompt; "
-        "set algorithm.group_size >= 2 or use algorithm.estimator=reinforce_pp",
-    )
-    _require(a.prompts_per_step >= 1, "algorithm.prompts_per_step", a.prompts_per_step, "must be at least 1")
-    _require(a.beta >= 0, "algorithm.beta", a.beta, "the KL coefficient must be >= 0 (0 disables the KL term)")
-    _require(a.name != "rft" or a.beta == 0, "algorithm.beta", a.beta,
-             "rejection-sampling fine-tuning (algorithm.name=rft) trains with the supervised loss alone, with no KL "
-             "term; set algorithm.beta=0")
-    _require(not a.kl_in_reward or a.beta > 0, "algorithm.kl_in_reward", a.kl_in_reward,
-             "puts beta x KL into the reward, but algorithm.beta is 0; set beta > 0 or kl_in_reward: false")
-    _require(not a.kl_in_reward or a.name == "grpo", "algorithm.kl_in_reward", a.kl_in_reward,
-             "is GRPO's switch; PPO always puts the KL into its per-token reward (set kl_in_reward: false)")
-    _require(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "must be in [0, 1) (the ratio is clipped at 1 - clip_low)")
-    _require(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
-    _require(
-        a.clip_high >= a.clip_low,
-        "algorithm.clip_high",
-        a.clip_high,
-        f"must be >= algorithm.clip_low ({a.clip_low}); clip-higher widens the upper bound, never narrows it",
-    )
-    _require(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 (typically 3) or null")
-    _require(a.epochs >= 1, "algorithm.epochs", a.epochs, "must be at least 1")
-    batch = a.group_size * a.prompts_per_step
-    _require(
-        a.minibatches >= 1 and batch % a.minibatches == 0,
-        "algorithm.minibatches",
-        a.minibatches,
-        f"must divide the batch of prompts_per_step x group_size = {batch} responses",
-    )
-    _require(
-        a.minibatches == 1 or (batch // a.minibatches) % a.group_size == 0,
-        "algorithm.minibatches",
-        a.minibatches,
-        f"each minibatch must hold whole groups of {a.group_size}; use a divisor of prompts_per_step ({a.prompts_per_step})",
-    )
-    _require(a.micro_batch_size >= 0, "algorithm.micro_batch_size", a.micro_batch_size, "must be >= 0")
-    _require(a.max_resample_draws >= 0, "algorithm.max_resample_draws", a.max_resample_draws, "must be >= 0")
-    _require(a.norm_length is None or a.norm_length > 0, "algorithm.norm_length", a.norm_length, "must be > 0 or null")
-    _require(a.eps > 0, "algorithm.eps", a.eps, "must be > 0")
-    _require(
-        a.group_size >= 2 or a.zero_variance == "keep",
-        "algorithm.zero_variance",
-        a.zero_variance,
-        "a group of one response always has zero variance, so every group would be dropped; "
-        "set algorithm.group_size >= 2 or algorithm.zero_variance=keep",
-    )
-    _validate_ppo(a.ppo)  # also under GRPO: a wrong value is wrong before anyone switches algorithm.name
-    _require(s.temperature >= 0, "sampling.temperature", s.temperature, "must be >= 0 (0 = greedy)")
-    _require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
-    _require(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 disables top-k)")
-    _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "must be at least 1")
-    _require(0 <= s.min_new_tokens <= s.max_new_tokens, "sampling.min_new_tokens", s.min_new_tokens,
-             f"must be between 0 and sampling.max_new_tokens ({s.max_new_tokens})")
-    _require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
-    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", o.betas, "must be two numbers in [0, 1)")
-    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    _require(o.max_grad_norm >= 0, "optim.max_grad_norm", o.max_grad_norm, "must be >= 0 (0 disables clipping)")
-    _require(d.level >= 1, "data.level", d.level, "levels start at 1")
-    _require(d.train_size >= 0, "data.train_size", d.train_size, "must be >= 0")
-    _require(d.eval_size is None or d.eval_size >= 0, "data.eval_size", d.eval_size, "must be >= 0")
-    _require(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "must be at least 1")
-    _require(not d.exclude_from_training or d.source.startswith("task:"), "data.exclude_from_training",
-             d.exclude_from_training, "applies to task: sources only (a dataset's own rows: split them yourself)")
-    _require(all(isinstance(v, list) and v for v in d.exclude_from_training.values()), "data.exclude_from_training",
-             d.exclude_from_training, "must map a sample field to a non-empty list of values, e.g. {function: [circle_area]}")
-    _require(
-        d.source.split(":", 1)[0] in ("task", "jsonl", "hf", "python") and ":" in d.source,
-        "data.source",
-        d.source,
-        "must be task:NAME, jsonl:PATH, hf:DATASET_ID or python:NAME",
-    )
-    _require(e.every >= 0, "eval.every", e.every, "must be >= 0")
-    _require(e.n_prompts >= 0, "eval.n_prompts", e.n_prompts, "must be >= 0")
-    _require(e.pass_k >= 0, "eval.pass_k", e.pass_k, "must be >= 0")
-    _require(e.batch_size >= 1, "eval.batch_size", e.batch_size, "must be at least 1")
-    _require(t.steps >= 0, "train.steps", t.steps, "must be >= 0")
-    _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
-    _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0 keeps all)")
-    _require(all(n >= 1 for n in t.trace_steps), "train.trace_steps", t.trace_steps,
-             "steps are counted from 1 (the first step is 1, as in metrics.jsonl)")
-    _require(t.dist_timeout_s > 0, "train.dist_timeout_s", t.dist_timeout_s, "must be > 0 (seconds)")
-    _require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps, "must be >= 0 (0: never stop)")
-    for key in ("cpu_linear", "cpu_allocator"):
-        _require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system"),
-                 f"train.{key}", getattr(t, key), "asks for part of the CPU fast path, which train.cpu_fast_path=off "
-                 "turns off; drop one of the two")
-    _require(cfg.reward.timeout_s >= 0, "reward.timeout_s", cfg.reward.timeout_s, "must be >= 0 (0: no limit)")
-    proc = cfg.reward.process
-    _require(
-        proc is not None or not needs.steps,
-        "algorithm.estimator", a.estimator, "uses step rewards: set reward.process (e.g. {name: task_steps})",
-    )
-    _require(
-        proc is None or a.name == "ppo" or needs.steps,
-        "reward.process", proc and proc.name,
-        f"step rewards would be ignored by estimator '{a.estimator}'; use one that reads them "
-        f"({', '.join(n for n, x in ESTIMATOR_NEEDS.items() if x.steps)})",
-    )
-    if proc is not None:
-        _require(proc.cap > 0, "reward.process.cap", proc.cap, "must be > 0")
-        _require(proc.max_steps >= 1, "reward.process.max_steps", proc.max_steps, "must be at least 1")
-        _require(proc.coef >= 0, "reward.process.coef", proc.coef, "must be >= 0")
-    _require(cfg.reward.workers >= 0, "reward.workers", cfg.reward.workers, "must be >= 0 (0: score in the trainer's process)")
-    _require(
-        t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
-        "train.device", t.device, "must be auto, cpu, cuda or cuda:N",
-    )
-    _require(0 < s.vllm_gpu_memory_utilization <= 1, "sampling.vllm_gpu_memory_utilization",
-             s.vllm_gpu_memory_utilization, "must be in (0, 1]")
-    _require(s.is_cap > 0, "sampling.is_cap", s.is_cap, "must be > 0")
-    _validate_rollout(cfg.rollout, s)
-    _require(cfg.model.lora.r >= 1, "model.lora.r", cfg.model.lora.r, "must be at least 1")
-    _validate_sft(cfg.sft)
-    _require(
-        cfg.model.init is None or any((Path(cfg.model.init) / f).is_file() for f in ("adapter_config.json", "config.json")),
-        "model.init", cfg.model.init,
-        "must be a directory holding a PEFT adapter (adapter_config.json) or full weights (config.json), "
-        "e.g. the final/ directory of a cohortrl sft run",
-    )
-    for i, fn in enumerate(cfg.reward.functions):
-        _require(fn.name != "", f"reward.functions[{i}].name", fn.name, "must name a reward function")
-    _require(len(cfg.reward.functions) >= 1, "reward.functions", cfg.reward.functions, "needs at least one reward function")
-    names = [fn.name for fn in cfg.reward.functions]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    _require(not dupes, "reward.functions", dupes, "each reward function may appear once (its name keys its metrics)")
-    _require(
-        cfg.reward.correctness in names,
-        "reward.correctness",
-        cfg.reward.correctness,
-        f"must be the name of one of reward.functions ({', '.join(names)})",
-    )
-
-
-def _validate_sft(s: SFTConfig) -> None:
-    _require(s.batch_size >= 1, "sft.batch_size", s.batch_size, "must be at least 1")
-    _require(s.grad_accum >= 1, "sft.grad_accum", s.grad_accum, "must be at least 1 (1: no gradient accumulation)")
-    _require(s.max_length >= 2, "sft.max_length", s.max_length, "must be at least 2 (a prompt token and a completion token)")
-
-
-def _validate_rollout(r: RolloutConfig, s: SamplingConfig) -> None:
-    # Tool names are resolved by the trainer before the model loads, as reward functions are: a name may be a
-    # function handed over in Python (tools=[fn]), which this file cannot know.
-    _require(r.max_tool_calls >= 1, "rollout.max_tool_calls", r.max_tool_calls, "must be at least 1")
-    _require(r.tool_timeout_s > 0, "rollout.tool_timeout_s", r.tool_timeout_s, "must be > 0 (seconds)")
-    _require(not r.tools or s.backend == "hf", "rollout.tools", r.tools,
-             "tool calls run in the hf backend's decoding loop; set sampling.backend=hf or remove the tools")
-
-
-def _validate_ppo(p: PPOConfig) -> None:
-    _require(0 <= p.gamma <= 1, "algorithm.ppo.gamma", p.gamma, "must be in [0, 1]")
-    _require(0 <= p.lam <= 1, "algorithm.ppo.lam", p.lam, "must be in [0, 1]")
-    _require(p.vf_coef > 0, "algorithm.ppo.vf_coef", p.vf_coef, "must be > 0 (the critic learns only from the value loss)")
-    _require(p.value_clip is None or p.value_clip > 0, "algorithm.ppo.value_clip", p.value_clip, "must be > 0 or null (no clipping)")
-    _require(p.critic_lr is None or p.critic_lr > 0, "algorithm.ppo.critic_lr", p.critic_lr, "must be > 0 or null (use optim.lr)")
-    _require(p.critic_warmup_steps >= 0, "algorithm.ppo.critic_warmup_steps", p.critic_warmup_steps, "must be >= 0")
-    _require(p.target_kl > 0, "algorithm.ppo.target_kl", p.target_kl, "must be > 0 (nats per response)")
-    _require(p.horizon >= 1, "algorithm.ppo.horizon", p.horizon, "must be at least 1")
-    _require(
-        p.missing_eos_penalty is None or p.missing_eos_penalty >= 0,
-        "algorithm.ppo.missing_eos_penalty",
-        p.missing_eos_penalty,
-        "is subtracted from the reward, so give it as a number >= 0 (or null to disable)",
-    )
-    _require(
-        p.critic_init == "policy" or (Path(p.critic_init) / "config.json").is_file(),
-        "algorithm.ppo.critic_init",
-        p.critic_init,
-        "must be 'policy' or a directory with a sequence-classification checkpoint (config.json not found there)",
-    )
+    def check(self) -> None:
+        require(self.batch_size >= 1, "sft.batch_size", self.batch_size, "must be at least 1")
+        require(self.grad_accum >= 1, "sft.grad_accum", self.grad_accum, "must be at least 1 (1: no gradient accumulation)")
+        require(self.max_length >= 2, "sft.max_length", self.max_length,
+                "must be at least 2 (a prompt token and a completion token)")
