@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 from pathlib import Path
 
 import torch
@@ -203,13 +204,10 @@ def _short(name: str) -> str:
 
 
 def _wrap(text: str, width: int) -> list[str]:
-    lines = []
-    for raw in str(text).splitlines() or [""]:
-        while len(raw) > width:
-            lines.append(raw[:width])
-            raw = raw[width:]
-        lines.append(raw)
-    return lines
+    """``text``'s lines in lines of at most ``width``, broken between words (only a word longer than ``width``
+    is cut); blank lines kept."""
+    return [part for raw in str(text).splitlines() or [""]
+            for part in textwrap.wrap(raw, width, break_on_hyphens=False) or [""]]
 
 
 def _group_advantages(trace, prompt: int, rows, add) -> None:
