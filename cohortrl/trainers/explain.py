@@ -283,7 +283,7 @@ def _objective(trace, rows, view, add) -> None:
             ex = get(extra_name)
             add(_token_row(str(t), _tok(trace["tokens"][i][t], 10), _mark(trace, i, t),
                            _f(float(trace["advantages"][i, t]), 8), _f(get("old_logp"), 9), _f(get("logp"), 8),
-                           _f(ref, 9), _f(get("ratio"), 6), side, _f(ex, 8, 4), _f(get("weight"), 8, 4),
+                           _f(ref, 9), _f(get("ratio"), 6), side, _f(ex, 8, 4), _f(get("weight"), 8, 6),
                            _f(get("contribution"), 10, 5)))
 
 
