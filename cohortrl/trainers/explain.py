@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 from pathlib import Path
 
 import torch
@@ -203,13 +204,10 @@ def _short(name: str) -> str:
 
 
 def _wrap(text: str, width: int) -> list[str]:
-    lines = []
-    for raw in str(text).splitlines() or [""]:
-        while len(raw) > width:
-            lines.append(raw[:width])
-            raw = raw[width:]
-        lines.append(raw)
-    return lines
+    """``text``'s lines in lines of at most ``width``, broken between words (only a word longer than ``width``
+    is cut); blank lines kept."""
+    return [part for raw in str(text).splitlines() or [""]
+            for part in textwrap.wrap(raw, width, break_on_hyphens=False) or [""]]
 
 
 def _group_advantages(trace, prompt: int, rows, add) -> None:
@@ -285,7 +283,7 @@ def _objective(trace, rows, view, add) -> None:
             ex = get(extra_name)
             add(_token_row(str(t), _tok(trace["tokens"][i][t], 10), _mark(trace, i, t),
                            _f(float(trace["advantages"][i, t]), 8), _f(get("old_logp"), 9), _f(get("logp"), 8),
-                           _f(ref, 9), _f(get("ratio"), 6), side, _f(ex, 8, 4), _f(get("weight"), 8, 4),
+                           _f(ref, 9), _f(get("ratio"), 6), side, _f(ex, 8, 4), _f(get("weight"), 8, 6),
                            _f(get("contribution"), 10, 5)))
 
 

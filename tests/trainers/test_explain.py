@@ -54,6 +54,29 @@ def test_the_terminal_walk_through_fits_100_columns_and_reconciles_the_logged_lo
         assert re.search(r"^\s+\d+ .{10} t ", text, re.M)
 
 
+def test_a_long_prompt_is_wrapped_between_words(traced_runs):
+    """A prompt wider than the terminal breaks at spaces (it was cut at column 98, mid-word: "writ" / "e ANSWER")."""
+    run_dir, rows = traced_runs("grpo")
+    trace = load_trace(run_dir, rows[-1]["step"])
+    trace["prompts"][0] = " ".join(f"word{k}" for k in range(60))  # 430 characters; column 98 falls inside a word
+    lines = explain_text(trace, None, prompt=0).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("prompt 0 of")) + 1
+    shown = lines[start: lines.index("", start)]
+    assert len(shown) > 1 and max(len(line) for line in shown) <= WIDTH
+    assert " ".join(line.strip() for line in shown) == trace["prompts"][0]
+
+
+def test_the_aggregation_weight_is_shown_to_six_decimals(traced_runs):
+    """w_t = 1/(N·|o_i|) is ~1e-3 on a real step: four decimals showed 0.0009 for 144 tokens and 0.0008 for 148."""
+    from cohortrl.trainers.explain import token_view
+
+    run_dir, rows = traced_runs("grpo")
+    trace = load_trace(run_dir, rows[-1]["step"])
+    lines = explain_text(trace, None, prompt=0).splitlines()
+    first = lines[next(i for i, line in enumerate(lines) if line.startswith("   response 0: sum_t")) + 2]
+    assert first.split()[-2] == f"{float(token_view(trace)['weight'][0, 0]):.6f}", first
+
+
 @pytest.mark.parametrize("estimator, by_hand", [
     ("grpo", "-0.7833"),  # (0 − 0.375) / (0.4787136 + 1e-6)
     ("dr_grpo", "-0.3750"),  # 0 − 0.375
