@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from cohortrl import cli
+from cohortrl.demo import check_same_evaluation
 from cohortrl.stats import mcnemar_exact
 from cohortrl.trainers.evaluate import read_answers
 from cohortrl.trainers.sft import SFTTrainer
@@ -101,7 +102,7 @@ def test_phases_that_would_not_be_evaluated_alike_are_refused_before_any_model_l
 def test_the_shipped_demo_configs_share_their_held_out_problems():
     sft = cli._load_config(str(cli.REPO_CONFIGS / "demo_sft.yaml"), [])
     grpo = cli._load_config(str(cli.REPO_CONFIGS / "demo_grpo.yaml"), [])
-    cli._check_same_evaluation(sft, grpo)  # raises if not
+    check_same_evaluation(sft, grpo)  # raises if not
     assert sft.eval.before and not grpo.eval.before and grpo.model.init is None  # the demo sets model.init
 
 

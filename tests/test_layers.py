@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cohortrl"
 LAYERS = [
     {"__init__"},
     {"__main__", "cli"},
-    {"sweep", "study"},
+    {"sweep", "study", "demo"},
     {"trainers"},
     {"rewards", "rollout", "reward_models"},
     {"tasks", "tools", "data", "models", "planner", "distributed", "cpu"},
