@@ -227,7 +227,8 @@ def _run_evaluation(run_dir: Path, args) -> tuple[Config, str | None]:
 
 def _held_out_set(cfg: Config) -> str:
     """Which held-out problems a config's data section draws (data.load_rows), in words."""
-    return f"those {cfg.data.source} holds out (data.eval_size={cfg.data.eval_size}, train.seed={cfg.train.seed})"
+    level = "" if cfg.data.eval_level is None else f", data.eval_level={cfg.data.eval_level}"
+    return f"those {cfg.data.source} holds out (data.eval_size={cfg.data.eval_size}{level}, train.seed={cfg.train.seed})"
 
 
 def _check_adapter(path: Path) -> None:

@@ -166,26 +166,29 @@ def _check_one_format(train: list[dict], held_out: list[dict], source: str) -> N
 def _task_rows(name: str, cfg, seed: int):
     from cohortrl import tasks
 
+    eval_level = cfg.level if cfg.eval_level is None else cfg.eval_level
     try:
         family = tasks.get(name)
-        family.check_level(cfg.level)
     except KeyError as e:  # the registry's message names the known families and the closest one
         raise DataError(f"data.source 'task:{name}': {e.args[0]}") from None
-    except ValueError as e:
-        raise DataError(f"data.level={cfg.level}: {e}; set data.level to one of them") from None
+    for setting, level in (("data.level", cfg.level), ("data.eval_level", eval_level)):
+        try:
+            family.check_level(level)
+        except ValueError as e:
+            raise DataError(f"{setting}={level}: {e}; set {setting} to one of them") from None
 
-    def rows(n, s):
-        return [{"prompt": x.prompt, "answer": x.answer, "sample": x.to_dict()} for x in family.sample(n, s, cfg.level)]
+    def rows(n, s, level=cfg.level):
+        return [{"prompt": x.prompt, "answer": x.answer, "sample": x.to_dict()} for x in family.sample(n, s, level)]
 
     # Easy levels have small pools of distinct problems: draw until eval_size distinct prompts are found.
     eval_size = DEFAULT_EVAL_SIZE if cfg.eval_size is None else cfg.eval_size
     held_out, drawn = [], eval_size
     while len(held_out) < eval_size:
-        held_out = _dedupe(rows(drawn, seed + 1_000_003))[:eval_size]
+        held_out = _dedupe(rows(drawn, seed + 1_000_003, eval_level))[:eval_size]
         if len(held_out) < eval_size and drawn >= 8 * eval_size:
             raise DataError(
-                f"task {name!r} level {cfg.level} has only about {len(held_out)} distinct prompts; "
-                f"lower data.eval_size (now {eval_size}) or raise data.level"
+                f"task {name!r} level {eval_level} has only about {len(held_out)} distinct prompts; "
+                f"lower data.eval_size (now {eval_size}) or raise the level"
             )
         drawn *= 2
     if not cfg.exclude_from_training:

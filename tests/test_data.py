@@ -158,3 +158,23 @@ def test_exclude_from_training_names_a_field_or_value_that_matches_nothing(spec,
     with pytest.raises(DataError) as e:
         load_rows(cfg, 0)
     assert str(e.value).startswith(message)
+
+
+def test_eval_level_holds_out_exactly_what_a_run_at_that_level_holds_out():
+    """A warm start trained on level 2 and measured on level 1 must answer the same held-out problems as a GRPO
+    run on level 1, or the two cannot be paired problem by problem."""
+    cross = DataConfig(source="task:axial_stress", level=2, eval_level=1, seed=0, train_size=30, eval_size=20)
+    train, held_out = load_rows(cross, 0)
+    level2_train, level2_held_out = load_rows(DataConfig(source="task:axial_stress", level=2, seed=0, train_size=30, eval_size=20), 0)
+    _, level1_held_out = load_rows(DataConfig(source="task:axial_stress", level=1, seed=0, train_size=30, eval_size=20), 0)
+    assert [r["prompt"] for r in held_out] == [r["prompt"] for r in level1_held_out]
+    assert [r["prompt"] for r in held_out] != [r["prompt"] for r in level2_held_out]
+    assert [r["prompt"] for r in train] == [r["prompt"] for r in level2_train]  # training stays on data.level
+    assert {r["sample"]["level"] for r in train} == {2} and {r["sample"]["level"] for r in held_out} == {1}
+
+
+def test_eval_level_names_a_level_the_family_lacks():
+    with pytest.raises(DataError) as e:
+        load_rows(DataConfig(source="task:axial_stress", level=2, eval_level=9, seed=0, train_size=10, eval_size=5), 0)
+    assert str(e.value).startswith("data.eval_level=9: axial_stress has levels [")
+    assert str(e.value).endswith("set data.eval_level to one of them")

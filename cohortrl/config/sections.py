@@ -80,6 +80,10 @@ class DataConfig:
     -> dict``; the result must hold the prompt column. Not applied to ``task:`` rows (they are generated)."""
     level: int = 1
     """Difficulty level for ``task:`` sources."""
+    eval_level: Optional[int] = None
+    """``task:`` sources: draw the held-out problems from this level instead of ``data.level`` (a warm start
+    trained on level-2 problems and measured on level 1). They are exactly the problems a run with
+    ``data.level`` set to this level holds out (same ``data.seed``), so the two runs pair problem by problem."""
     prompt_column: str = "prompt"
     """Column holding the prompt text (jsonl / hf sources)."""
     answer_column: str = "answer"
@@ -112,6 +116,9 @@ class DataConfig:
 
     def check(self) -> None:
         require(self.level >= 1, "data.level", self.level, "levels start at 1")
+        require(self.eval_level is None or self.eval_level >= 1, "data.eval_level", self.eval_level, "levels start at 1")
+        require(self.eval_level is None or self.source.startswith("task:"), "data.eval_level", self.eval_level,
+                "applies to task: sources only (other sources: give the held-out rows as eval_dataset= or a jsonl)")
         require(self.train_size >= 0, "data.train_size", self.train_size, "must be >= 0")
         require(self.eval_size is None or self.eval_size >= 0, "data.eval_size", self.eval_size, "must be >= 0")
         require(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", self.max_prompt_tokens, "must be at least 1")
