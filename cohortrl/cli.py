@@ -317,10 +317,14 @@ def cmd_report(args) -> int:
     (OUT.png) and a summary table (OUT.md). Given one sweep directory (cohortrl sweep): per arm the mean, sd and
     per-seed intervals over seeds, curves with one line per seed and a band, and each arm paired against the
     baseline arm on the same held-out problems (exact McNemar per seed, paired bootstrap over seeds x problems)."""
-    if len(args.run_dirs) == 1 and (Path(args.run_dirs[0]) / "sweep.json").is_file():
+    sweeps = [(Path(d) / "sweep.json").is_file() for d in args.run_dirs]
+    if any(sweeps) and not all(sweeps):
+        raise ConfigError(f"{args.run_dirs[sweeps.index(False)]} is not a sweep directory (no sweep.json) but "
+                          f"{args.run_dirs[sweeps.index(True)]} is: give sweep directories only, or run directories only")
+    if all(sweeps):
         from cohortrl.study import write_study_report
 
-        paths = write_study_report(Path(args.run_dirs[0]), Path(args.out), baseline=args.baseline, metrics=args.metrics or [],
+        paths = write_study_report([Path(d) for d in args.run_dirs], Path(args.out), baseline=args.baseline, metrics=args.metrics or [],
                                    panels=args.panels or ["reward_mean"], last_k=args.last_k,
                                    keep_dir=Path(args.keep) if args.keep else None)
     else:
@@ -532,7 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("report", help="compare runs: OUT.png curves and OUT.md summary", description=cmd_report.__doc__)
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl), or one sweep directory")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl), or sweep directories (one sweep's arms, or several "
+                   "sweeps' arms side by side, named by folder)")
     p.add_argument("--out", required=True, help="output path without suffix, e.g. docs/process_rewards_smollm2")
     p.add_argument("--last-k", type=int, default=5, help="mean reward over the last K training steps (default 5)")
     p.add_argument("--panels", nargs="+", metavar="KEY", help="step metrics to plot and tabulate (first and last K "

@@ -96,6 +96,27 @@ def load_sweep(directory: Path) -> list[Arm]:
     return out
 
 
+def load_sweeps(directories: list[Path]) -> list[Arm]:
+    """The arms of one sweep (named as in its grid), or of several sweeps side by side: a study whose arms need
+    different commands (an SFT warm start and control, GRPO and RFT runs) is one sweep per command, with the
+    same seeds and ``data.seed``. With several, an arm is named by its sweep's folder (``pf_grpo``), followed by
+    its grid name where the sweep has a grid (``pf_rl/algorithm.name=rft``)."""
+    directories = [Path(d) for d in directories]
+    if len(directories) == 1:
+        return load_sweep(directories[0])
+    names = [d.name for d in directories]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"two sweep folders are named {twice[0]!r}: the arms are named by folder, so give folders "
+                         "with different names")
+    out = []
+    for d in directories:
+        for arm in load_sweep(d):
+            arm.name = d.name if arm.name == "base" else f"{d.name}/{arm.name}"
+            out.append(arm)
+    return out
+
+
 def keep(directory: Path, dest: Path) -> Path:
     """Copy what the report reads (and each run's config) into ``dest``: a folder small enough to commit, from
     which ``cohortrl report dest`` regenerates the same tables."""
@@ -284,22 +305,26 @@ def plot(arms_: list[Arm], png: Path, panels: list[str]) -> None:
     plt.close(fig)
 
 
-def write_study_report(directory: Path, out: Path, *, baseline: str | None = None, metrics: list[str] = (),
+def write_study_report(directories: list[Path], out: Path, *, baseline: str | None = None, metrics: list[str] = (),
                        panels: list[str] = ("reward_mean",), last_k: int = 5, keep_dir: Path | None = None) -> tuple[Path, Path]:
-    """``out.md`` and ``out.png`` for the sweep in ``directory`` (see the module docstring); returns both."""
-    arms_ = [a for a in load_sweep(directory) if a.runs]
+    """``out.md`` and ``out.png`` for the sweep in ``directories`` (or several sweeps side by side, see
+    :func:`load_sweeps`; the module docstring says what is in them); returns both. ``keep_dir``: one sweep is
+    copied into it, several each into ``keep_dir/FOLDER``."""
+    directories = [Path(d) for d in directories]
+    arms_ = [a for a in load_sweeps(directories) if a.runs]
     if not arms_:
-        raise FileNotFoundError(f"{directory}: no run of the sweep has a metrics.jsonl yet")
+        raise FileNotFoundError(f"{' '.join(map(str, directories))}: no run of the sweep has a metrics.jsonl yet")
     names = [a.name for a in arms_]
     baseline = baseline or names[0]
     if baseline not in names:
         raise ValueError(f"--baseline {baseline!r} is not an arm with runs; the arms: {', '.join(names)}")
     if keep_dir is not None:
-        keep(directory, keep_dir)
+        for d in directories:
+            keep(d, keep_dir if len(directories) == 1 else Path(keep_dir) / d.name)
     out = Path(out)
     out = out.with_suffix("") if out.suffix in (".md", ".png") else out
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["cohortrl report", str(directory), "--out", str(out), *(["--baseline", baseline] if baseline != names[0] else []),
+    command = " ".join(["cohortrl report", *map(str, directories), "--out", str(out), *(["--baseline", baseline] if baseline != names[0] else []),
                         *(["--metrics", *metrics] if metrics else []),
                         *(["--panels", *panels] if list(panels or []) != ["reward_mean"] else []),
                         *([f"--last-k {last_k}"] if last_k != 5 else [])])

@@ -166,7 +166,7 @@ def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
     assert mean == pytest.approx((4 - 2 + 8) / 20)  # B − A over the 20 seed × problem pairs
     assert low < mean < high
 
-    md, png = write_study_report(root, tmp_path / "report", metrics=["loss"])
+    md, png = write_study_report([root], tmp_path / "report", metrics=["loss"])
     text = md.read_text()
     assert "s0: 2/4 of 10, p=0.688; s1: 0/8 of 10, p=0.008" in text
     assert "| x=A | 2 | s0 0.600 (0.313-0.832, n=10, step 5); s1 0.200 (0.057-0.510, n=10, step 5) | 0.400 | 0.283 |" in text
@@ -175,11 +175,34 @@ def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
     assert png.stat().st_size > 0
 
     copy = tmp_path / "committed"
-    write_study_report(root, tmp_path / "r1", metrics=["loss"], keep_dir=copy)
-    md2, _ = write_study_report(copy, tmp_path / "r2", metrics=["loss"])  # from the copy alone
+    write_study_report([root], tmp_path / "r1", metrics=["loss"], keep_dir=copy)
+    md2, _ = write_study_report([copy], tmp_path / "r2", metrics=["loss"])  # from the copy alone
     assert (copy / "x=B" / "seed1" / ANSWERS).is_file() and not (copy / "x=B" / "seed1" / "eval_completions.jsonl").exists()
     strip = lambda t: [line for line in t.splitlines() if "Regenerate" not in line and "![curves]" not in line and not line.startswith("# ")]
     assert strip(md2.read_text()) == strip((tmp_path / "r1.md").read_text())
+
+
+def test_several_sweeps_are_reported_side_by_side_as_one_study(tmp_path):
+    """A study whose arms need different commands (an SFT warm start, GRPO and RFT) is one sweep per command:
+    the report names each arm by its sweep's folder and pairs them as arms of one sweep."""
+    from cohortrl.study import load_sweeps, write_study_report
+
+    warm = hand_made_sweep(tmp_path / "ws", {("A", 0): {0, 1}, ("B", 0): {0}, ("A", 1): {0}})
+    rl = hand_made_sweep(tmp_path / "rl", {("A", 0): {0, 1, 2, 3}, ("B", 0): {5}, ("A", 1): {0, 1, 2}})
+    assert [a.name for a in load_sweeps([warm, rl])] == ["ws/x=A", "ws/x=B", "rl/x=A", "rl/x=B"]
+    md, _ = write_study_report([warm, rl], tmp_path / "study", keep_dir=tmp_path / "kept")
+    text = md.read_text()
+    # rl/x=A against ws/x=A: seed 0 only rl right p2 p3 (p = 0.5), seed 1 only rl right p1 p2 (p = 0.5)
+    assert "| rl/x=A | s0: 0/2 of 10, p=0.500; s1: 0/2 of 10, p=0.500 |" in text
+    assert "| rl/x=B | s0: 2/1 of 10, p=1.000 |" in text
+    assert f"Regenerate: `cohortrl report {warm} {rl} --out" in text
+    again, _ = write_study_report([tmp_path / "kept" / "ws", tmp_path / "kept" / "rl"], tmp_path / "again")
+    strip = lambda t: [line for line in t.splitlines() if "Regenerate" not in line and "![curves]" not in line
+                       and not line.startswith("# ")]
+    assert strip(again.read_text()) == strip(text)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ValueError, match="two sweep folders are named 'ws'"):
+        load_sweeps([warm, hand_made_sweep(tmp_path / "other" / "ws", {("A", 0): {0}, ("B", 0): {0}})])
 
 
 def test_the_report_pairs_the_unseen_and_the_seen_problems_apart(tmp_path):
@@ -194,10 +217,10 @@ def test_the_report_pairs_the_unseen_and_the_seen_problems_apart(tmp_path):
     assert paired(a, b, part="unseen")["per_seed"] == [(0, 4, 0, 4, 0.125), (1, 4, 0, 4, 0.125)]
     assert paired(a, b, part="seen")["per_seed"] == [(0, 6, 2, 0, 0.5), (1, 6, 0, 4, 0.125)]
     assert paired(a, b, part="unseen")["bootstrap"][0] == pytest.approx(1.0)
-    text = write_study_report(root, tmp_path / "report")[0].read_text()
+    text = write_study_report([root], tmp_path / "report")[0].read_text()
     assert "| x=B | s0 1.000 (0.510-1.000, n=4); s1 1.000 (0.510-1.000, n=4) | s0 0.667 (0.300-0.903, n=6); s1 1.000 (0.610-1.000, n=6) |" in text
     assert "on the unseen problems only" in text and "s0: 0/4 of 4, p=0.125; s1: 0/4 of 4, p=0.125" in text
-    unmarked = write_study_report(hand_made_sweep(tmp_path / "plain", {("A", 0): {0}, ("B", 0): {1}}), tmp_path / "r")[0]
+    unmarked = write_study_report([hand_made_sweep(tmp_path / "plain", {("A", 0): {0}, ("B", 0): {1}})], tmp_path / "r")[0]
     assert "unseen" not in unmarked.read_text()  # runs without the marks: no such section
 
 
@@ -240,8 +263,9 @@ def test_each_committed_study_report_regenerates_from_its_committed_files(md, tm
     args = shlex.split(command)[2:]
     out = args.index("--out") + 1
     args[out] = str(tmp_path / Path(args[out]).name)
-    args[0] = str(REPO / args[0])
-    assert (Path(args[0]) / "sweep.json").is_file(), f"{md}: {args[0]} is not a committed sweep folder"
+    for i in range(out - 1):  # the sweep folders, before --out
+        args[i] = str(REPO / args[i])
+        assert (Path(args[i]) / "sweep.json").is_file(), f"{md}: {args[i]} is not a committed sweep folder"
     assert main(["report", *args]) == 0
     strip = lambda text: [line for line in text.splitlines() if not line.startswith("Regenerate: ")]
     assert strip((tmp_path / md.name).read_text()) == strip(md.read_text())
