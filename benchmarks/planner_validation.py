@@ -40,14 +40,15 @@ MIB = 1024**2
 MEMORY_TOLERANCE = 0.20
 TIME_TOLERANCE = 0.25
 
-# name → (config file, overrides): the demo (GRPO with the calculator on axial_stress), the engineering GRPO
-# configuration, and its PPO variant on the same family. Their lengths (256 new tokens, up to 8 calculator
+# name → (config file, overrides): the engineering GRPO configuration (GRPO with the calculator on axial_stress) at
+# two batches (2 x 4: the demo's RL phase until 2026-12-05, then named `demo_grpo`), and its PPO variant on the
+# same family. Their lengths (256 new tokens, up to 8 calculator
 # calls) are the configs'; the batches are smaller than the configs' P = 4 x G = 8, so that a run fits beside
 # the other jobs of a shared 23 GB machine (a first try at 4 x 4 was killed when its memory ran out): demo
 # 2 x 4, GRPO 4 x 2 (more distinct prompts, smaller groups), PPO 4 x 1 in micro-batches of one sequence (PPO's
 # update runs its own forward, whose activations grow with the micro-batch; the setting is the config's own).
 CONFIGS = {
-    "demo_grpo": ("configs/demo_grpo.yaml", ["algorithm.prompts_per_step=2", "algorithm.group_size=4"]),
+    "eng_grpo_2x4": ("configs/eng_grpo.yaml", ["algorithm.prompts_per_step=2", "algorithm.group_size=4"]),
     "eng_grpo": ("configs/eng_grpo.yaml", ["algorithm.prompts_per_step=4", "algorithm.group_size=2"]),
     "eng_ppo": ("configs/eng_grpo.yaml", ["algorithm.name=ppo", "algorithm.prompts_per_step=4", "algorithm.group_size=1",
                                           "algorithm.micro_batch_size=1"]),

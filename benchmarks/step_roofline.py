@@ -1,7 +1,7 @@
 """A roofline of the real GRPO step: each phase's FLOPs, counted from the step's own tokens, against the seconds
 it took and this machine's fp32 matmul peak measured in the same run; plus where the rest of the time goes.
 
-The step is a training configuration's (default ``configs/demo_grpo.yaml``: SmolLM2-135M + LoRA r16 on
+The step is a training configuration's (default ``configs/eng_grpo.yaml``: SmolLM2-135M + LoRA r16 on
 axial_stress level 3 with the calculator), P prompts × G responses, from a warm start (``--init``, a finished
 SFT run's ``final/``: the demo's GRPO starts from one; the base model rarely calls the calculator). A worker
 process builds the trainer, runs ``--steps`` steps and times the library's own functions by wrapping them
@@ -294,7 +294,7 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "configs" / "demo_grpo.yaml"))
+    parser.add_argument("--config", default=str(REPO / "configs" / "eng_grpo.yaml"))
     parser.add_argument("--init", help="the warm start (a finished SFT run's final/), as model.init")
     parser.add_argument("--prompts", type=int, default=4, help="P")
     parser.add_argument("--group", type=int, default=8, help="G")

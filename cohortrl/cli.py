@@ -411,7 +411,7 @@ def cmd_demo(args) -> int:
             config=str(REPO_CONFIGS / "demo_arithmetic.yaml"), overrides=args.overrides, run_dir=str(run_dir),
             steps=None, resume=False, overwrite=args.overwrite,
         ))
-    from cohortrl.demo import check_same_evaluation, demo_summary, mtime
+    from cohortrl.demo import DEMO_STUDY, DEMO_STUDY_ARMS, check_same_evaluation, demo_summary, mtime, study_line
     from cohortrl.models import cohortrl_home
     from cohortrl.trainers import make_trainer
     from cohortrl.trainers.run_dir import RunDirectoryError, run_files
@@ -426,7 +426,9 @@ def cmd_demo(args) -> int:
                                 "--run-dir, or --overwrite to delete that run's files first")
     rl_name = rl_cfg.algorithm.name.upper()
     tools = f", tools {', '.join(sft_cfg.rollout.tools)}" if sft_cfg.rollout.tools else ""
-    print(f"cohortrl demo: {sft_cfg.model.name} on {sft_cfg.data.source} level {sft_cfg.data.level}{tools}: "
+    levels = (f"level {sft_cfg.data.level}" if sft_cfg.data.level == rl_cfg.data.level else
+              f"level {sft_cfg.data.level} references, {rl_name} on level {rl_cfg.data.level}")
+    print(f"cohortrl demo: {sft_cfg.model.name} on {sft_cfg.data.source} {levels}{tools}: "
           f"a supervised warm start ({sft_path}), then {rl_name} ({rl_path})", flush=True)
 
     root = cohortrl_home() / "demo"
@@ -449,6 +451,9 @@ def cmd_demo(args) -> int:
         trainer.close()
     shutil.copyfile(warm.path / "curves.png", run_dir / "warm_start_curves.png")
     summary = demo_summary(sft_cfg, rl_cfg, warm, [r for r in rl_rows if "eval/accuracy" in r], run_dir)
+    if args.sft_config is None and args.grpo_config is None:  # the shipped design: what its study's controls showed
+        line = study_line(DEMO_STUDY, DEMO_STUDY_ARMS, "docs/engineering/pyfunc_study.md")
+        summary += f"\n{line}" if line else ""
     (run_dir / "demo_summary.txt").write_text(summary + "\n")
     print(summary)
     return 0

@@ -96,6 +96,33 @@ def paired_line(warm_dir: Path, rl_dir: Path, name: str) -> str | None:
                                                              " (not distinguishable from chance at 0.05)"))
 
 
+# The study behind the shipped demo: its design at 3 seeds per arm (docs/engineering.md, python_function level 1
+# from level-2 references), the folders `cohortrl report --keep` committed, and what each arm is, in words.
+DEMO_STUDY = Path(__file__).resolve().parent.parent / "docs" / "engineering" / "pyfunc_study_runs"
+DEMO_STUDY_ARMS = (("pf_grpo", "GRPO"), ("pf_control", "the warm start continued by SFT for GRPO's wall time"),
+                   ("pf_rft", "rejection-sampling fine-tuning (RFT) for GRPO's steps"))
+
+
+def study_line(study: Path, arms: tuple[tuple[str, str], ...], where: str) -> str | None:
+    """One line: what each arm of the committed study behind the demo (``where`` names its report) scored at each
+    seed's last evaluation, recomputed from the study's committed files; None when the study is not there (an
+    installed package ships no docs/) or has no finished run."""
+    from cohortrl.study import load_sweep
+
+    parts = []
+    for folder, words in arms:
+        if not (study / folder / "sweep.json").is_file():
+            continue
+        evals = [run.final_eval for arm in load_sweep(study / folder) for run in arm.runs if run.final_eval]
+        if evals:
+            steps = "/".join(str(s) for s in sorted({e["step"] for e in evals}))
+            accs = ", ".join(format(e["eval/accuracy"], ".3f") for e in evals)
+            parts.append(f"{words} {accs} ({len(evals)} seed{'s' * (len(evals) != 1)}, step {steps})")
+    if not parts:
+        return None
+    return f"the same design with controls ({where}, held-out accuracy per seed): " + "; ".join(parts)
+
+
 def accuracy_plot(rows: list[tuple[str, str, str]], png: Path, evals: list[dict | None]) -> bool:
     """The base model, the warm start and the RL run's last evaluation on one axis, each with its Wilson 95%
     interval; False (nothing written) when fewer than two were measured."""

@@ -2,6 +2,7 @@
 second reuses it without training, both print the before/after numbers; phases that would not be evaluated
 alike are refused before any model loads. The shipped configs' held-out sets agree."""
 
+import json
 import re
 import shutil
 
@@ -113,3 +114,32 @@ def test_arithmetic_runs_the_earlier_grpo_only_demo(monkeypatch, tmp_path):
     [ns] = seen
     assert ns.config == str(cli.REPO_CONFIGS / "demo_arithmetic.yaml") and ns.overrides == ["train.steps=3"]
     assert ns.run_dir == str(tmp_path / "r") and not ns.resume
+
+
+def test_the_study_line_is_recomputed_from_the_studys_committed_files(tmp_path):
+    """The demo's line on its controls reads the committed study (each seed's last evaluation), not numbers
+    written into the code; arms not committed are left out, and no study at all gives no line."""
+    from cohortrl.demo import study_line
+
+    def sweep(folder: str, accuracies: dict[int, float]) -> None:
+        root = tmp_path / folder
+        root.mkdir()
+        (root / "sweep.json").write_text(json.dumps({"config": "c.yaml", "command": "train", "grid": {},
+                                                     "seeds": sorted(accuracies), "overrides": []}))
+        lines = []
+        for seed, acc in accuracies.items():
+            run = root / "base" / f"seed{seed}"
+            run.mkdir(parents=True)
+            rows = [{"step": 10, "eval/accuracy": 0.0, "eval/n": 200}, {"step": 20, "eval/accuracy": acc, "eval/n": 200}]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            lines.append(json.dumps({"run": str(run), "arm": "base", "seed": seed, "attempt": "start", "rc": 0,
+                                     "wall_s": 1.0, "cpu_s": 1.0}) + "\n")
+        (root / "sweep.jsonl").write_text("".join(lines))
+
+    arms = (("g", "GRPO"), ("c", "more SFT"), ("r", "RFT"))
+    assert study_line(tmp_path, arms, "docs/x.md") is None
+    sweep("g", {0: 0.24, 1: 0.525})
+    sweep("c", {0: 0.0, 1: 0.0})
+    assert study_line(tmp_path, arms, "docs/x.md") == (
+        "the same design with controls (docs/x.md, held-out accuracy per seed): GRPO 0.240, 0.525 (2 seeds, step 20); "
+        "more SFT 0.000, 0.000 (2 seeds, step 20)")
