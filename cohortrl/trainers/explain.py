@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cohortrl.trainers.trace import CLIP_SIDES, contribution, load_trace, reconcile
+from cohortrl.trainers.trace import CLIP_SIDES, contribution, kl_mean, load_trace, reconcile
 
 WIDTH = 100  # the terminal form's widest line
 HIGH_KL_FLOOR = 1e-3  # the page marks a token's KL as high only above this (nats), whatever the step's spread
@@ -222,18 +222,37 @@ def _group_advantages(trace, prompt: int, rows, add) -> None:
     terms = " + ".join(f"{x:.3f}" for x in r) if len(r) <= 8 else f"{r[0]:.3f} + ... + {r[-1]:.3f}"
     add(f"   mean_g = ({terms}) / {len(r)} = {g['mean']:.4f}")
     add(f"   std_g = sqrt(sum (r_i - mean_g)^2 / (G - 1)) = {g['std']:.4f}   eps = {s['eps']:g}")
-    identical = bool(trace["identical"][prompt]) if trace["identical"] is not None and len(trace["identical"]) > prompt else False
     name, by_hand = formula_advantages(s["estimator"], r, [float(x) for x in rewards_B], s["eps"]) or ("", [None] * len(r))
     add(f"   #        r_i   r_i - mean  {name:>28}   A (first token, as trained)")
     for k, i in enumerate(rows):
         m = trace["response_mask"][i].bool()
         a0 = float(trace["advantages"][i][m][0]) if m.any() else float("nan")
         add(f"  {k:2d}  {_f(r[k], 9, 4)}  {_f(g['centred'][k], 11, 4)}  {_f(by_hand[k], 28, 4)}   {_f(a0, 10, 4)}")
-    if identical:
-        add("   identical rewards (on the correctness signal): this group carries no learning signal"
-            + (" and is dropped (zero_variance=filter)" if s["zero_variance"] == "filter" else ""))
-    else:
-        add("   identical rewards (on the correctness signal): no")
+    add(f"   identical rewards (on the correctness signal): {identical_group_effect(trace, prompt)}")
+
+
+def identical_group_effect(trace: dict, prompt: int) -> str:
+    """Whether prompt ``prompt``'s group had identical correctness rewards, and what that left of its gradient,
+    read from what the step trained on: A = 0 zeroes the clipped surrogate, but an extra term in the loss (GRPO's
+    beta x KL_t, RFT's supervised term) still acts on the group's tokens, and a filtered group is out of the loss."""
+    flags = trace["identical"]
+    if flags is None or len(flags) <= prompt or not bool(flags[prompt]):
+        return "no"
+    G, s = trace["settings"]["group_size"], trace["settings"]
+    rows = torch.zeros(len(trace["rewards"]), dtype=torch.bool)
+    rows[prompt * G: prompt * G + G] = True
+    trained = trace["loss_mask"][rows].bool()
+    if not trained.any():
+        return "yes; dropped from the loss (zero_variance=filter): no gradient from this group"
+    if trace["advantages"][rows][trained].abs().max() > 0:  # the estimator saw other rewards (kl_in_reward, ...)
+        return "yes, but the estimator's rewards differ (A != 0): it still carries a policy gradient"
+    if trace["algorithm"] == "grpo" and s["beta"] > 0 and not s["kl_in_reward"]:
+        kl = kl_mean(trace, rows)
+        return (f"yes; A = 0, so its policy term is 0, but its KL term (beta = {s['beta']:g}, mean KL_t "
+                f"{kl:.2g} here) still pulls its tokens towards the reference")
+    if reconcile(trace, rows)["extra"] != 0:
+        return f"yes; A = 0, so its policy term is 0; its {EXTRA_TERMS.get(trace['algorithm'], KL_TERM)[2]} still acts"
+    return "yes; A = 0 and no other term in the loss: this group carries no learning signal"
 
 
 def _ppo_advantages(trace, rows, view, add) -> None:
@@ -401,7 +420,6 @@ def _fmt(v) -> str:
 def _html_group_table(trace, k: int, rows) -> str:
     s = trace["settings"]
     names = list(trace["per_fn"])
-    identical = bool(trace["identical"][k]) if trace["identical"] is not None and len(trace["identical"]) > k else False
     head = ("<table class='group'><tr><th>#</th>" + "".join(f"<th>{html.escape(_short(n))}</th>" for n in names)
             + "<th>r</th><th>r &minus; mean</th><th>A (first token)</th><th>tokens</th><th>&Sigma; w&middot;L</th></tr>")
     body = []
@@ -416,7 +434,7 @@ def _html_group_table(trace, k: int, rows) -> str:
                     f"<td>{float(trace['rewards'][i]) - mean:.4g}</td><td>{a0:.4g}</td><td>{int(m.sum())}</td>"
                     f"<td>{share:.4g}</td></tr>")
     foot = (f"</table><p>group mean {mean:.4g}, std {float(trace['group_std'][k]):.4g}; identical rewards: "
-            f"{'yes: no learning signal' if identical else 'no'}; estimator {html.escape(s['estimator'])}</p>")
+            f"{html.escape(identical_group_effect(trace, k))}; estimator {html.escape(s['estimator'])}</p>")
     return head + "".join(body) + foot
 
 

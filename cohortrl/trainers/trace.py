@@ -181,7 +181,7 @@ def reconcile(trace: dict, rows: torch.Tensor | None = None) -> dict:
            "policy": sum(_wsum(u, "policy_loss", rows) for u in updates) / U,
            "extra": sum(_wsum(u, "extra_loss", rows) for u in updates) / U,
            "abs": sum(contribution(u, rows, absolute=True) for u in updates) / U}
-    out["kl"] = _kl_mean(trace)
+    out["kl"] = kl_mean(trace)
     return out
 
 
@@ -195,11 +195,13 @@ def contribution(update: dict, rows: torch.Tensor | None = None, absolute: bool 
     return float(torch.nan_to_num(c).sum())
 
 
-def _kl_mean(trace: dict) -> float | None:
+def kl_mean(trace: dict, rows: torch.Tensor | None = None) -> float | None:
     """The KL the step logs: PPO's, of the sampling policy in the reward; GRPO's, of each update's policy in the
-    loss, over every update's response tokens."""
+    loss, over every update's response tokens (``rows`` (B,) bool: of those responses only)."""
     if "kl" in trace["detail"]:  # PPO: the penalty's KL, per response token
         kl, m = trace["detail"]["kl"].double(), trace["response_mask"].bool()
+        if rows is not None:
+            m = m & rows.unsqueeze(-1)
         return float(kl[m].sum() / max(1, int(m.sum())))
     total, count = 0.0, 0
     for u in trace["updates"]:
@@ -207,6 +209,8 @@ def _kl_mean(trace: dict) -> float | None:
         if "extra/kl" not in t:
             return None
         m = torch.nan_to_num(t["response_mask"]).bool()
+        if rows is not None:
+            m = m & rows.unsqueeze(-1)
         total += float(t["extra/kl"].double()[m].sum())
         count += int(m.sum())
     return total / max(1, count)

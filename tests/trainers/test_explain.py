@@ -12,6 +12,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import torch
 
 from cohortrl.cli import main
 from cohortrl.trainers.explain import WIDTH, explain_html, explain_text, logged_row
@@ -99,8 +100,39 @@ def test_a_hand_built_groups_arithmetic_is_shown(tmp_path, estimator, by_hand):
     assert "identical rewards (on the correctness signal): no" in text
     # response 1 (reward 0): its advantage by hand, then as the step trained on it: the same
     assert re.search(rf"^\s+1\s+0\.0000\s+-0\.3750\s+{by_hand}\s+{by_hand}$", text, re.M), text
-    other = explain_text(trace, logged_row(tmp_path, 1), prompt=1)
-    assert "this group carries no learning signal" in other
+    other = explain_text(trace, logged_row(tmp_path, 1), prompt=1)  # four 1s; beta = 0.1, the policy unmoved
+    assert re.search(r"identical rewards \(on the correctness signal\): yes; A = 0, so its policy term is 0, but its "
+                     r"KL term \(beta = 0\.1, mean KL_t \S+ here\) still pulls", " ".join(other.split())), other
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"beta": 0.1}, "yes; A = 0, so its policy term is 0, but its KL term (beta = 0.1, mean KL_t"),
+    ({"beta": 0.0}, "yes; A = 0 and no other term in the loss: this group carries no learning signal"),
+    ({"beta": 0.1, "zero_variance": "filter"},
+     "yes; dropped from the loss (zero_variance=filter): no gradient from this group"),
+])
+def test_an_identical_groups_line_says_what_is_left_of_its_gradient(tmp_path, settings, says):
+    """An all-1 group at step 2, after step 1 moved the policy: with beta > 0 its KL term still acts (the line
+    said "no learning signal" there too), and the traced loss shares agree with what the line says."""
+    from cohortrl.trainers.trace import reconcile
+    from tests.trainers.test_trace import config, positional, train
+
+    cfg = config("grpo", trace_steps=[2], steps=2)
+    cfg["algorithm"].update(settings)
+    train(tmp_path, cfg, reward_funcs=[positional], reward_weights=[1.0])
+    trace = load_trace(tmp_path, 2)
+    text = explain_text(trace, logged_row(tmp_path, 2), prompt=1)
+    assert f"identical rewards (on the correctness signal): {says}" in " ".join(text.split()), text
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+    group = torch.zeros(len(trace["rewards"]), dtype=torch.bool)
+    group[4:] = True  # prompt 1's four responses
+    share = reconcile(trace, group)
+    assert share["policy"] == 0.0
+    if settings["beta"] > 0 and "zero_variance" not in settings:
+        assert share["extra"] > 0  # the KL term's pull, the group's whole share of the loss
+    else:
+        assert share["loss"] == 0.0
+    assert explain_text(trace, None, prompt=0).count("identical rewards (on the correctness signal): no") == 1
 
 
 def test_the_command_line_records_and_explains_a_step(tmp_path):
