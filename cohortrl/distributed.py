@@ -285,6 +285,59 @@ def sharded_frozen_copy(model, dtype: torch.dtype):
     return copy
 
 
+def forward_inside(model, fn, **kwargs):
+    """``fn(inside, **kwargs)`` run as the forward of the module that DDP or FSDP2 manages in ``model``, where
+    ``inside`` is that module as its own forward sees it (``InsideForward``). The wrappers' hooks then run once
+    around ``fn``: DDP prepares its gradient all-reduce; FSDP2's root gathers the embedding, final norm and LM
+    head (each decoder layer gathers its own when the decoder calls it) and reduces their gradients in backward.
+    Code that needs a model's parts rather than its output runs this way under torchrun: ``rollout.hf``'s
+    chunked LM head applies the head's weight itself, so it never builds the (B, T, V) logits that calling the
+    wrapped model would. A model neither wraps: ``fn(model, **kwargs)``. The keyword arguments travel as the
+    forward's (DDP and FSDP2 move their tensors to the model's device)."""
+    owner, call = _forward_owner(model)
+    if owner is None:
+        return fn(model, **kwargs)
+    inside = InsideForward(owner)
+    # For this call only: the instance attribute hides the class's forward, which ``inside`` still runs.
+    owner.forward = lambda **kw: fn(inside, **kw)
+    try:
+        return call(**kwargs)
+    finally:
+        del owner.forward
+
+
+class InsideForward:
+    """A module as its own forward sees it (``forward_inside``): calling it runs the module's forward without
+    the wrappers' hooks, which have run once around the whole call; every other attribute is the module's.
+    It shows no modules: ``rollout.hf`` falls back to the wrapped model's full logits when it finds FSDP2
+    modules, since outside the root's forward the LM head's weight is a shard; inside, it is whole."""
+
+    def __init__(self, module):
+        self._module = module
+        self.forward = type(module).forward.__get__(module)  # the class's forward: no hooks, no instance override
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def modules(self):
+        return iter(())
+
+
+def _forward_owner(model):
+    """(the module whose forward DDP's or FSDP2's hooks surround, what to call to run them), or (None, None)
+    for a model neither wraps. FSDP2's is the outermost sharded module (``shard``'s root, inside a PEFT
+    wrapper), called directly as generation calls it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.module, model
+    sharded = _fsdp_modules(model)
+    return (sharded[0], sharded[0]) if sharded else (None, None)
+
+
 def mixed_precision_policy(model):
     """FSDP2's ``MixedPrecisionPolicy`` for a model whose weights are in a 16-bit dtype: parameters all-gathered
     in that dtype for the forward and backward, gradients reduced over ranks in float32 (a bf16 sum over many

@@ -388,8 +388,10 @@ class RLTrainer(Trainer):
 
     def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """log π of the rollout's response tokens under ``model`` (B, T), in the update's micro-batches."""
-        return micro_batched_logprobs(model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids,
-                                      self._micro_batches(rollout.batch_size), temperature=self.sampling.temperature)
+        return distributed.forward_inside(  # under FSDP2 inside one root forward: the LM head in chunks
+            model, micro_batched_logprobs, input_ids=rollout.input_ids(), attention_mask=rollout.attention_mask(),
+            response_ids=rollout.response_ids, micro_batches=self._micro_batches(rollout.batch_size),
+            temperature=self.sampling.temperature)
 
     # ------------------------------------------------------------------------------------------ 5. loss, update
     def _update(self, rollout: Rollout, loss_mask, targets: Targets, timer: PhaseTimer, trace: StepTrace | None = None) -> dict:
@@ -405,7 +407,7 @@ class RLTrainer(Trainer):
         trained = [o for name, o in self.optimised.items() if name != "policy" or train_policy]
         inputs = rollout.input_ids(), rollout.attention_mask()
         temperature = self.loss_temperature or self.sampling.temperature
-        plain = PlainForward(self.train_model, rollout, *inputs, temperature, share_prompts=d.world == 1)
+        plain = PlainForward(self.train_model, rollout, *inputs, temperature, share_prompts=not d.sharded or d.world == 1)
         totals = UpdateTotals()
         for rows_all in minibatch_rows(n_groups, a.group_size, a.epochs, a.minibatches):
             weights_all = token_weights(loss_mask_all[rows_all], a.aggregation, self.norm_length)
