@@ -141,12 +141,37 @@ class Dist:
             dist.barrier()
 
     # ------------------------------------------------------------------ the model
-    def wrap(self, model):
+    def load(self, load):
+        """``load()`` -> (model, tokenizer), on every rank, except under FSDP2 with several processes: there rank 0
+        alone loads (the whole model, on the host) and hands the others its architecture, configs and tokenizer,
+        from which they build the model on the meta device (no memory). ``wrap`` then sends rank 0's weights into
+        every rank's shards."""
+        if not self.sharded or self.world == 1:
+            return load()
+        import torch.distributed as dist
+
+        model = tokenizer = None
+        if self.is_main:
+            model, tokenizer = load()
+        box = [(type(model), model.config, model.generation_config, next(model.parameters()).dtype, tokenizer)
+               if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        if self.is_main:
+            return model, tokenizer
+        cls, config, generation_config, dtype, tokenizer = box[0]
+        with torch.device("meta"):
+            model = cls(config).to(dtype)
+        model.generation_config = generation_config
+        return model.eval(), tokenizer
+
+    def wrap(self, model, device: torch.device | None = None):
         """The module the update runs forward/backward through: ``model`` itself on one process; DDP around it
         (generation, the reference and saving keep using the plain ``model``, which shares its parameters);
-        or, with FSDP2, ``model`` itself, sharded in place (each decoder layer, then the root)."""
+        or, with FSDP2, ``model`` itself, sharded in place (each decoder layer, then the root) with this rank's
+        shards on ``device``, filled from rank 0's weights (``shard_from_rank0``): no rank but 0 ever holds the
+        whole model, and rank 0 only on the host."""
         if self.sharded:
-            shard(model)
+            shard_from_rank0(model, device or next(model.parameters()).device, self.is_main)
             return model
         if not self.launched or self.world == 1:
             return model
@@ -191,16 +216,20 @@ class Dist:
 
     # ------------------------------------------------------------------ state, whole on every rank
     def full_state(self, model, trainable_only: bool) -> dict[str, torch.Tensor]:
-        """Parameters by name as plain CPU tensors (all-gathered from the shards with FSDP2: call on every rank)."""
-        out = {}
-        for name, p in model.named_parameters():
-            if trainable_only and not p.requires_grad:
-                continue
-            value = p.detach()
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            out[name] = value.cpu().clone()
-        return out
+        """Parameters by name as whole CPU tensors on rank 0, which writes checkpoints; ``{}`` on the other ranks
+        (call on every rank: with FSDP2 each tensor is all-gathered from the shards, one at a time, and only rank 0
+        keeps a host copy)."""
+        names = [name for name, p in model.named_parameters() if p.requires_grad or not trainable_only]
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            # cpu_offload with full_state_dict: rank 0 alone gets the tensors, the others an empty dict.
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return {name: state[name] for name in names if name in state}
+        if not self.is_main:
+            return {}
+        params = dict(model.named_parameters())
+        return {name: params[name].detach().cpu().clone() for name in names}
 
     def optimizer_state(self, model, optimizer) -> dict:
         if not self.sharded:
@@ -260,6 +289,41 @@ def shard(model) -> None:
     # The root is the transformers model itself, not a PEFT wrapper around it: generation calls it directly,
     # and FSDP2 takes the first sharded module that runs as the root of its lazy initialisation.
     fully_shard(base, mp_policy=policy)
+
+
+def shard_from_rank0(model, device: torch.device, main: bool) -> None:
+    """``shard`` a model whose weights only rank 0 (``main``) holds (on the host; the others' are on the meta
+    device, ``Dist.load``), the way PyTorch documents for models that do not fit one device: every rank shards
+    it on the meta device, allocates its own shards on ``device`` and receives them from rank 0's whole
+    tensors (``set_model_state_dict`` with ``broadcast_from_rank0``: one tensor at a time). Buffers (rotary
+    frequencies, not in the state dict) are broadcast whole. Rank 0's host copy is freed when this returns."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = model.state_dict() if main else {}
+    buffers = {name: b.clone() for name, b in model.named_buffers()} if main else {}
+    _to_meta(model)  # before sharding: fully_shard would move a whole host model to the device first
+    shard(model)
+    model.to_empty(device=device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if main:
+                b.copy_(buffers[name])
+            dist.broadcast(b, src=0)
+
+
+def _to_meta(model) -> None:
+    """``model``'s parameters and buffers moved to the meta device, keeping tied parameters tied (``Module.to``
+    makes a new parameter for each module that holds one: an embedding tied to the LM head would come apart)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    model.to("meta")
+    for first, *others in names.values():
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(first))
 
 
 def sharded_frozen_copy(model, dtype: torch.dtype):

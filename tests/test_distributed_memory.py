@@ -1,5 +1,6 @@
 """What a rank holds under torchrun (gloo, 2 processes on CPU): the chunked LM head inside DDP's and FSDP2's
-forward (no (B, T, V) logits, the same log-probs and gradients as one process)."""
+forward (no (B, T, V) logits, the same log-probs and gradients as one process); FSDP2 loading the model on rank 0
+alone and sending each rank its shards, and checkpoints gathered whole on rank 0 only."""
 
 import os
 import subprocess
@@ -25,3 +26,9 @@ def torchrun_script(script: str, *args: str, nproc: int = 2, timeout: int = 300)
 def test_the_chunked_lm_head_runs_inside_the_wrapped_forward(strategy):
     """``distributed.forward_inside`` under DDP and FSDP2: the checks are in ``tests/wrapped_logprobs_check.py``."""
     assert sorted(torchrun_script("wrapped_logprobs_check.py", strategy).split("\n")) == ["", "rank 0 ok", "rank 1 ok"]
+
+
+@pytest.mark.parametrize("variant", ["plain", "lora", "bf16"])
+def test_fsdp2_loads_on_rank_0_and_sends_each_rank_its_shards(variant):
+    """``Dist.load`` and ``Dist.wrap`` under FSDP2: the checks are in ``tests/fsdp_rank0_load_check.py``."""
+    assert sorted(torchrun_script("fsdp_rank0_load_check.py", variant).split("\n")) == ["", "rank 0 ok", "rank 1 ok"]

@@ -193,18 +193,20 @@ class RLTrainer(Trainer):
         cfg, a = self.cfg, self.cfg.algorithm
         model, tokenizer = inputs.model, inputs.tokenizer
         if model is None:
-            model, tokenizer = load_configured_model(cfg.model, cfg.train.seed)
+            # FSDP2 over several processes: rank 0 loads, the others build on the meta device (Dist.load)
+            model, tokenizer = self.dist.load(lambda: load_configured_model(cfg.model, cfg.train.seed))
         self.optimised: dict[str, Optimised] = {}
         self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer,
                                                   activation_checkpointing=cfg.train.activation_checkpointing)
-        self.model.to(self.device)
+        if not self.dist.sharded:  # FSDP2: wrap puts each rank's shards there, never the whole model
+            self.model.to(self.device)
         guards.check_run_fits(cfg, self.model, n_train_rows)
         self.reference = Reference(self.model, cfg.model.lora.enabled, frozen_copy=not self.dist.sharded) if a.beta > 0 else None
         dtype = next(self.model.parameters()).dtype  # the reference's, before FSDP2 keeps trainable shards in float32
         # Under torchrun: DDP around the policy, or FSDP2 sharding it in place.
-        self.train_model = self.dist.wrap(self.model)
+        self.train_model = self.dist.wrap(self.model, self.device)
         if self.reference is not None and not self.reference.lora and self.dist.sharded:
             self.reference.model = distributed.sharded_frozen_copy(self.model, dtype)  # shard by shard, never whole
         # π_ref's own frozen weights; None with LoRA (the policy with its adapter off) or at β = 0 (no KL term)
