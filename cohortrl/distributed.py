@@ -456,9 +456,9 @@ def from_env(strategy: str = "ddp", timeout_s: float = 1800.0) -> Dist:
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), launched=True, strategy=strategy)
 
 
-def resolve_device(setting: str, dist: Dist) -> torch.device:
-    """``train.device``: ``auto`` is the GPU when PyTorch sees one (``cuda:LOCAL_RANK`` under torchrun), else
-    the CPU."""
+def resolve_device(setting: str, dist: Dist, key: str = "train.device") -> torch.device:
+    """``train.device`` (or the setting under config key ``key``): ``auto`` is the GPU when PyTorch sees one
+    (``cuda:LOCAL_RANK`` under torchrun), else the CPU."""
     if setting == "auto":
         setting = "cuda" if torch.cuda.is_available() else "cpu"
     if setting == "cuda" and dist.launched:
@@ -466,8 +466,14 @@ def resolve_device(setting: str, dist: Dist) -> torch.device:
     if setting.startswith("cuda") and not torch.cuda.is_available():
         from cohortrl.config import ConfigError
 
-        raise ConfigError(f"config key 'train.device' = {setting!r}: PyTorch sees no CUDA GPU here; use auto or cpu")
+        raise ConfigError(f"config key {key!r} = {setting!r}: PyTorch sees no CUDA GPU here; use auto or cpu")
     return torch.device(setting)
+
+
+def process_device(setting: str = "auto", key: str = "train.device") -> torch.device:
+    """``resolve_device`` for code that runs without a ``Dist`` (``cohortrl eval``, the ``reward_model`` reward):
+    the same choice the trainer makes, with torchrun recognised as ``from_env`` recognises it (``WORLD_SIZE``)."""
+    return resolve_device(setting, Dist(launched="WORLD_SIZE" in os.environ), key)
 
 
 def group_seed(seed: int, step: int, group: int) -> int:
