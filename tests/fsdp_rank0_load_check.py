@@ -1,9 +1,10 @@
-"""``torchrun --nproc-per-node 2 tests/fsdp_rank0_load_check.py plain|lora|bf16``: FSDP2 for a model that does not fit
+"""``torchrun --nproc-per-node N tests/fsdp_rank0_load_check.py plain|lora|bf16``: FSDP2 for a model that does not fit
 one device, on the tiny model. Rank 0 alone loads it (``Dist.load``); rank 1 builds it on the meta device;
 ``Dist.wrap`` shards it on the meta device on both ranks (``fully_shard`` never sees a parameter with storage)
 and fills each rank's shards from rank 0's weights. Checked against the model loaded whole in this process:
 every parameter (all-gathered) and buffer, the tied embedding, the logits; and that ``Dist.full_state`` gives
-rank 0 the whole weights and rank 1 nothing. Prints ``rank R ok`` when every check passed."""
+rank 0 the whole weights and rank 1 nothing. Runs where ``train.device: auto`` would (``scripts/gpu_smoke.sh``
+runs it on the GPU under one process). Prints ``rank R ok`` when every check passed."""
 
 import sys
 
@@ -36,7 +37,7 @@ def with_adapter(model):
 
 def main(variant: str) -> None:
     fsdp.fully_shard = recording_fully_shard
-    dist = distributed.from_env("fsdp")
+    dist, device = distributed.from_env("fsdp"), distributed.process_device("auto")
     dtype = "bfloat16" if variant == "bf16" else "float32"
     loads = []
 
@@ -53,8 +54,9 @@ def main(variant: str) -> None:
     whole, _ = load_model("tiny-llama", seed=7, dtype=dtype)  # what every rank should end up with
     if variant == "lora":
         whole = with_adapter(whole)
+    whole.to(device)
 
-    dist.wrap(model, torch.device("cpu"))
+    dist.wrap(model, device)
     assert devices_sharded == {"meta"}, devices_sharded
     base = model.get_base_model() if variant == "lora" else model
     assert base.lm_head.weight is base.model.embed_tokens.weight  # still tied
@@ -63,7 +65,7 @@ def main(variant: str) -> None:
         torch.testing.assert_close(p.full_tensor().to(expected[name].dtype), expected[name], rtol=0, atol=0, msg=name)
     for name, b in model.named_buffers():
         torch.testing.assert_close(b, whole.get_buffer(name), rtol=0, atol=0, msg=name)
-    ids = torch.randint(3, 400, (2, 7), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 400, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, whole(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
@@ -72,7 +74,7 @@ def main(variant: str) -> None:
         kept = [n for n, p in whole.named_parameters() if p.requires_grad or variant != "lora"]
         assert sorted(state) == sorted(kept)
         for name in kept:
-            torch.testing.assert_close(state[name].to(expected[name].dtype), expected[name], rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(state[name].to(expected[name]), expected[name], rtol=0, atol=0, msg=name)
             assert state[name].device.type == "cpu"
     else:
         assert state == {}, sorted(state)[:3]

@@ -1,19 +1,19 @@
-"""``torchrun --nproc-per-node 2 tests/wrapped_logprobs_check.py ddp|fsdp``: each rank scores its own batch through
+"""``torchrun --nproc-per-node N tests/wrapped_logprobs_check.py ddp|fsdp``: each rank scores its own batch through
 the wrapped tiny model (DDP, or FSDP2 sharding it) with ``distributed.forward_inside``, and checks against an
 unwrapped copy of the same model: the same log-probs and entropies, the same gradients as one process averaging
 both ranks' losses (what DDP and FSDP2 compute), and no (B, T, V) logits anywhere in the wrapped forward or
 backward. It also checks that calling the wrapped model directly does build them (so the detector can see
-them). Prints ``rank R ok`` when every check passed."""
+them). Runs where ``train.device: auto`` would (the GPU when there is one: ``scripts/gpu_smoke.sh`` runs it
+there under one process). Prints ``rank R ok`` when every check passed."""
 
 import copy
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cohortrl.distributed import forward_inside, shard
+from cohortrl.distributed import forward_inside, from_env, process_device, shard
 from cohortrl.models import load_model
 from cohortrl.rollout.hf import micro_batched_logprobs, response_logprobs
 
@@ -54,13 +54,13 @@ def loss_of(logp):
 
 
 def main(strategy: str) -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    group, device = from_env(strategy), process_device("auto")
+    rank = group.rank
     model, _ = load_model("tiny-llama", seed=3)
-    model.train()
+    model.to(device).train()
     plain = copy.deepcopy(model)
     V = model.config.vocab_size
-    batches = [batch(r, V) for r in range(dist.get_world_size())]
+    batches = [tuple(t.to(device) for t in batch(r, V)) for r in range(group.world)]
 
     # One process: each rank's batch through the unwrapped model, gradients averaged over the ranks' losses.
     expected = [response_logprobs(plain, *b, with_entropy=True) for b in batches]
@@ -68,7 +68,8 @@ def main(strategy: str) -> None:
     want_grads = {n: p.grad for n, p in plain.named_parameters()}
 
     if strategy == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False)
     else:
         shard(model)
         wrapped = model
@@ -95,7 +96,7 @@ def main(strategy: str) -> None:
         response_logprobs(wrapped, ids, mask, response, share_prompts=False)
     assert spy.seen, "the logits detector saw nothing in the wrapped model's own forward"
     print(f"rank {rank} ok", flush=True)
-    dist.destroy_process_group()
+    group.close()
 
 
 if __name__ == "__main__":
