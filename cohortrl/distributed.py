@@ -214,7 +214,7 @@ class Dist:
                 m.reshard()
                 m.set_reshard_after_forward(True, recurse=False)
 
-    # ------------------------------------------------------------------ state, whole on every rank
+    # ------------------------------------------------------------------ state: whole tensors (the model's on rank 0)
     def full_state(self, model, trainable_only: bool) -> dict[str, torch.Tensor]:
         """Parameters by name as whole CPU tensors on rank 0, which writes checkpoints; ``{}`` on the other ranks
         (call on every rank: with FSDP2 each tensor is all-gathered from the shards, one at a time, and only rank 0
