@@ -162,6 +162,7 @@ def cmd_eval(args) -> int:
     from cohortrl import cpu
     from cohortrl.cpu.kernels import linear_kernels
     from cohortrl.data import load_rows
+    from cohortrl.distributed import process_device
     from cohortrl.rewards.scoring import WeightedReward, check_columns, resolve
     from cohortrl.rollout.hf import model_device
     from cohortrl.trainers import checkpoint
@@ -183,6 +184,7 @@ def cmd_eval(args) -> int:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, args.adapter)
+    model.to(process_device(cfg.train.device))  # the GPU when there is one, as the trainer chooses (train.device)
     fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
     saved = run_dir / EVAL_ROWS if run_dir is not None and cfg.data.source.startswith("python:") else None
     if saved is not None:  # the run's rows were given in Python: its held-out ones were saved beside its config

@@ -141,12 +141,37 @@ class Dist:
             dist.barrier()
 
     # ------------------------------------------------------------------ the model
-    def wrap(self, model):
+    def load(self, load):
+        """``load()`` -> (model, tokenizer), on every rank, except under FSDP2 with several processes: there rank 0
+        alone loads (the whole model, on the host) and hands the others its architecture, configs and tokenizer,
+        from which they build the model on the meta device (no memory). ``wrap`` then sends rank 0's weights into
+        every rank's shards."""
+        if not self.sharded or self.world == 1:
+            return load()
+        import torch.distributed as dist
+
+        model = tokenizer = None
+        if self.is_main:
+            model, tokenizer = load()
+        box = [(type(model), model.config, model.generation_config, next(model.parameters()).dtype, tokenizer)
+               if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        if self.is_main:
+            return model, tokenizer
+        cls, config, generation_config, dtype, tokenizer = box[0]
+        with torch.device("meta"):
+            model = cls(config).to(dtype)
+        model.generation_config = generation_config
+        return model.eval(), tokenizer
+
+    def wrap(self, model, device: torch.device | None = None):
         """The module the update runs forward/backward through: ``model`` itself on one process; DDP around it
         (generation, the reference and saving keep using the plain ``model``, which shares its parameters);
-        or, with FSDP2, ``model`` itself, sharded in place (each decoder layer, then the root)."""
+        or, with FSDP2, ``model`` itself, sharded in place (each decoder layer, then the root) with this rank's
+        shards on ``device``, filled from rank 0's weights (``shard_from_rank0``): no rank but 0 ever holds the
+        whole model, and rank 0 only on the host."""
         if self.sharded:
-            shard(model)
+            shard_from_rank0(model, device or next(model.parameters()).device, self.is_main)
             return model
         if not self.launched or self.world == 1:
             return model
@@ -189,18 +214,22 @@ class Dist:
                 m.reshard()
                 m.set_reshard_after_forward(True, recurse=False)
 
-    # ------------------------------------------------------------------ state, whole on every rank
+    # ------------------------------------------------------------------ state: whole tensors (the model's on rank 0)
     def full_state(self, model, trainable_only: bool) -> dict[str, torch.Tensor]:
-        """Parameters by name as plain CPU tensors (all-gathered from the shards with FSDP2: call on every rank)."""
-        out = {}
-        for name, p in model.named_parameters():
-            if trainable_only and not p.requires_grad:
-                continue
-            value = p.detach()
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            out[name] = value.cpu().clone()
-        return out
+        """Parameters by name as whole CPU tensors on rank 0, which writes checkpoints; ``{}`` on the other ranks
+        (call on every rank: with FSDP2 each tensor is all-gathered from the shards, one at a time, and only rank 0
+        keeps a host copy)."""
+        names = [name for name, p in model.named_parameters() if p.requires_grad or not trainable_only]
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            # cpu_offload with full_state_dict: rank 0 alone gets the tensors, the others an empty dict.
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return {name: state[name] for name in names if name in state}
+        if not self.is_main:
+            return {}
+        params = dict(model.named_parameters())
+        return {name: params[name].detach().cpu().clone() for name in names}
 
     def optimizer_state(self, model, optimizer) -> dict:
         if not self.sharded:
@@ -262,6 +291,41 @@ def shard(model) -> None:
     fully_shard(base, mp_policy=policy)
 
 
+def shard_from_rank0(model, device: torch.device, main: bool) -> None:
+    """``shard`` a model whose weights only rank 0 (``main``) holds (on the host; the others' are on the meta
+    device, ``Dist.load``), the way PyTorch documents for models that do not fit one device: every rank shards
+    it on the meta device, allocates its own shards on ``device`` and receives them from rank 0's whole
+    tensors (``set_model_state_dict`` with ``broadcast_from_rank0``: one tensor at a time). Buffers (rotary
+    frequencies, not in the state dict) are broadcast whole. Rank 0's host copy is freed when this returns."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = model.state_dict() if main else {}
+    buffers = {name: b.clone() for name, b in model.named_buffers()} if main else {}
+    _to_meta(model)  # before sharding: fully_shard would move a whole host model to the device first
+    shard(model)
+    model.to_empty(device=device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if main:
+                b.copy_(buffers[name])
+            dist.broadcast(b, src=0)
+
+
+def _to_meta(model) -> None:
+    """``model``'s parameters and buffers moved to the meta device, keeping tied parameters tied (``Module.to``
+    makes a new parameter for each module that holds one: an embedding tied to the LM head would come apart)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    model.to("meta")
+    for first, *others in names.values():
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+
+
 def sharded_frozen_copy(model, dtype: torch.dtype):
     """A frozen copy of an FSDP2-sharded (plain, not PEFT) ``model``, sharded the same way, made shard by shard: the
     copy is built on the meta device (no memory), in ``dtype`` (the model's own before ``shard`` kept its trainable
@@ -283,6 +347,59 @@ def sharded_frozen_copy(model, dtype: torch.dtype):
         for name, b in copy.named_buffers():
             b.copy_(model.get_buffer(name))
     return copy
+
+
+def forward_inside(model, fn, **kwargs):
+    """``fn(inside, **kwargs)`` run as the forward of the module that DDP or FSDP2 manages in ``model``, where
+    ``inside`` is that module as its own forward sees it (``InsideForward``). The wrappers' hooks then run once
+    around ``fn``: DDP prepares its gradient all-reduce; FSDP2's root gathers the embedding, final norm and LM
+    head (each decoder layer gathers its own when the decoder calls it) and reduces their gradients in backward.
+    Code that needs a model's parts rather than its output runs this way under torchrun: ``rollout.hf``'s
+    chunked LM head applies the head's weight itself, so it never builds the (B, T, V) logits that calling the
+    wrapped model would. A model neither wraps: ``fn(model, **kwargs)``. The keyword arguments travel as the
+    forward's (DDP and FSDP2 move their tensors to the model's device)."""
+    owner, call = _forward_owner(model)
+    if owner is None:
+        return fn(model, **kwargs)
+    inside = InsideForward(owner)
+    # For this call only: the instance attribute hides the class's forward, which ``inside`` still runs.
+    owner.forward = lambda **kw: fn(inside, **kw)
+    try:
+        return call(**kwargs)
+    finally:
+        del owner.forward
+
+
+class InsideForward:
+    """A module as its own forward sees it (``forward_inside``): calling it runs the module's forward without
+    the wrappers' hooks, which have run once around the whole call; every other attribute is the module's.
+    It shows no modules: ``rollout.hf`` falls back to the wrapped model's full logits when it finds FSDP2
+    modules, since outside the root's forward the LM head's weight is a shard; inside, it is whole."""
+
+    def __init__(self, module):
+        self._module = module
+        self.forward = type(module).forward.__get__(module)  # the class's forward: no hooks, no instance override
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def modules(self):
+        return iter(())
+
+
+def _forward_owner(model):
+    """(the module whose forward DDP's or FSDP2's hooks surround, what to call to run them), or (None, None)
+    for a model neither wraps. FSDP2's is the outermost sharded module (``shard``'s root, inside a PEFT
+    wrapper), called directly as generation calls it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.module, model
+    sharded = _fsdp_modules(model)
+    return (sharded[0], sharded[0]) if sharded else (None, None)
 
 
 def mixed_precision_policy(model):
@@ -339,9 +456,9 @@ def from_env(strategy: str = "ddp", timeout_s: float = 1800.0) -> Dist:
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), launched=True, strategy=strategy)
 
 
-def resolve_device(setting: str, dist: Dist) -> torch.device:
-    """``train.device``: ``auto`` is the GPU when PyTorch sees one (``cuda:LOCAL_RANK`` under torchrun), else
-    the CPU."""
+def resolve_device(setting: str, dist: Dist, key: str = "train.device") -> torch.device:
+    """``train.device`` (or the setting under config key ``key``): ``auto`` is the GPU when PyTorch sees one
+    (``cuda:LOCAL_RANK`` under torchrun), else the CPU."""
     if setting == "auto":
         setting = "cuda" if torch.cuda.is_available() else "cpu"
     if setting == "cuda" and dist.launched:
@@ -349,8 +466,14 @@ def resolve_device(setting: str, dist: Dist) -> torch.device:
     if setting.startswith("cuda") and not torch.cuda.is_available():
         from cohortrl.config import ConfigError
 
-        raise ConfigError(f"config key 'train.device' = {setting!r}: PyTorch sees no CUDA GPU here; use auto or cpu")
+        raise ConfigError(f"config key {key!r} = {setting!r}: PyTorch sees no CUDA GPU here; use auto or cpu")
     return torch.device(setting)
+
+
+def process_device(setting: str = "auto", key: str = "train.device") -> torch.device:
+    """``resolve_device`` for code that runs without a ``Dist`` (``cohortrl eval``, the ``reward_model`` reward):
+    the same choice the trainer makes, with torchrun recognised as ``from_env`` recognises it (``WORLD_SIZE``)."""
+    return resolve_device(setting, Dist(launched="WORLD_SIZE" in os.environ), key)
 
 
 def group_seed(seed: int, step: int, group: int) -> int:

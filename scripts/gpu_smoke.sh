@@ -7,9 +7,12 @@
 # Checks: NCCL (with gloo for CPU tensors) collectives under a 1-process torchrun; a training run under a
 # 1-process torchrun (one process wraps no DDP and short-circuits the trainer's collectives: DDP itself needs
 # 2 GPUs); bf16 full fine-tuning moves the weights at lr 1e-5; LoRA on a bf16 base learns; FSDP2 in bf16 saves
-# and resumes to the weights of an uninterrupted run; vLLM (if installed) syncs every step and its importance
-# weights at temperature 0.7 are near 1. Models are built from a config (tiny-llama-4l); nothing is
-# downloaded. Results go in docs/distributed.md with the date and the machine.
+# and resumes to the weights of an uninterrupted run; FSDP2's forward runs the chunked LM head (no (B, T, V)
+# logits, the log-probs and gradients of the unwrapped model) and a model loaded on rank 0 is sent into the
+# shards (tests/wrapped_logprobs_check.py, tests/fsdp_rank0_load_check.py, on the GPU with one process);
+# vLLM (if installed) syncs every step and its importance weights at temperature 0.7 are near 1. Models are
+# built from a config (tiny-llama-4l; the two checks from tests/, tiny-llama); nothing is downloaded.
+# Results go in docs/distributed.md with the date and the machine.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -53,10 +56,12 @@ fsdp_save_resume() {
 export -f train fsdp_save_resume
 
 check collectives 60 '$TORCHRUN scripts/gpu_smoke.py collectives "$WORK"'
-check torchrun_train 70 'train one --steps 2 && echo "PASS torchrun_train: 2 GRPO steps, a checkpoint and final/ under a 1-process torchrun"'
-check bf16_full 60 '"$PY" scripts/gpu_smoke.py bf16_full "$WORK"'
-check lora 60 '"$PY" scripts/gpu_smoke.py lora "$WORK"'
-check fsdp_save_resume 100 fsdp_save_resume
+check torchrun_train 60 'train one --steps 2 && echo "PASS torchrun_train: 2 GRPO steps, a checkpoint and final/ under a 1-process torchrun"'
+check bf16_full 50 '"$PY" scripts/gpu_smoke.py bf16_full "$WORK"'
+check lora 50 '"$PY" scripts/gpu_smoke.py lora "$WORK"'
+check fsdp_save_resume 90 fsdp_save_resume
+check fsdp_chunked_head_rank0_load 50 '$TORCHRUN tests/wrapped_logprobs_check.py fsdp && $TORCHRUN tests/fsdp_rank0_load_check.py bf16 &&
+    echo "PASS fsdp_chunked_head_rank0_load: log-probs and gradients through FSDP2 without (B, T, V) logits; bf16 weights loaded on rank 0 reach the shards"'
 check vllm 120 '"$PY" scripts/gpu_smoke.py vllm "$WORK"'
 
 echo "$FAILED failed, $((SECONDS - START)) s in all (logs in $WORK)"

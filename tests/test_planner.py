@@ -114,7 +114,7 @@ def test_lora_has_no_reference_copy():
     assert m.policy.gradients == LLAMA2_7B.lora_params(16) * 2
 
 
-def test_logits_are_chunk_bounded_on_one_process_and_four_full_copies_under_ddp():
+def test_logits_are_chunk_bounded_on_one_process_and_under_ddp_and_fsdp2():
     from cohortrl import planner
     from cohortrl.rollout import hf
 
@@ -123,8 +123,8 @@ def test_logits_are_chunk_bounded_on_one_process_and_four_full_copies_under_ddp(
     # Llama-2-7B, b = 4, T = 1024: one (b, T+1, V) fp32 tensor is 4·1025·32000·4 = 524,800,000 bytes.
     one = plan("7b", RunSpec(micro_batch_size=4, response_len=1024)).memory
     assert one.logits == 2 * 32 * 2**20  # two 32 MiB chunks: the full tensor never exists
-    ddp = plan("7b", RunSpec(gpus=8, micro_batch_size=4, response_len=1024)).memory
-    assert ddp.logits == 4 * 524_800_000  # the model's own head: output, scaled copy, entropy's two temporaries
+    for sharding in ("none", "zero3"):  # DDP and FSDP2 run the chunked head inside their forward
+        assert plan("7b", RunSpec(gpus=8, sharding=sharding, micro_batch_size=4, response_len=1024)).memory.logits == 2 * 32 * 2**20
     # within the keep budget, the probabilities of the scored tokens (the T response tokens, not T + 1: the
     # chunked head runs on real response positions only) are kept for backward, plus one chunk of logits:
     # 1·2·32000·4 = 256,000 bytes (less than a chunk) kept, and the chunk that made them
@@ -359,3 +359,12 @@ def test_cli_labels_gpu_figures_as_predictions_and_shows_no_unmeasured_cpu_time(
     assert cpu.returncode == 0, cpu.stderr
     assert "not shown: no measured CPU rate" in cpu.stdout
     assert "| **total** |" in cpu.stdout and cpu.stdout.rstrip().endswith("| - |")
+
+
+def test_the_update_shares_prompts_under_ddp_but_not_fsdp2_over_several_processes():
+    from cohortrl.planner import update_tokens
+
+    ddp, fsdp = (plan("7b", RunSpec(gpus=8, sharding=s, micro_batch_size=4)).run for s in ("none", "zero3"))
+    assert update_tokens(fsdp) == 4 * fsdp.seq_len  # every row runs its own prompt
+    # a micro-batch of 4 rows of groups of G ≥ 4 holds one distinct prompt: s_p + 4·T
+    assert update_tokens(ddp) == ddp.prompt_len + 4 * ddp.response_len

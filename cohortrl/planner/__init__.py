@@ -341,23 +341,26 @@ def activation_elements_per_token(m: ModelShape, checkpointing: bool) -> float:
     return L * h + per_layer if checkpointing else L * per_layer
 
 
+def shares_prompts(run: RunSpec) -> bool:
+    """Whether the update's forward runs a group's prompt once (``rollout/hf.response_logprobs``,
+    ``share_prompts``): on one process and under DDP, not with sharding over several processes (FSDP2, where
+    each layer's forward is a collective and the number of decoder calls would depend on the rows)."""
+    return run.gpus == 1 or run.sharding == "none"
+
+
 def update_tokens(run: RunSpec) -> int:
-    """Tokens one forward of the update's micro-batch runs through the policy. One process runs a group's
-    prompt once (``rollout/hf.response_logprobs``, ``share_prompts``): U_b·s_p + b·T with U_b = the micro-batch's
-    share of the distinct prompts; under DDP / FSDP2 every row runs its own prompt: b·S."""
+    """Tokens one forward of the update's micro-batch runs through the policy: U_b·s_p + b·T when it shares
+    prompts (``shares_prompts``), with U_b = the micro-batch's share of the distinct prompts; else every row runs
+    its own prompt: b·S."""
     b = run.micro_batch
-    if run.gpus > 1:
+    if not shares_prompts(run):
         return b * run.seq_len
     prompts = max(1, -(-run.prompts * b // run.sequences))  # ceil: a micro-batch holds whole groups
     return prompts * run.prompt_len + b * run.response_len
 
 
-# How many (b, T+1, V) fp32 logit tensors are alive at once in the update when the model's own head runs
-# (DDP or FSDP2, several processes): the LM head's output, the temperature-scaled copy log-softmax keeps for
-# backward, and the entropy's probabilities and product (``rollout/hf._logprobs_from_logits``); backward then
-# replaces two of them with gradients of the same size.
-LOGIT_COPIES = 4
-# One process: ``rollout/hf._HeadLogProbs`` applies the head in chunks of LOGPROB_CHUNK_BYTES of fp32 logits.
+# ``rollout/hf._HeadLogProbs`` applies the head in chunks of LOGPROB_CHUNK_BYTES of fp32 logits (on one process,
+# and inside DDP's and FSDP2's forward: ``distributed.forward_inside``).
 # Probabilities of at most LOGPROB_KEEP_BYTES (all response tokens) are kept from forward to backward: those
 # plus one chunk of logits. Above that none are kept, and at most two chunks exist at once (the logits and the
 # entropy's probabilities in forward; the recomputed logits, turned into their gradient in place, in backward).
@@ -448,7 +451,7 @@ def kv_cache_bytes(m: ModelShape, tokens: int, dtype: str) -> float:
 
 
 def chunked_logit_bytes(positions: int, vocab: int) -> float:
-    """One process's chunked LM head (``rollout/hf._HeadLogProbs``) over ``positions`` scored tokens: the kept
+    """The chunked LM head (``rollout/hf._HeadLogProbs``) over ``positions`` scored tokens: the kept
     probabilities plus one chunk while they fit in LOGPROB_KEEP_BYTES, else two chunks."""
     full = positions * vocab * 4
     chunk = min(LOGPROB_CHUNK_BYTES, full)
@@ -475,10 +478,7 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
         tokens, critic_tokens = update_tokens(run), (b * run.seq_len if run.algorithm == "ppo" else 0)
         no_ckpt = (tokens + critic_tokens) * activation_elements_per_token(m, False) * act_bytes
         ckpt = (tokens + critic_tokens) * activation_elements_per_token(m, True) * act_bytes
-        if run.gpus == 1:  # one process: the chunked head (rollout/hf._HeadLogProbs)
-            logits = chunked_logit_bytes(scored_b, m.vocab_size)
-        else:
-            logits = LOGIT_COPIES * b * (run.response_len + 1) * m.vocab_size * 4
+        logits = chunked_logit_bytes(scored_b, m.vocab_size)  # the chunked head (rollout/hf._HeadLogProbs)
         recording = temporaries = 0.0
     # K and V of every row's whole length. The CPU's lean decoder (fp32) allocates them zeroed, every page
     # touched, for the whole budget before the first step (cpu/decoder.py); HF generate grows them to T.
@@ -596,7 +596,7 @@ def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
     prefill = 2 * m.num_layers * m.layer_params * U * (sp - 1) + attention_flops(m, U * (sp - 1) * sp / 2)
     decoding = (2 * m.num_layers * m.layer_params + 2 * m.hidden_size * m.vocab_size) * B * T \
         + attention_flops(m, B * (T * sp + T * (T - 1) / 2))
-    shared = run.gpus == 1  # one process runs a group's prompt once in the log-prob passes
+    shared = shares_prompts(run)  # a group's prompt runs once in the log-prob passes
     score = batch_pass(m, run, shared, run.scored_tokens)
     recompute = score.layers + score.attention if run.checkpointing else 0.0  # Korthikanti §5: one more forward
     if run.reuse_rollout_forward:

@@ -139,23 +139,26 @@ def make_task(field: str = "score") -> RewardFn:
     return task
 
 
-def make_reward_model(model: str, batch_size: int = 16, max_length: int = 1024) -> RewardFn:
+def make_reward_model(model: str, batch_size: int = 16, max_length: int = 1024, device: str = "auto") -> RewardFn:
     """A learned outcome reward model (ORM): any ``AutoModelForSequenceClassification`` with one label (a
     local directory or a hub id) scores each exchange at its last token; the score is the reward.
 
     The exchange is the prompt as the user's turn and the completion as the assistant's, in the reward
     model's chat template (ChatML when it has none), as a model trained on chat data reads it. Sequences
     longer than ``max_length`` tokens keep their end, where the completion is. The model stays loaded,
-    in eval mode, for the whole run: its memory adds to the policy's.
+    in eval mode, for the whole run: its memory adds to the policy's. ``device``: where it runs, chosen as
+    the trainer chooses ``train.device`` (``auto``: the GPU when PyTorch sees one, this process's under torchrun).
     """
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from cohortrl.distributed import process_device
     from cohortrl.models import prepare_tokenizer
     from cohortrl.reward_models.scoring import chat_text
 
     with torch.random.fork_rng(devices=[]):  # a head missing from the checkpoint would be drawn at random
         scorer = AutoModelForSequenceClassification.from_pretrained(model).eval()
+    scorer.to(process_device(device, key="reward.functions[reward_model].kwargs.device"))
     if scorer.config.num_labels != 1:
         raise ValueError(f"reward_model {model!r} has {scorer.config.num_labels} labels; it needs one (a scalar score)")
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model))
@@ -172,7 +175,7 @@ def make_reward_model(model: str, batch_size: int = 16, max_length: int = 1024) 
             enc = tokenizer(
                 texts[start : start + batch_size], add_special_tokens=False, padding=True, truncation=True,
                 max_length=max_length, return_tensors="pt",
-            )
+            ).to(scorer.device)
             scores += scorer(**enc).logits[:, 0].float().tolist()
         return scores
 

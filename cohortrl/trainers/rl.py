@@ -193,18 +193,20 @@ class RLTrainer(Trainer):
         cfg, a = self.cfg, self.cfg.algorithm
         model, tokenizer = inputs.model, inputs.tokenizer
         if model is None:
-            model, tokenizer = load_configured_model(cfg.model, cfg.train.seed)
+            # FSDP2 over several processes: rank 0 loads, the others build on the meta device (Dist.load)
+            model, tokenizer = self.dist.load(lambda: load_configured_model(cfg.model, cfg.train.seed))
         self.optimised: dict[str, Optimised] = {}
         self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
         self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer,
                                                   activation_checkpointing=cfg.train.activation_checkpointing)
-        self.model.to(self.device)
+        if not self.dist.sharded:  # FSDP2: wrap puts each rank's shards there, never the whole model
+            self.model.to(self.device)
         guards.check_run_fits(cfg, self.model, n_train_rows)
         self.reference = Reference(self.model, cfg.model.lora.enabled, frozen_copy=not self.dist.sharded) if a.beta > 0 else None
         dtype = next(self.model.parameters()).dtype  # the reference's, before FSDP2 keeps trainable shards in float32
         # Under torchrun: DDP around the policy, or FSDP2 sharding it in place.
-        self.train_model = self.dist.wrap(self.model)
+        self.train_model = self.dist.wrap(self.model, self.device)
         if self.reference is not None and not self.reference.lora and self.dist.sharded:
             self.reference.model = distributed.sharded_frozen_copy(self.model, dtype)  # shard by shard, never whole
         # π_ref's own frozen weights; None with LoRA (the policy with its adapter off) or at β = 0 (no KL term)
@@ -388,8 +390,10 @@ class RLTrainer(Trainer):
 
     def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """log π of the rollout's response tokens under ``model`` (B, T), in the update's micro-batches."""
-        return micro_batched_logprobs(model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids,
-                                      self._micro_batches(rollout.batch_size), temperature=self.sampling.temperature)
+        return distributed.forward_inside(  # under FSDP2 inside one root forward: the LM head in chunks
+            model, micro_batched_logprobs, input_ids=rollout.input_ids(), attention_mask=rollout.attention_mask(),
+            response_ids=rollout.response_ids, micro_batches=self._micro_batches(rollout.batch_size),
+            temperature=self.sampling.temperature)
 
     # ------------------------------------------------------------------------------------------ 5. loss, update
     def _update(self, rollout: Rollout, loss_mask, targets: Targets, timer: PhaseTimer, trace: StepTrace | None = None) -> dict:
@@ -405,7 +409,7 @@ class RLTrainer(Trainer):
         trained = [o for name, o in self.optimised.items() if name != "policy" or train_policy]
         inputs = rollout.input_ids(), rollout.attention_mask()
         temperature = self.loss_temperature or self.sampling.temperature
-        plain = PlainForward(self.train_model, rollout, *inputs, temperature, share_prompts=d.world == 1)
+        plain = PlainForward(self.train_model, rollout, *inputs, temperature, share_prompts=not d.sharded or d.world == 1)
         totals = UpdateTotals()
         for rows_all in minibatch_rows(n_groups, a.group_size, a.epochs, a.minibatches):
             weights_all = token_weights(loss_mask_all[rows_all], a.aggregation, self.norm_length)

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from cohortrl.distributed import forward_inside
 from cohortrl.rollout.hf import response_logprobs
 from cohortrl.trainers import guards
 from cohortrl.trainers.setup import Optimised
@@ -72,10 +73,12 @@ class PlainForward:
 
     def logprobs(self, rows: torch.Tensor):
         """(log-probs (b, T) with gradient, entropy (b, T))."""
-        return response_logprobs(
-            self.model, self.input_ids[rows], self.attention_mask[rows], self.rollout.response_ids[rows],
-            temperature=self.temperature, with_entropy=True,
-            # a group's prompt runs once (two forward calls; DDP takes one per backward, so one process only)
+        # Inside the forward DDP or FSDP2 runs (distributed.forward_inside): the LM head in chunks, no (b, T, V) logits.
+        return forward_inside(
+            self.model, response_logprobs, input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
+            response_ids=self.rollout.response_ids[rows], temperature=self.temperature, with_entropy=True,
+            # a group's prompt runs once: two decoder calls, or one where no prompt repeats, which FSDP2's
+            # collectives over several ranks cannot follow (each layer's forward gathers its shards)
             share_prompts=self.share_prompts,
         )
 
