@@ -60,11 +60,12 @@ class Sampler:
     (``pool``), the process reward (``process``), the vLLM engine (``generator``) and the tools."""
 
     def __init__(self, cfg, dist, model, tokenizer, stream, rewards, correctness, *, tools=None, pool=None,
-                 process=None, generator=None):
+                 process=None, generator=None, fast_path=None):
         self.cfg, self.sampling, self.dist = cfg, cfg.sampling, dist
         self.model, self.tokenizer, self.stream = model, tokenizer, stream
         self.rewards, self.correctness, self.tools = rewards, correctness, tools
         self.pool, self.process, self.generator = pool, process, generator
+        self.fast_path = fast_path  # the run's CPU fast path, handed to generation (None: plain transformers)
         self._engine_stale = False  # the policy changed since the engine last got its weights
 
     def policy_updated(self) -> None:
@@ -208,7 +209,7 @@ class Sampler:
         if self.generator is not None:
             return self.generator.generate(rows, cfg.algorithm.group_size, self.sampling, seed=seed, **kw)
         return generate(self.model, self.tokenizer, rows, cfg.algorithm.group_size, self.sampling,
-                        record=record, tools=self.tools, **kw)
+                        record=record, tools=self.tools, fast_path=self.fast_path, **kw)
 
     def score_steps(self, batch: ScoredBatch, step: int) -> dict:
         """Fill ``batch.step_rewards`` / ``step_ends`` from the process reward function (guarded, see
