@@ -41,6 +41,7 @@ from cohortrl.data import PromptStream, load_rows
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, check_columns, resolve
+from cohortrl.rollout.engine import build_engine
 from cohortrl.rollout.hf import micro_batched_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.rollout.types import Rollout
@@ -224,7 +225,7 @@ class RLTrainer(Trainer):
 
     def _build_rollout(self, inputs) -> None:
         """What the step samples and scores with besides the policy: the reward workers, the process reward,
-        the vLLM engine; and the settings the step reads."""
+        the rollout engine; and the settings the step reads."""
         cfg = self.cfg
         self.sampling = cfg.sampling
         p = cfg.reward.process
@@ -232,15 +233,10 @@ class RLTrainer(Trainer):
             p.name, p.kwargs, timeout_s=cfg.reward.timeout_s, policy=self.model, tokenizer=self.tokenizer,
             reference=self.reference_copy, rows=self.stream.rows,
         )
-        self.generator = None  # the vLLM engine, when sampling.backend is vllm
-        if cfg.sampling.backend == "vllm":
-            from cohortrl.rollout.vllm import VLLMGenerator
-
-            self.generator = VLLMGenerator(self.model, self.tokenizer, gpu_memory_utilization=cfg.sampling.vllm_gpu_memory_utilization,
-                                           seed=cfg.train.seed)
-        self.sampler = Sampler(cfg, self.dist, self.model, self.tokenizer, self.stream, self.rewards, self.correctness,
-                               tools=self.tools, pool=reward_pool(cfg, inputs.reward_fns), process=self.process,
-                               generator=self.generator, fast_path=self.fast_path)
+        # what samples the responses (sampling.backend): transformers with the tools and the fast path, or vLLM
+        self.engine = build_engine(cfg, self.model, self.tokenizer, tools=self.tools, fast_path=self.fast_path)
+        self.sampler = Sampler(cfg, self.dist, self.model, self.tokenizer, self.stream, self.engine, self.rewards,
+                               self.correctness, pool=reward_pool(cfg, inputs.reward_fns), process=self.process)
         self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or bool(
             getattr(getattr(self.model, "config", None), "attention_dropout", 0))
         self.norm_length = self.cfg.algorithm.norm_length or cfg.sampling.max_new_tokens
@@ -265,7 +261,7 @@ class RLTrainer(Trainer):
         """Whether step 3 computes log π_old; without it the update is on-policy (ratio 1). A vLLM sampler
         needs it for the importance weights (its own log-probs come from other numerics)."""
         a = self.cfg.algorithm
-        return a.epochs > 1 or a.minibatches > 1 or self.generator is not None
+        return a.epochs > 1 or a.minibatches > 1 or self.engine.own_numerics
 
     def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer: PhaseTimer) -> Targets:
         """Step 4: advantages (and whatever else the update regresses onto) for the scored batch."""
