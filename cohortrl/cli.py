@@ -201,7 +201,8 @@ def cmd_eval(args) -> int:
     try:
         with fast_kernels(fast_path, model):
             responses: list[dict] = []
-            result = evaluate_config(model, tokenizer, eval_rows, correctness, cfg, responses=responses, fast_path=fast_path)
+            result = evaluate_config(model, tokenizer, eval_rows, correctness, cfg, responses=responses,
+                                     fast_path=fast_path)
     finally:
         if fast_path is not None:
             fast_path.close()

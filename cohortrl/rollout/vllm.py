@@ -1,9 +1,9 @@
 """Generation with vLLM (GPU only): a colocated engine beside the trainer, weights synced after updates.
 
 ``sampling.backend: vllm`` swaps this engine in for the HF one (``rollout/engine.py``'s interface); the trainer
-does not know which engine it has beyond one difference: vLLM returns the log-probability of every sampled token under *its* numerics
-(kernels, precision), which differ slightly from the trainer's. The trainer therefore computes log π_old with
-its own forward pass and corrects the mismatch with truncated importance sampling
+does not know which engine it has beyond one difference: vLLM returns the log-probability of every sampled token
+under *its* numerics (kernels, precision), which differ slightly from the trainer's. The trainer therefore
+computes log π_old with its own forward pass and corrects the mismatch with truncated importance sampling
 (``algorithms.truncated_importance_weights``).
 
 Only vLLM's public interfaces are used (the ``vllm`` extra pins the version, see ``pyproject.toml``):

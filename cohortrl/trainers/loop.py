@@ -71,8 +71,8 @@ class Trainer:
     """A run: ``train()`` steps, evaluates, checkpoints and saves ``final/``; subclasses do the steps.
 
     A subclass's constructor sets ``cfg``, ``run_dir``, ``_run_claim``, ``dist``, ``model``, ``tokenizer``,
-    ``fast_path`` (``setup.build_fast_path``), ``optimised`` (each trained model's optimiser and schedule, ``"policy"`` first), ``stream``, ``eval_rows``,
-    ``config_hash`` and ``step_count``, then calls ``_open_run``."""
+    ``fast_path`` (``setup.build_fast_path``), ``optimised`` (each trained model's optimiser and schedule,
+    ``"policy"`` first), ``stream``, ``eval_rows``, ``config_hash`` and ``step_count``, then calls ``_open_run``."""
 
     name = "trainer"
     command = "train"  # the CLI command that continues such a run, for messages

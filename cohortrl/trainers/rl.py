@@ -470,7 +470,8 @@ class RLTrainer(Trainer):
     def evaluate(self, responses: list | None = None) -> dict:
         """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers. ``responses``
         (rank 0) receives each greedy response (``evaluate.evaluate``)."""
-        with self.dist.gathered(self.model), fast_kernels(self.fast_path, self.model):  # FSDP2: rank 0 runs forward passes the others do not
+        # FSDP2: rank 0 runs forward passes the others do not
+        with self.dist.gathered(self.model), fast_kernels(self.fast_path, self.model):
             metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
                                       self.trainer_state, tools=self.tools, responses=responses,
                                       fast_path=self.fast_path) if self.dist.is_main else None

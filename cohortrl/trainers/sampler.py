@@ -1,8 +1,8 @@
 """Steps 1-2 of the RL step (``rl.RLTrainer.step``): the rollout and its rewards.
 
 ``Sampler.sample`` takes P prompts from the stream, generates G responses to each with the run's rollout engine
-(``rollout/engine.py``: transformers with the run's tools and CPU fast path, or vLLM), scores them with the weighted reward functions and flags the groups whose G responses
-are equally correct. With ``algorithm.zero_variance: resample`` it draws again until P informative groups are
+(``rollout/engine.py``: transformers with the run's tools and CPU fast path, or vLLM), scores them with the
+weighted reward functions and flags the groups whose G responses are equally correct. With ``algorithm.zero_variance: resample`` it draws again until P informative groups are
 found (DAPO's dynamic sampling). Under ``reward.process`` it then adds the process reward's step rewards to the
 batch the step trains on (``Sampler.score_steps``). Under torchrun every rank generates its share of the groups,
 each group seeded by its global index, and the zero-variance flags are gathered over all ranks.

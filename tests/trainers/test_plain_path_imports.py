@@ -32,14 +32,16 @@ base = {
     "eval": {"before": False, "n_prompts": 4, "batch_size": 4},
     "sft": {"batch_size": 2},
 }
-for cls, algorithm in ((GRPOTrainer, {"name": "grpo"}), (PPOTrainer, {"name": "ppo"}), (SFTTrainer, {})):
+runs = ((GRPOTrainer, {"name": "grpo"}), (PPOTrainer, {"name": "ppo"}), (SFTTrainer, {}))
+for cls, algorithm in runs if path == "off" else runs[:1]:  # auto: one trainer shows the import happens
     cfg = Config.from_dict({**base, "algorithm": {**base["algorithm"], **algorithm}})
     trainer = cls(cfg, f"{out}/{cls.__name__}")
     trainer.step()
     trainer.evaluate()
     trainer.close()
-train_reward_model(load_rm_config(None, ["kind=prm", "steps=1", "n_train=2", "n_eval=2", "batch_size=2",
-                                         f"cpu_fast_path={path}", f"out={out}/rm"]))
+if path == "off":
+    train_reward_model(load_rm_config(None, ["kind=prm", "steps=1", "n_train=2", "n_eval=2", "batch_size=2",
+                                             f"cpu_fast_path={path}", f"out={out}/rm"]))
 print(json.dumps(sorted(m for m in sys.modules if m == "cohortrl.cpu" or m.startswith("cohortrl.cpu."))))
 """
 
