@@ -39,7 +39,8 @@ class CPUPath:
         lean = fast_path is not None and fast_path.decoder_for(trainer.model) is not None
         replayed = sum(r.get("rollout_forward_reused") or 0 for r in rows)
         assert (fast_path.linear if fast_path is not None else "aten") == ("onednn" if fast else "aten")
-        assert (fast_path is None) == (self.name == "plain")  # off: no fast path object at all
+        if self.name == "plain":
+            assert fast_path is None  # off: no fast path object at all, so nothing of cpu/ runs
         assert lean == fast
         assert bool(self.onednn_products) == fast
         assert bool(self.decoders) == (fast and decodes)
