@@ -58,7 +58,7 @@ def test_a_tool_given_in_python_reaches_the_rollout(tmp_path, addition_jsonl):
 
     trainer = GRPOTrainer(tiny_config(addition_jsonl, train={"steps": 1}), tmp_path, tools=[shout])
     assert [t.name for t in trainer.tools.tools] == ["shout"]
-    assert trainer.sampler.tools is trainer.tools
+    assert trainer.sampler.engine.tools is trainer.tools  # the rollout engine runs them
 
 
 def test_a_process_reward_function_gets_the_reward_timeout(tmp_path, addition_jsonl):
