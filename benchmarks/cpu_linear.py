@@ -19,22 +19,27 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cohortrl.cpu import kernels
-from cohortrl.cpu.kernels import linear_kernels, onednn_available
+from cohortrl.cpu import FastPath, kernels
+from cohortrl.cpu.kernels import linear_kernels, onednn_available, onednn_linear
 from cohortrl.models import load_model
 from cohortrl.rollout.hf import Sampling, generate, response_logprobs
 
 ROWS = [{"prompt": f"What is {a} * {b}?"} for a, b in [(3, 4), (7, 8), (6, 9), (2, 5)]]
+FAST_PATHS = {kind: FastPath(kind, "system") for kind in ("aten", "onednn")}  # a run's, on each kernel
 
 
-def timed(fn, repeats: int) -> dict[str, float]:
-    """Median seconds of ``fn`` under each kernel, alternating aten / oneDNN ``repeats`` times after a warm-up."""
+LINEAR = {"aten": F.linear, "onednn": onednn_linear}  # one product on each kernel
+
+
+def timed(fn, repeats: int, model=None) -> dict[str, float]:
+    """Median seconds of ``fn(kind)`` under each kernel (``model``'s linear layers switched to it), alternating
+    aten / oneDNN ``repeats`` times after a warm-up."""
     times: dict[str, list[float]] = {"aten": [], "onednn": []}
     for i in range(repeats + 1):
         for kind in times:
-            with linear_kernels(kind):
+            with linear_kernels(kind, model):
                 t0 = time.perf_counter()
-                fn()
+                fn(kind)
                 if i:  # the first round warms both up
                     times[kind].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
@@ -59,10 +64,10 @@ def main() -> None:
     results = []  # (what, aten s, onednn s)
     for what, rows in (("one decoding step", B), ("one training forward", B * T)):
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-        r = timed(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], args.repeats)
+        r = timed(lambda kind: [LINEAR[kind](xs[w.shape[1]], w) for w in weights], args.repeats)
         results.append((f"{what}: all {len(weights)} linear layers, {rows} rows", r["aten"], r["onednn"]))
     gs = {w.shape[0]: torch.randn(B * T, w.shape[0]) for w in weights}
-    r = timed(lambda: [F.linear(gs[w.shape[0]], w.t()) for w in weights], args.repeats)
+    r = timed(lambda kind: [LINEAR[kind](gs[w.shape[0]], w.t()) for w in weights], args.repeats)
     results.append((f"their input gradients (dy W), {B * T} rows", r["aten"], r["onednn"]))
     # Decoding under the oneDNN kernel uses the weights in oneDNN's blocked layout (kernels.decoding_weights).
     xs = {w.shape[1]: torch.randn(B, w.shape[1]) for w in weights}
@@ -71,29 +76,31 @@ def main() -> None:
         t0 = time.perf_counter()
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, B) for w in weights]
         layout.append(time.perf_counter() - t0)
-    dense = timed(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], args.repeats)["aten"]
-    blocked = timed(lambda: [kernels._onednn(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)], args.repeats)["onednn"]
+    dense = timed(lambda kind: [F.linear(xs[w.shape[1]], w) for w in weights], args.repeats)["aten"]
+    blocked = timed(lambda kind: [kernels._onednn(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)],
+                    args.repeats)["onednn"]
     results.append((f"one decoding step, weights in oneDNN's layout for {B} rows (kernels.decoding_weights)", dense, blocked))
     results.append(("laying the weights out in that layout (once per generate call)", float("nan"), statistics.median(layout)))
 
     sampling = Sampling(temperature=1.0, max_new_tokens=T, min_new_tokens=T)
     groups = max(1, B // 4)
     rollout, _ = generate(model, tok, ROWS[:groups], B // groups, sampling)
-    r = timed(lambda: generate(model, tok, ROWS[:groups], B // groups, sampling), args.repeats)
+    r = timed(lambda kind: generate(model, tok, ROWS[:groups], B // groups, sampling, fast_path=FAST_PATHS[kind]),
+              args.repeats, model)
     # under oneDNN a Llama-family model decodes through the lean step (cpu/decoder.py), under aten through
     # transformers' forward: this row is the whole decoding path, not the kernel alone
     results.append((f"generate {B} x {T} tokens (oneDNN: cpu/decoder.py's lean step where it applies)", r["aten"], r["onednn"]))
     ids, mask = rollout.input_ids(), rollout.attention_mask()
     with torch.no_grad():
-        r = timed(lambda: response_logprobs(model, ids, mask, rollout.response_ids), args.repeats)
+        r = timed(lambda kind: response_logprobs(model, ids, mask, rollout.response_ids), args.repeats, model)
     results.append(("response log-probs, no grad (reference)", r["aten"], r["onednn"]))
 
-    def forward_backward():
+    def forward_backward(kind):
         model.zero_grad(set_to_none=True)
         logp, _ = response_logprobs(model, ids, mask, rollout.response_ids, with_entropy=True)
         logp.sum().backward()
 
-    r = timed(forward_backward, args.repeats)
+    r = timed(forward_backward, args.repeats, model)
     results.append(("response log-probs, forward + backward (update)", r["aten"], r["onednn"]))
 
     print(f"# fp32 linear: aten (MKL) vs oneDNN, {args.model}, {args.threads} thread(s), torch {torch.__version__}\n")

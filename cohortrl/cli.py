@@ -159,15 +159,13 @@ def _verify_targets(path: Path) -> tuple[list[Path], Path]:
 def cmd_eval(args) -> int:
     """Greedy accuracy (and pass@k) on held-out prompts: of CONFIG's model (or an adapter on it), or of a run's
     final/ with the run's own config and held-out set (RUN_DIR)."""
-    from cohortrl import cpu
-    from cohortrl.cpu.kernels import linear_kernels
     from cohortrl.data import load_rows
     from cohortrl.distributed import process_device
     from cohortrl.rewards.scoring import WeightedReward, check_columns, resolve
     from cohortrl.rollout.hf import model_device
     from cohortrl.trainers import checkpoint
     from cohortrl.trainers.evaluate import EVAL_ROWS, evaluate_config
-    from cohortrl.trainers.setup import load_configured_model
+    from cohortrl.trainers.setup import build_fast_path, fast_kernels, load_configured_model
 
     run_dir = Path(args.config) if Path(args.config).is_dir() else None
     if run_dir is not None:
@@ -200,10 +198,16 @@ def cmd_eval(args) -> int:
               f"prompts: {saved or _held_out_set(cfg)}", file=sys.stderr, flush=True)
     correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), timeout_s=cfg.reward.timeout_s)
     check_columns({fn.name: correctness.fn}, eval_rows, "held-out rows")
-    # The linear kernel the trainer's own evaluations use (train.cpu_fast_path), so both report the same numbers.
-    with linear_kernels(cpu.linear_kernel(cfg.train, model_device(model), model), model):
-        responses: list[dict] = []
-        result = evaluate_config(model, tokenizer, eval_rows, correctness, cfg, responses=responses)
+    # The CPU fast path the trainer's own evaluations use (train.cpu_fast_path), so both report the same numbers.
+    fast_path = build_fast_path(cfg.train, model_device(model), model)
+    try:
+        with fast_kernels(fast_path, model):
+            responses: list[dict] = []
+            result = evaluate_config(model, tokenizer, eval_rows, correctness, cfg, responses=responses,
+                                     fast_path=fast_path)
+    finally:
+        if fast_path is not None:
+            fast_path.close()
     if args.responses:
         Path(args.responses).write_text("".join(json.dumps(r) + "\n" for r in responses))
     print(json.dumps(result, indent=2) if args.json else _eval_table(result, args.adapter or cfg.model.name))

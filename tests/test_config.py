@@ -81,6 +81,10 @@ ERRORS = [
     ({"reward": {"functions": [{"name": "accuracy"}, {"name": "accuracy"}]}},
      "config key 'reward.functions' = ['accuracy']: each reward function may appear once (its name keys its metrics)"),
     ({"reward": {"correctness": "format"}}, "config key 'reward.correctness' = 'format': must be the name of one of reward.functions (accuracy)"),
+    ({"sampling": {"vllm_max_model_len": 0}}, "config key 'sampling.vllm_max_model_len' = 0: must be at least 1"),
+    ({"sampling": {"backend": "vllm", "vllm_max_model_len": 512}},
+     "config key 'sampling.vllm_max_model_len' = 512: shorter than data.max_prompt_tokens + sampling.max_new_tokens "
+     "(576), the longest sequence a rollout makes; raise it to 576 or more"),
 ]
 
 
@@ -104,6 +108,16 @@ def test_overrides_parse_values_as_yaml(tmp_path):
     cfg = Config.from_yaml(path, ["algorithm.group_size=6", "algorithm.beta=0", "sampling.stop=[\"\\n\\n\"]", "model.lora.enabled=true"])
     assert (cfg.algorithm.group_size, cfg.algorithm.beta, cfg.model.lora.enabled) == (6, 0.0, True)
     assert cfg.sampling.stop == ["\n\n"]
+
+
+def test_a_bare_off_in_yaml_is_the_setting_off_not_false(tmp_path):
+    # PyYAML follows YAML 1.1 and reads `cpu_fast_path: off` as False; a setting whose values include "off" means it.
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  cpu_fast_path: off\n")
+    assert Config.from_yaml(path).train.cpu_fast_path == "off"
+    assert Config.from_dict(apply_overrides({}, ["train.cpu_fast_path=off"])).train.cpu_fast_path == "off"
+    with pytest.raises(ConfigError, match=r"config key 'train.cpu_fast_path': expected one of 'auto', 'off', got True"):
+        Config.from_dict({"train": {"cpu_fast_path": True}})  # on: not one of its values
 
 
 def test_exponent_floats_without_a_dot_are_numbers_as_meant():

@@ -96,6 +96,23 @@ def test_no_import_goes_up_a_layer():
     assert not upward, "imports against the layer rule (docs/architecture.md):\n" + "\n".join(upward)
 
 
+# Where the CPU fast path's object is built (cohortrl/cpu/__init__.py): the package's only importers outside it,
+# each behind the `cpu_fast_path: off` check, so a plain run never imports it (tests/trainers/test_plain_path_imports.py).
+CPU_FAST_PATH_BUILDERS = {"cohortrl.trainers.setup", "cohortrl.reward_models.train"}
+
+
+def test_the_cpu_fast_path_is_imported_only_where_its_object_is_built():
+    others = [f"{where}: {src} imports {dst}" for src, dst, where in imports()
+              if dst == "cpu" and src != "cpu" and module_of_path(where) not in CPU_FAST_PATH_BUILDERS]
+    assert not others, ("cohortrl/cpu/ is handed in as one object (cpu.FastPath), built in "
+                        f"{sorted(CPU_FAST_PATH_BUILDERS)} only; pass it instead of importing:\n" + "\n".join(others))
+
+
+def module_of_path(where: str) -> str:
+    """``cohortrl/trainers/setup.py:12`` -> ``cohortrl.trainers.setup``."""
+    return where.rpartition(":")[0].removesuffix(".py").replace("/", ".")
+
+
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     """One cycle of the directed graph as [a, b, ..., a], or None."""
     state: dict[str, int] = {}  # 1 on the stack, 2 done

@@ -175,6 +175,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise _fail_type(path, value, tp)
         return _build(tp, value, path + ".")
     if origin is Literal:
+        if isinstance(value, bool) and ("off" if not value else "on") in typing.get_args(tp):
+            value = "on" if value else "off"  # YAML 1.1 (PyYAML) reads a bare off / on as false / true
         if value not in typing.get_args(tp):
             raise _fail_type(path, value, tp)
         return value
@@ -304,3 +306,7 @@ def validate(cfg: Config) -> None:
     cfg.rollout.check(cfg.sampling)
     cfg.model.check()
     cfg.sft.check()
+    s, longest = cfg.sampling, cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens
+    require(s.backend != "vllm" or s.vllm_max_model_len >= longest, "sampling.vllm_max_model_len", s.vllm_max_model_len,
+            f"shorter than data.max_prompt_tokens + sampling.max_new_tokens ({longest}), the longest sequence a rollout "
+            f"makes; raise it to {longest} or more")

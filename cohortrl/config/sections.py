@@ -154,6 +154,9 @@ class SamplingConfig:
     see docs/distributed.md). Evaluation always uses ``hf``."""
     vllm_gpu_memory_utilization: float = 0.3
     """With ``backend: vllm``: the share of GPU memory the engine may take (the rest is for training)."""
+    vllm_max_model_len: int = 2048
+    """With ``backend: vllm``: the longest sequence (prompt and response, in tokens) the engine holds a KV cache
+    for; at least ``data.max_prompt_tokens + sampling.max_new_tokens`` (checked), at most the model's context."""
     is_cap: float = 2.0
     """With ``backend: vllm``: C in the truncated importance weight min(π_old / π_vLLM, C) that corrects
     for the engine's numerics differing from the trainer's."""
@@ -168,6 +171,7 @@ class SamplingConfig:
         require(0 < self.vllm_gpu_memory_utilization <= 1, "sampling.vllm_gpu_memory_utilization",
                 self.vllm_gpu_memory_utilization, "must be in (0, 1]")
         require(self.is_cap > 0, "sampling.is_cap", self.is_cap, "must be > 0")
+        require(self.vllm_max_model_len >= 1, "sampling.vllm_max_model_len", self.vllm_max_model_len, "must be at least 1")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The CPU fast path: what makes an RL step on a small model fast on a CPU, behind one switch.
+"""The CPU fast path: what makes an RL step on a small model fast on a CPU, as one object a run is handed.
 
 ``train.cpu_fast_path: auto`` (the default) turns it on where it is supported: a Llama-family model (llama,
 qwen2, mistral without a sliding window) with fp32 weights on a CPU, plain or with plain LoRA adapters.
@@ -14,6 +14,16 @@ autograd throughout; where ``auto`` falls back, the run says so once, at INFO, w
 - ``memory.py``: freed memory kept in the process between steps (``train.cpu_allocator``; glibc's
   ``mallopt``, which is process-wide by nature: set when a run starts, glibc's defaults back when it closes).
 
+A run builds its fast path once, from its settings and its model (:func:`build`: a :class:`FastPath`, or None
+where nothing of it applies), and hands that object to what uses it: the step's and the evaluation's kernel
+context (:meth:`FastPath.kernels`), generation (the lean decoder and its recording, :meth:`FastPath.decoder_for`,
+:meth:`FastPath.recording`; the weights' decoding layout, :meth:`FastPath.decoding_weights`), and the update
+(the recording's replayed backward). Nothing outside this package imports it except where that object is built
+(``trainers/setup.py``'s ``build_fast_path``, ``reward_models/train.py``), and those import it only when the
+setting is not ``off``: with ``train.cpu_fast_path: off`` no line of this package runs
+(``tests/trainers/test_plain_path_imports.py`` checks it in a fresh process). The state it keeps is the run's:
+the layers it switches, each layer's decoding layout, the allocator hold the object releases on ``close``.
+
 Each computes the same function as the plain path, to float rounding; ``tests/cpu/`` checks each against
 it, and the trainer tests run on both paths (``tests/trainers/conftest.py``). It relies on transformers'
 Llama module layout and PEFT's LoRA layer attributes (``lora_A``, ``lora_B``, ``scaling``, ``base_layer``,
@@ -24,28 +34,78 @@ gains is measured by ``benchmarks/vs_trl.py`` and ``benchmarks/cpu_linear.py`` (
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from cohortrl.cpu import decoder, kernels
 from cohortrl.cpu.decoder import check_architecture, computes
 from cohortrl.cpu.kernels import resolve_cpu_linear
-from cohortrl.cpu.memory import resolve_cpu_allocator
+from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator
+from cohortrl.cpu.replay import Recording
 
 
-def linear_kernel(train_cfg, device, model) -> str:
-    """The kernel a run's linear layers use, ``onednn`` or ``aten``, from ``train.cpu_fast_path`` and
-    ``train.cpu_linear``. ``auto`` on a model the fast path does not compute falls back to ``aten`` and says
-    why; an explicit ``cpu_linear: onednn`` is honoured on any model (the kernel is the same function)."""
-    if train_cfg.cpu_fast_path == "off" or torch.device(device).type != "cpu":
+class FastPath:
+    """One run's CPU fast path: its linear kernel (``onednn`` or ``aten``) and whether it holds the retained
+    allocator. Built by :func:`build`; the run calls :meth:`close` when it ends."""
+
+    def __init__(self, linear: str, allocator: str):
+        self.linear = linear
+        self.holds_allocator = apply_cpu_allocator(allocator)  # process-wide while held: glibc's mallopt
+
+    def kernels(self, *models):
+        """A context for one phase of work (a step, an evaluation): the linear layers of ``models`` on this
+        run's kernel (``kernels.linear_kernels``)."""
+        return kernels.linear_kernels(self.linear, *models)
+
+    def decoder_for(self, model):
+        """The lean decoder's factory for ``model`` (``decoder.LlamaDecoder``) when this run decodes on oneDNN
+        and the decoder computes the model, else None (transformers' forward; the reason said once)."""
+        return decoder.decoder_for(model) if self.linear == "onednn" else None
+
+    def decoding_weights(self, model, rows: int):
+        """While transformers' forward decodes ``rows`` rows: the weights in oneDNN's layout for them
+        (``kernels.decoding_weights``; nothing unless the model's layers are on oneDNN)."""
+        return kernels.decoding_weights(model, rows) if self.linear == "onednn" else contextlib.nullcontext()
+
+    @staticmethod
+    def recording(lean_decoder, prefix, mask) -> Recording:
+        """What a recording decoder computed, for the update to differentiate (``replay.Recording``)."""
+        return Recording(lean_decoder, prefix, mask)
+
+    def close(self) -> None:
+        """The run is over: the allocator hold goes back (glibc's defaults after the last holder)."""
+        if self.holds_allocator:
+            release_freed_memory()
+            self.holds_allocator = False
+
+
+def build(settings, device, model, *, generates: bool = True) -> FastPath | None:
+    """A run's fast path from its settings (``cpu_fast_path``, ``cpu_linear``, ``cpu_allocator``: a run's
+    ``train`` section, or ``train-rm``'s config) and its model, or None where no part of it applies (off, a GPU,
+    ``cpu_linear: aten`` with the system allocator). ``generates``: the run decodes with the model (the
+    trainers), so ``cpu_linear: auto`` falls back on a model the lean decoder does not compute; a run that does
+    not (``train-rm``) takes oneDNN's kernel on any model, the kernel being the same function."""
+    if settings.cpu_fast_path == "off":
+        return None
+    if generates:
+        linear = linear_kernel(settings, device, model)
+    else:
+        linear = resolve_cpu_linear(settings.cpu_linear, device)
+    allocator = resolve_cpu_allocator(settings.cpu_allocator, device)
+    if linear == "aten" and allocator == "system":
+        return None
+    return FastPath(linear, allocator)
+
+
+def linear_kernel(settings, device, model) -> str:
+    """The kernel a run's linear layers use, ``onednn`` or ``aten``, from ``cpu_fast_path`` and ``cpu_linear``.
+    ``auto`` on a model the fast path does not compute falls back to ``aten`` and says why; an explicit
+    ``cpu_linear: onednn`` is honoured on any model (the kernel is the same function)."""
+    if settings.cpu_fast_path == "off" or torch.device(device).type != "cpu":
         return "aten"
-    kind = resolve_cpu_linear(train_cfg.cpu_linear, device)
+    kind = resolve_cpu_linear(settings.cpu_linear, device)
     instead = "it runs on plain transformers and PyTorch's kernels (train.cpu_fast_path)"
-    if kind == "onednn" and train_cfg.cpu_linear == "auto" and not computes(model, instead, check_architecture):
+    if kind == "onednn" and settings.cpu_linear == "auto" and not computes(model, instead, check_architecture):
         return "aten"
     return kind
-
-
-def allocator(train_cfg, device) -> str:
-    """``retain`` or ``system`` (``memory.py``), from ``train.cpu_fast_path`` and ``train.cpu_allocator``."""
-    if train_cfg.cpu_fast_path == "off":
-        return "system"
-    return resolve_cpu_allocator(train_cfg.cpu_allocator, device)

@@ -176,11 +176,12 @@ def check_architecture(model) -> None:
 
 
 def check_supported(model) -> None:
-    """Raise :class:`Unsupported` (with the reason) unless the lean decoder computes this model's forward now:
-    :func:`check_architecture`, under ``linear_kernels("onednn")``, on a build with oneDNN's layout op."""
+    """Raise :class:`Unsupported` (with the reason) unless the lean decoder computes this model's forward:
+    :func:`check_architecture`, on a build with oneDNN's linear op and layout op. Whether a run decodes on
+    oneDNN at all is its fast path's decision (``cpu.FastPath.decoder_for``), not this function's."""
     check_architecture(model)
-    if not kernels.onednn_available() or kernels._active == 0:
-        raise Unsupported("not under the oneDNN linear kernel (train.cpu_fast_path, train.cpu_linear)")
+    if not kernels.onednn_available():
+        raise Unsupported("this PyTorch build has no oneDNN linear op")
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or "binary" not in torch.ops.mkldnn._linear_pointwise.overloads():
         raise Unsupported("this PyTorch build has no oneDNN weight layout op or fused linear-add")
 
@@ -433,7 +434,7 @@ def paired_qkv(attn, h: torch.Tensor, q_order: torch.Tensor, k_order: torch.Tens
     """An attention block's q, k and v projections of h, concatenated, q and k in the decoder's paired feature
     order (see :class:`LlamaDecoder`): one product with the three weights stacked in that order (active LoRA
     adapters merged in, as the decoding step has them)."""
-    return kernels.linear(h, *_stacked([attn.q_proj, attn.k_proj, attn.v_proj], [q_order, k_order, None]))
+    return kernels.onednn_linear(h, *_stacked([attn.q_proj, attn.k_proj, attn.v_proj], [q_order, k_order, None]))
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,9 @@ of) becomes a :class:`OneDNNLinear` while it lasts, whose forward calls ``torch.
 on fp32 plain tensors on the CPU and PyTorch's own ``F.linear`` on anything else (GPU tensors, bf16, FSDP's
 DTensors). Nothing outside those modules changes: ``torch.nn.functional.linear`` is never replaced, and
 other models in the process keep PyTorch's kernel. This package's own products (the lean decoder, the
-replayed backward, the rollout's logit head) call :func:`linear`, which follows the innermost context.
+replayed backward) call :func:`onednn_linear`: they run only on a run whose fast path chose oneDNN. Code outside
+the package that applies a layer's weight itself (the rollout's chunked logit head) calls the layer class's
+``product``, so it follows the layer and no process-wide state.
 Under autograd, :class:`_OneDNNLinearFn` computes the input gradient with oneDNN too and the weight gradient
 with ``torch.mm`` (on SmolLM2's shapes oneDNN was no faster there). It is the same function, summed in another
 order: outputs and gradients agree with PyTorch's to float rounding (``tests/cpu/test_kernels.py``), so
@@ -84,52 +86,50 @@ def _plain_cpu_fp32(t: torch.Tensor | None) -> bool:
     return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32)
 
 
-def onednn_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def onednn_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  layout: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
     """``F.linear`` on oneDNN where eligible (fp32 plain CPU tensors, see the module docstring), else PyTorch's
-    own ``F.linear``."""
+    own ``F.linear``. ``layout``: (rows, the weight in oneDNN's layout for products of that many rows), used for
+    such a product without gradient (:func:`decoding_weights`)."""
     x = input
     if x.dim() < 2 or weight.dim() != 2 or not (_plain_cpu_fp32(x) and _plain_cpu_fp32(weight) and _plain_cpu_fp32(bias)):
         return _ATEN_LINEAR(x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _OneDNNLinearFn.apply(x, weight, bias)
-    packed = _packed.get(id(weight))
-    if packed is not None and packed[0] is weight and x.numel() == _packed_rows * x.shape[-1]:
-        return _onednn(x, packed[1], bias)  # a decoding step: the weight in oneDNN's own layout
+    if layout is not None and x.numel() == layout[0] * x.shape[-1]:
+        return _onednn(x, layout[1], bias)  # a decoding step: the weight in oneDNN's own layout
     return _onednn(x, weight, bias)
-
-
-def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The product this package's own code computes: :func:`onednn_linear` inside ``linear_kernels("onednn")``,
-    PyTorch's ``F.linear`` outside it."""
-    return onednn_linear(input, weight, bias) if _active else _ATEN_LINEAR(input, weight, bias)
 
 
 class OneDNNLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward is :func:`onednn_linear`: what :func:`linear_kernels` turns a model's
-    linear layers into for its duration (same parameters, same state dict)."""
+    linear layers into for its duration (same parameters, same state dict). ``product``: the function it
+    computes, for code that applies its weight itself (``rollout/hf.py``'s chunked logit head) and so stays
+    on this layer's kernel without importing this package."""
+
+    product = staticmethod(onednn_linear)
+    decoding_layout: tuple[int, torch.Tensor] | None = None  # set by decoding_weights while it lasts
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return onednn_linear(input, self.weight, self.bias)
+        return onednn_linear(input, self.weight, self.bias, self.decoding_layout)
 
 
-# What a plain linear layer is while a step runs: code that needs one (rather than a subclass with its own
-# forward) checks ``type(m) in PLAIN_LINEAR``.
+# What a plain linear layer is while a step runs: code of this package that needs one (rather than a subclass
+# with its own forward) checks ``type(m) in PLAIN_LINEAR``.
 PLAIN_LINEAR = (torch.nn.Linear, OneDNNLinear)
 
-_active = 0  # nesting depth of linear_kernels("onednn")
-_lock = threading.Lock()
+_lock = threading.Lock()  # two threads switching the same model's layers would race
 
 
 @contextlib.contextmanager
 def linear_kernels(kind: str, *models: torch.nn.Module | None):
     """A context for one phase of work (a training step, an evaluation) on ``models``: ``onednn`` runs their
-    ``nn.Linear`` layers, and this package's own products, on oneDNN; ``aten`` changes nothing. None among
-    ``models`` is skipped.
+    ``nn.Linear`` layers on oneDNN; ``aten`` changes nothing. None among ``models`` is skipped.
 
     A layer is switched by setting its class to :class:`OneDNNLinear` (a subclass: ``isinstance`` checks, the
     state dict and hooks are unchanged) and switched back on exit; layers of a subclass of ``nn.Linear`` keep
-    their own forward. Nested contexts leave a layer switched until the one that switched it exits."""
-    global _active
+    their own forward. Nested contexts leave a layer switched until the one that switched it exits. What is
+    switched is the layers themselves: no state outside them."""
     if kind not in ("onednn", "aten"):
         raise ValueError(f"unknown linear kernel {kind!r}: expected 'onednn' or 'aten'")
     if kind == "aten":
@@ -137,7 +137,6 @@ def linear_kernels(kind: str, *models: torch.nn.Module | None):
         return
     switched = []
     with _lock:
-        _active += 1
         for model in models:
             for m in model.modules() if model is not None else ():
                 if type(m) is torch.nn.Linear:
@@ -149,37 +148,30 @@ def linear_kernels(kind: str, *models: torch.nn.Module | None):
         with _lock:
             for m in switched:
                 m.__class__ = torch.nn.Linear
-            _active -= 1
-
-
-_packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, packed), while decoding
-_packed_rows = 0  # the row count the layout was made for
 
 
 @contextlib.contextmanager
 def decoding_weights(model, rows: int):
-    """While decoding ``rows`` sequences one token at a time: every fp32 CPU linear weight of ``model`` in
-    oneDNN's blocked layout for ``rows``-row products, made once on entry and freed on exit; :func:`onednn_linear`
-    uses it for the products with exactly ``rows`` rows. A no-op unless ``linear_kernels("onednn")`` is active.
+    """While decoding ``rows`` sequences one token at a time: the weight of every layer of ``model`` on the oneDNN
+    kernel (switched by :func:`linear_kernels`) in oneDNN's blocked layout for ``rows``-row products, made once on
+    entry and freed on exit, kept on the layer (``OneDNNLinear.decoding_layout``); its forward uses it for the
+    products with exactly ``rows`` rows. A no-op on layers not on the oneDNN kernel and on a build without the
+    layout op; inside another decoding context (an evaluation inside a step) the outer layout stays.
 
     Decoding multiplies every weight by a few rows per token, so it reads all the weights once per token, and
     oneDNN reads its own layout faster than the plain one (``benchmarks/cpu_linear.py`` measures both on any
     model; docs/performance.md has the numbers). It holds a second copy of the weights while decoding, freed
     when decoding ends, before the update (whose gradients and optimiser state weigh more). Same function, to
     float rounding."""
-    global _packed_rows
-    if _active == 0 or _packed or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        # not under the oneDNN kernel, already inside a decoding context, or a build without the layout op
-        yield
-        return
+    laid_out = []
     try:
-        for m in model.modules():
-            w = getattr(m, "weight", None)
-            if isinstance(m, torch.nn.Linear) and w.dim() == 2 and _plain_cpu_fp32(w) and id(w) not in _packed:
-                _packed[id(w)] = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
-        _packed_rows = rows
+        if hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            for m in model.modules():
+                w = m.weight if type(m) is OneDNNLinear else None
+                if w is not None and w.dim() == 2 and _plain_cpu_fp32(w) and m.decoding_layout is None:
+                    m.decoding_layout = (rows, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
+                    laid_out.append(m)
         yield
     finally:
-        _packed.clear()
-        _packed_rows = 0
-
+        for m in laid_out:
+            del m.decoding_layout  # back to the class's None

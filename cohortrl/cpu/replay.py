@@ -96,7 +96,7 @@ def linear_backward(module, x_N: torch.Tensor, grad_y_N: torch.Tensor, grads: Gr
     base, adapters = _linear_parts(module)
     weight = base.weight
     grad_y_N = grad_y_N.contiguous()
-    grad_x = kernels.linear(grad_y_N, weight.detach().t())  # dy·W, on the kernel of the enclosing linear_kernels
+    grad_x = kernels.onednn_linear(grad_y_N, weight.detach().t())  # dy·W (a recording exists only on the oneDNN kernel)
     if weight.requires_grad:
         grads.add_product(weight, grad_y_N.t(), x_N)
     if base.bias is not None and base.bias.requires_grad:
@@ -203,8 +203,8 @@ class Recording:
 
     @staticmethod
     def can_score(model) -> bool:
-        """Whether :meth:`logprobs_under` computes ``model`` (the lean decoder's models, under its kernel); if not,
-        the reason is logged once per model."""
+        """Whether :meth:`logprobs_under` computes ``model`` (the lean decoder's models); if not, the reason is
+        logged once per model."""
         return computes(model, "the reference's log-probs use plain transformers")
 
     @torch.no_grad()
@@ -366,7 +366,7 @@ class Recording:
         bases = [base for base, _ in parts]
         grad_qkv_N = grad_qkv_N.contiguous()
         weight, _ = _stacked(modules, [self.q_order, self.k_order, None])  # as decoding multiplied by it
-        grad_h1 = kernels.linear(grad_qkv_N, weight.t())  # dy·W, on the kernel of the enclosing linear_kernels
+        grad_h1 = kernels.onednn_linear(grad_qkv_N, weight.t())  # dy·W (a recording exists only on the oneDNN kernel)
         if any(b.weight.requires_grad for b in bases):
             grad_w = grad_qkv_N.t() @ h1_N  # (H·D + 2·Hkv·D, d), rows in the paired order
             for base, g, back in zip(bases, grad_w.split(sizes), backs):

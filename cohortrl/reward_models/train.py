@@ -13,6 +13,7 @@ with `cohortrl.reward_models.scoring.load_prm`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -174,6 +175,9 @@ class RewardModelConfig:
     lr: float = 3e-4
     max_length: int = 512
     seed: int = 0
+    cpu_fast_path: Literal["auto", "off"] = "auto"
+    """The CPU fast path's parts below (``cohortrl/cpu/``), as ``train.cpu_fast_path`` of a training run; ``off``:
+    PyTorch's kernels and glibc's defaults, and no line of ``cohortrl/cpu/`` runs."""
     cpu_linear: Literal["auto", "onednn", "aten"] = "auto"
     """Kernel for fp32 linear layers on a CPU, as ``train.cpu_linear`` of a training run (``cohortrl/cpu/kernels.py``)."""
     cpu_allocator: Literal["auto", "retain", "system"] = "auto"
@@ -204,7 +208,12 @@ def load_rm_config(source: str | None, overrides: list[str]) -> RewardModelConfi
             close = difflib.get_close_matches(key, sorted(names), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(names))}"
             raise ConfigError(f"unknown train-rm key '{key}'{hint}")
-    return _build(RewardModelConfig, data, "")
+    cfg = _build(RewardModelConfig, data, "")
+    for key, fast in (("cpu_linear", "onednn"), ("cpu_allocator", "retain")):
+        if cfg.cpu_fast_path == "off" and getattr(cfg, key) == fast:
+            raise ConfigError(f"train-rm key '{key}' = '{fast}' asks for part of the CPU fast path, which "
+                              f"cpu_fast_path=off turns off; set {key}=auto or drop cpu_fast_path=off")
+    return cfg
 
 
 def _gym_pairs(cfg: RewardModelConfig) -> bool:
@@ -238,19 +247,21 @@ def load_examples(cfg: RewardModelConfig) -> tuple[list, list]:
 
 def train_reward_model(cfg: RewardModelConfig) -> dict:
     """Train, save to ``cfg.out`` and evaluate on held-out data; returns the summary written to train_rm.json."""
-    from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator
-    from cohortrl.cpu.kernels import linear_kernels, resolve_cpu_linear
     from cohortrl.rollout.hf import model_device
 
     train, held = load_examples(cfg)
     model, tokenizer = build_reward_model(cfg.model, cfg.kind, seed=cfg.seed)
-    holds_allocator = apply_cpu_allocator(resolve_cpu_allocator(cfg.cpu_allocator, model_device(model)))
+    fast_path = None
+    if cfg.cpu_fast_path != "off":  # with off nothing of cohortrl/cpu/ is imported, nor run
+        from cohortrl import cpu
+
+        fast_path = cpu.build(cfg, model_device(model), model, generates=False)  # None: nothing of it applies
     try:
-        with linear_kernels(resolve_cpu_linear(cfg.cpu_linear, model_device(model)), model):
+        with fast_path.kernels(model) if fast_path is not None else contextlib.nullcontext():
             return _train_and_evaluate(cfg, model, tokenizer, train, held)
     finally:
-        if holds_allocator:
-            release_freed_memory()
+        if fast_path is not None:
+            fast_path.close()
 
 
 def _train_and_evaluate(cfg: RewardModelConfig, model, tokenizer, train: list, held: list) -> dict:

@@ -18,13 +18,10 @@ import copy
 import inspect
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cohortrl.config import SamplingConfig
-from cohortrl.cpu import kernels
-from cohortrl.cpu.decoder import decoder_for
-from cohortrl.cpu.kernels import decoding_weights
-from cohortrl.cpu.replay import Recording
 from cohortrl.data import prompt_messages, prompt_preview, render_prompt
 from cohortrl.rollout.tools import ToolSession, tool_protocol
 from cohortrl.rollout.types import Rollout
@@ -130,11 +127,13 @@ def generate(
     overlong_prompts: str = "reject",
     record: bool = False,
     tools: Toolset | None = None,
+    fast_path=None,
 ) -> tuple[Rollout, int]:
     """Sample ``group_size`` responses for each row's ``prompt``. Returns (rollout, prompts truncated).
 
-    ``record``: where the lean decoder runs, keep its forward for the update's backward
-    (``rollout.replay``, a ``cpu/replay.py`` :class:`Recording`; None where it does not run).
+    ``fast_path``: the run's CPU fast path (``cpu.FastPath``), or None: plain transformers throughout. Where it
+    runs the lean decoder, ``record`` keeps its forward for the update's backward (``rollout.replay``, a
+    ``cpu/replay.py`` ``Recording``; None where it does not run).
     ``tools``: the model may call them (``rollout/tools.py``), in the protocol ``tool_protocol`` picks: the text
     protocol describes them after the system prompt, the chat protocol hands their schemas to the chat template;
     their results are in the responses as tokens marked by ``rollout.tool_mask``."""
@@ -155,13 +154,13 @@ def generate(
     eos_ids = eos_token_ids(model, tokenizer)
     was_training = model.training
     model.eval()
-    record = record and decoder_for(model) is not None
+    record = record and fast_path is not None and fast_path.decoder_for(model) is not None
     # each prompt prefilled once for its group (nothing to share with one response per prompt); a recording
     # decoder runs the prompts itself, also once each
     shared = group_size > 1 and prompt_ids.shape[1] > 1 and not record
     cache = prefill_cache(model, prompt_ids, prompt_mask) if shared else None
     out, lengths, *recording = generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache,
-                                            record=record, tools=session)
+                                            record=record, tools=session, fast_path=fast_path)
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
     tool_mask = session.tool_mask(response_ids.shape[1]) if session is not None else None
@@ -190,10 +189,10 @@ def generate(
     return rollout, n_truncated
 
 def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None,
-                 record: bool = False, tools: ToolSession | None = None):
+                 record: bool = False, tools: ToolSession | None = None, fast_path=None):
     """Autoregressive sampling with the KV cache, from ``cache`` (``prefill_cache``) if given: ids (B, Tp + T)
     on the CPU, each row padded after its EOS or stop string, and each row's response length (B,), its ending
-    token included; with ``record`` (the lean decoder only), a third value: its :class:`Recording`. The loop ends
+    token included; with ``record`` (the lean decoder only), a third value: its ``Recording``. The loop ends
     when every row has ended. The lengths are recorded, not read back from the
     padding: a model may sample the pad token inside a response (SmolLM2 pads with ``<|endoftext|>``). With
     ``tools``, a row in the middle of a tool result is fed its next token instead of what it sampled (the lean
@@ -207,7 +206,8 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)
     B, name = ids.shape[0], cache_argument(model)
     next_position = mask.sum(-1, keepdim=True)  # the first response token's position
-    lean = decoder_for(model)  # Llama-family fp32 on a CPU under oneDNN: cpu/decoder.py; else transformers'
+    # the run's fast path: the lean decoder (cpu/decoder.py) for a Llama-family fp32 model on oneDNN; else transformers'
+    lean = fast_path.decoder_for(model) if fast_path is not None else None
     if record and (lean is None or cache is not None):
         raise ValueError("recording needs the lean decoder (cpu/decoder.py) and no transformers cache")
     prefix = None
@@ -231,8 +231,8 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
     lengths = torch.full((B,), sampling.max_new_tokens, dtype=torch.long, device=device)
     stop_window = max((len(s) for s in sampling.stop), default=0) + 2  # tokens enough to hold any stop string
     tokens: list[torch.Tensor] = []
-    # under the oneDNN kernel, transformers' forward reads the weights laid out for B-row products
-    with decoding_weights(model, B) if lean is None else contextlib.nullcontext():
+    # on the fast path's oneDNN kernel, transformers' forward reads the weights laid out for B-row products
+    with fast_path.decoding_weights(model, B) if lean is None and fast_path is not None else contextlib.nullcontext():
         for t in range(sampling.max_new_tokens):
             if lean is not None:
                 logits = decoder.step(feed[:, -1])
@@ -267,7 +267,7 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
                 decoder.end_rows(ended)  # ended rows leave its products
     ids_out = torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1)
     if record:
-        return ids_out, lengths.cpu(), Recording(decoder, prefix, mask)
+        return ids_out, lengths.cpu(), fast_path.recording(decoder, prefix, mask)
     return ids_out, lengths.cpu()
 
 
@@ -425,7 +425,7 @@ def response_logprobs(
             logits_BTV = out.logits[:, :-1]
         return _logprobs_from_logits(logits_BTV, response_ids, temperature, with_entropy)
 
-    decoder, linear = head
+    decoder, linear, product = head
     if shared:
         hidden_BTH = _states_sharing_prompts(decoder, input_ids, attention_mask, T, *prompts, logits=False)
     else:
@@ -435,7 +435,7 @@ def response_logprobs(
     chunk = max(1, (chunk_bytes or LOGPROB_CHUNK_BYTES) // (4 * linear.weight.shape[0]))
     logp_N, entropy_N = _HeadLogProbs.apply(hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[real_N], linear.weight,
                                            linear.bias, response_ids.reshape(-1)[real_N], float(temperature or 1.0),
-                                           chunk, with_entropy, LOGPROB_KEEP_BYTES)
+                                           chunk, with_entropy, LOGPROB_KEEP_BYTES, product)
 
     def per_token(values_N):  # back to (B, T), 0 on the padding
         return torch.zeros(response_ids.numel(), device=device).index_put((real_N,), values_N).view(response_ids.shape)
@@ -488,9 +488,19 @@ def _plain_lm_head(model):
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
         return None
     head = model.get_output_embeddings()
-    if type(head) not in kernels.PLAIN_LINEAR:  # an nn.Linear, or one on the CPU fast path's kernel
+    product = _linear_product(head)
+    if product is None:
         return None
-    return model.get_decoder(), head
+    return model.get_decoder(), head, product
+
+
+def _linear_product(layer):
+    """The function a plain linear layer computes: ``F.linear`` for an ``nn.Linear``; a subclass that changes
+    only the kernel names its own as ``product`` (the CPU fast path's ``OneDNNLinear``, while a step runs).
+    None for anything else (a subclass with its own forward, a LoRA layer)."""
+    if type(layer) is torch.nn.Linear:
+        return F.linear
+    return getattr(type(layer), "product", None) if isinstance(layer, torch.nn.Linear) else None
 
 
 class _HeadLogProbs(torch.autograd.Function):
@@ -501,10 +511,11 @@ class _HeadLogProbs(torch.autograd.Function):
     chunk) and backward turns them into the logits' gradient in place; otherwise forward keeps only the
     log-normaliser log Z per row and backward recomputes each chunk's logits, one more product with the
     head's weight. Either way the (B, T, V) logits of the whole batch never exist. The logits are made in
-    the model's dtype and cast to fp32, as ``model(...).logits.float()`` would be."""
+    the model's dtype and cast to fp32, as ``model(...).logits.float()`` would be; ``product`` is the head
+    layer's function (``_linear_product``), so they come from the kernel the layer itself runs on."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, target_N, temperature, chunk, with_entropy, keep_bytes):
+    def forward(ctx, hidden_NH, weight_VH, bias_V, target_N, temperature, chunk, with_entropy, keep_bytes, product):
         N, V = hidden_NH.shape[0], weight_VH.shape[0]
         logp_N = torch.empty(N, device=hidden_NH.device)
         logz_N = torch.empty(N, device=hidden_NH.device)
@@ -513,7 +524,7 @@ class _HeadLogProbs(torch.autograd.Function):
         probs_NV = torch.empty(N, V, device=hidden_NH.device) if keep else None
         for s in range(0, N, chunk):
             # In place, one (chunk, V) tensor (two for the entropy unless kept): log Z = max + log Σ exp(logits − max).
-            shifted = _chunk_logits(hidden_NH[s:s + chunk], weight_VH, bias_V, temperature)
+            shifted = _chunk_logits(product, hidden_NH[s:s + chunk], weight_VH, bias_V, temperature)
             top = shifted.amax(-1, keepdim=True)
             shifted.sub_(top)  # ≤ 0: exp cannot overflow
             target = shifted.gather(-1, target_N[s:s + chunk, None]).squeeze(-1)
@@ -533,7 +544,7 @@ class _HeadLogProbs(torch.autograd.Function):
             logz_N[s:s + chunk] = top.squeeze(-1) + log_total
             logp_N[s:s + chunk] = target - log_total
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, target_N, logz_N)
-        ctx.temperature, ctx.chunk, ctx.probs_NV = temperature, chunk, probs_NV
+        ctx.temperature, ctx.chunk, ctx.probs_NV, ctx.product = temperature, chunk, probs_NV, product
         if with_entropy:
             ctx.mark_non_differentiable(entropy_N)
         return logp_N, entropy_N
@@ -553,7 +564,7 @@ class _HeadLogProbs(torch.autograd.Function):
             if probs_NV is not None:
                 grad_logits = probs_NV[s:s + ctx.chunk]
             else:
-                grad_logits = _chunk_logits(h, weight_VH, bias_V, ctx.temperature).sub_(logz_N[s:s + ctx.chunk, None]).exp_()
+                grad_logits = _chunk_logits(ctx.product, h, weight_VH, bias_V, ctx.temperature).sub_(logz_N[s:s + ctx.chunk, None]).exp_()
             grad_logits.mul_(-g[:, None]).scatter_add_(-1, target_N[s:s + ctx.chunk, None], g[:, None])
             if ctx.temperature not in (0, 1):
                 grad_logits.div_(ctx.temperature)
@@ -570,11 +581,11 @@ class _HeadLogProbs(torch.autograd.Function):
         if need_w:
             grad_w = torch.zeros_like(weight_VH) if grad_w is None else grad_w.to(weight_VH.dtype)  # None: no rows
         grad_b = grad_b.to(bias_V.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
-def _chunk_logits(h_NH, weight_VH, bias_V, temperature: float) -> torch.Tensor:
-    logits = kernels.linear(h_NH, weight_VH, bias_V).float()  # oneDNN under the trainer's linear_kernels
+def _chunk_logits(product, h_NH, weight_VH, bias_V, temperature: float) -> torch.Tensor:
+    logits = product(h_NH, weight_VH, bias_V).float()  # the head layer's own kernel (``_linear_product``)
     return logits.div_(temperature) if temperature not in (0, 1) else logits
 
 

@@ -1,9 +1,9 @@
 """Generation with vLLM (GPU only): a colocated engine beside the trainer, weights synced after updates.
 
-``sampling.backend: vllm`` swaps this in for ``rollout.hf.generate``; the trainer does not know which backend
-it has beyond one difference: vLLM returns the log-probability of every sampled token under *its* numerics
-(kernels, precision), which differ slightly from the trainer's. The trainer therefore computes log π_old with
-its own forward pass and corrects the mismatch with truncated importance sampling
+``sampling.backend: vllm`` swaps this engine in for the HF one (``rollout/engine.py``'s interface); the trainer
+does not know which engine it has beyond one difference: vLLM returns the log-probability of every sampled token
+under *its* numerics (kernels, precision), which differ slightly from the trainer's. The trainer therefore
+computes log π_old with its own forward pass and corrects the mismatch with truncated importance sampling
 (``algorithms.truncated_importance_weights``).
 
 Only vLLM's public interfaces are used (the ``vllm`` extra pins the version, see ``pyproject.toml``):
@@ -112,8 +112,12 @@ def weight_buckets(state: dict[str, torch.Tensor], bucket_bytes: int = SYNC_BUCK
     return buckets + ([bucket] if bucket else [])
 
 
-class VLLMGenerator:
-    """A colocated vLLM engine holding a copy of the policy's weights."""
+class VLLMEngine:
+    """A colocated vLLM engine holding a copy of the policy's weights (a ``rollout.engine.RolloutEngine``).
+    ``max_model_len``: ``sampling.vllm_max_model_len``, the longest prompt + response it holds a cache for."""
+
+    own_numerics = True  # its log-probs come from vLLM's kernels: the trainer corrects with importance weights
+    syncs_weights = True
 
     def __init__(self, model, tokenizer, *, gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int = 2048):
         vllm = _import_vllm()
@@ -137,9 +141,10 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def generate(self, rows: list[dict], group_size: int, sampling, *, system_prompt=None, max_prompt_tokens=512,
-                 overlong_prompts="reject", seed: int | None = None):
+                 overlong_prompts="reject", seed: int | None = None, record: bool = False):
         """(rollout, prompts truncated): the same Rollout as ``rollout.hf.generate``, plus the sampler's log-probs
-        of the sampled tokens in ``rollout.sampling_logp``."""
+        of the sampled tokens in ``rollout.sampling_logp``. ``record`` asks for nothing here: vLLM's forward is not
+        one the update can differentiate (``rollout.replay`` stays None)."""
         prompt_ids, prompt_mask, n_truncated = encode_prompts(
             self.tokenizer, [r["prompt"] for r in rows], system_prompt, max_prompt_tokens, overlong_prompts
         )
@@ -179,4 +184,9 @@ class VLLMGenerator:
         return rollout, n_truncated
 
 
-__all__ = ["VLLMGenerator", "VLLMUnavailable", "WeightSyncExtension", "merged_state_dict", "weight_buckets"]
+    def close(self) -> None:
+        """The engine's weights directory goes (vLLM's own processes end with the ``LLM`` object)."""
+        self._dir.cleanup()
+
+
+__all__ = ["VLLMEngine", "VLLMUnavailable", "WeightSyncExtension", "merged_state_dict", "weight_buckets"]

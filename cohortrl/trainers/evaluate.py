@@ -81,13 +81,15 @@ def evaluate(
     trainer_state: TrainerState | None = None,
     tools=None,
     responses: list | None = None,
+    fast_path=None,
 ) -> dict[str, float]:
     """Greedy accuracy with a 95% Wilson interval, and (if ``pass_k``) k samples per prompt at ``temperature``:
     pass@k and the sampled accuracy with a 95% interval over prompts. Sampling runs under a forked RNG so evaluating never changes the training
     run's random stream (a resumed run evaluates at different moments). A response is correct when the
     correctness function gives it at least 1 (its mean value, for functions that are not 0/1, is logged as
     ``eval/correctness_mean``). With ``tools`` (a ``Toolset``) the model may call them, as in training; the
-    built-in ``task`` reward grades the rendered text (``tools.render``).
+    built-in ``task`` reward grades the rendered text (``tools.render``). ``fast_path``: the run's CPU fast path
+    (``cpu.FastPath``), handed to generation; None: plain transformers.
 
     On gym problems graded by keyed steps, ``eval/error/<category>`` is the fraction of greedy responses whose
     first error is of that category, and ``eval/unsupported_correct`` the fraction right by the outcome with a
@@ -95,7 +97,7 @@ def evaluate(
     dict per greedy response: its problem id, prompt, completion, correctness, category, length and tool calls."""
     out: dict[str, float] = {}
     kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts,
-              tools=tools)
+              tools=tools, fast_path=fast_path)
     correct, lengths, calls, categories = [], [], [], []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
@@ -153,10 +155,11 @@ def evaluate(
 
 
 def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedReward, cfg,
-                    trainer_state: TrainerState | None = None, tools=None, responses: list | None = None) -> dict[str, float]:
+                    trainer_state: TrainerState | None = None, tools=None, responses: list | None = None,
+                    fast_path=None) -> dict[str, float]:
     """``evaluate`` with the settings of a run config (``eval``, ``sampling``, ``model``, ``data``, ``rollout``
     sections): the one place the trainer and ``cohortrl eval`` read them. ``tools``: the run's ``Toolset``
-    (default: built from ``rollout.tools``)."""
+    (default: built from ``rollout.tools``); ``fast_path``: the run's CPU fast path, or None."""
     if not rows:  # an accuracy of 0 over 0 prompts would read as a measurement
         raise ConfigError("nothing to evaluate: there are no held-out rows (pass eval_dataset=, or set data.eval_size "
                           "and eval.n_prompts above 0)")
@@ -166,5 +169,5 @@ def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedRew
         max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens, batch_size=e.batch_size,
         pass_k=e.pass_k, temperature=e.temperature, max_prompt_tokens=cfg.data.max_prompt_tokens,
         overlong_prompts=cfg.data.overlong_prompts, trainer_state=trainer_state,
-        tools=tools if tools is not None else toolset(cfg.rollout), responses=responses,
+        tools=tools if tools is not None else toolset(cfg.rollout), responses=responses, fast_path=fast_path,
     )

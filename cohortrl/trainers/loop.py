@@ -59,6 +59,9 @@ def _release_run_dir_on_failure(init):
             claim = self.__dict__.get("_run_claim")
             if claim is not None:
                 claim.release(failed=True)
+            fast_path = self.__dict__.get("fast_path")
+            if fast_path is not None:  # its allocator hold is process-wide
+                fast_path.close()
             raise
 
     return wrapper
@@ -68,8 +71,8 @@ class Trainer:
     """A run: ``train()`` steps, evaluates, checkpoints and saves ``final/``; subclasses do the steps.
 
     A subclass's constructor sets ``cfg``, ``run_dir``, ``_run_claim``, ``dist``, ``model``, ``tokenizer``,
-    ``optimised`` (each trained model's optimiser and schedule, ``"policy"`` first), ``stream``, ``eval_rows``,
-    ``config_hash`` and ``step_count``, then calls ``_open_run``."""
+    ``fast_path`` (``setup.build_fast_path``), ``optimised`` (each trained model's optimiser and schedule,
+    ``"policy"`` first), ``stream``, ``eval_rows``, ``config_hash`` and ``step_count``, then calls ``_open_run``."""
 
     name = "trainer"
     command = "train"  # the CLI command that continues such a run, for messages
@@ -121,8 +124,11 @@ class Trainer:
         (self.run_dir / EVAL_ROWS).write_text(lines)
 
     def close(self) -> None:
-        """Let the run directory's lock go and, under torchrun, leave the process group (after every rank got
-        here: a rank that exits while another still talks to it aborts the run)."""
+        """Give the CPU fast path's allocator back (``cpu/memory.py``), let the run directory's lock go and, under
+        torchrun, leave the process group (after every rank got here: a rank that exits while another still
+        talks to it aborts the run)."""
+        if self.fast_path is not None:
+            self.fast_path.close()
         self._run_claim.release()
         self.dist.barrier()
         self.dist.close()

@@ -34,15 +34,14 @@ from pathlib import Path
 
 import torch
 
-from cohortrl import cpu, distributed
+from cohortrl import distributed
 from cohortrl.algorithms import get_policy_loss, masked_mean, token_weights, truncated_importance_weights
 from cohortrl.config import Config
-from cohortrl.cpu.kernels import linear_kernels
-from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, check_columns, resolve
+from cohortrl.rollout.engine import build_engine
 from cohortrl.rollout.hf import micro_batched_logprobs
 from cohortrl.rollout.tools import toolset
 from cohortrl.rollout.types import Rollout
@@ -54,7 +53,8 @@ from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, UpdateTotals, log_
 from cohortrl.trainers.run_dir import claim as claim_run_dir
 from cohortrl.trainers.sampler import Sampler, ScoredBatch, reward_pool
 from cohortrl.trainers.setup import (
-    Optimised, Reference, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler, load_configured_model,
+    Optimised, Reference, allocate_optimizer_state, build_fast_path, build_optimizer, build_policy, build_scheduler,
+    fast_kernels, load_configured_model,
 )
 from cohortrl.trainers.trace import StepTrace
 from cohortrl.trainers.update import (
@@ -137,7 +137,8 @@ class RLTrainer(Trainer):
         self._start_run(inputs.run_dir, resume, overwrite)
         n_train_rows = self._build_rewards_and_data(inputs)
         self._build_models(inputs, n_train_rows)
-        self.cpu_linear = cpu.linear_kernel(self.cfg.train, self.device, self.model)  # every step's and evaluation's
+        # the CPU fast path (cpu/), built once and handed to generation, every step and evaluation; None when off
+        self.fast_path = build_fast_path(self.cfg.train, self.device, self.model)
         self.kernel_models = self._kernel_models()  # whose linear layers it computes during a step
         # before the reward workers and the vLLM engine start: a refused prompt leaves no process behind
         guards.check_prompts_fit(self.cfg, self.tokenizer, self.tools,
@@ -164,8 +165,6 @@ class RLTrainer(Trainer):
         self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss)  # names already checked by config.validate
         self.dist = distributed.from_env(cfg.train.strategy, cfg.train.dist_timeout_s)  # the single-process identity unless started by torchrun
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
-        # process-wide while held: released by close()
-        self._holds_allocator = apply_cpu_allocator(cpu.allocator(cfg.train, self.device))
         if self.dist.launched:
             _check_distributed(cfg, self.name, self.dist)
         self._seed_process(self._run_claim.resumes)  # False when a resume finds no checkpoint: the run starts
@@ -228,7 +227,7 @@ class RLTrainer(Trainer):
 
     def _build_rollout(self, inputs) -> None:
         """What the step samples and scores with besides the policy: the reward workers, the process reward,
-        the vLLM engine; and the settings the step reads."""
+        the rollout engine; and the settings the step reads."""
         cfg = self.cfg
         self.sampling = cfg.sampling
         p = cfg.reward.process
@@ -236,27 +235,19 @@ class RLTrainer(Trainer):
             p.name, p.kwargs, timeout_s=cfg.reward.timeout_s, policy=self.model, tokenizer=self.tokenizer,
             reference=self.reference_copy, rows=self.stream.rows,
         )
-        self.generator = None  # the vLLM engine, when sampling.backend is vllm
-        if cfg.sampling.backend == "vllm":
-            from cohortrl.rollout.vllm import VLLMGenerator
-
-            self.generator = VLLMGenerator(self.model, self.tokenizer, gpu_memory_utilization=cfg.sampling.vllm_gpu_memory_utilization,
-                                           seed=cfg.train.seed)
-        self.sampler = Sampler(cfg, self.dist, self.model, self.tokenizer, self.stream, self.rewards, self.correctness,
-                               tools=self.tools, pool=reward_pool(cfg, inputs.reward_fns), process=self.process,
-                               generator=self.generator)
+        # what samples the responses (sampling.backend): transformers with the tools and the fast path, or vLLM
+        self.engine = build_engine(cfg, self.model, self.tokenizer, tools=self.tools, fast_path=self.fast_path)
+        self.sampler = Sampler(cfg, self.dist, self.model, self.tokenizer, self.stream, self.engine, self.rewards,
+                               self.correctness, pool=reward_pool(cfg, inputs.reward_fns), process=self.process)
         self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or bool(
             getattr(getattr(self.model, "config", None), "attention_dropout", 0))
         self.norm_length = self.cfg.algorithm.norm_length or cfg.sampling.max_new_tokens
         self.rollout_forward_reusable = self._reuse_rollout_forward()  # a property of the run: decided once
 
     def close(self) -> None:
-        """Stop the reward workers (if any), give the allocator back (``cpu/memory.py``), then let the run go
-        (``Trainer.close``)."""
+        """Stop the reward workers (if any), then let the run go (``Trainer.close``: the fast path's allocator
+        too)."""
         self.sampler.close()
-        if self._holds_allocator:
-            release_freed_memory()
-            self._holds_allocator = False
         super().close()
 
     @property
@@ -272,7 +263,7 @@ class RLTrainer(Trainer):
         """Whether step 3 computes log π_old; without it the update is on-policy (ratio 1). A vLLM sampler
         needs it for the importance weights (its own log-probs come from other numerics)."""
         a = self.cfg.algorithm
-        return a.epochs > 1 or a.minibatches > 1 or self.generator is not None
+        return a.epochs > 1 or a.minibatches > 1 or self.engine.own_numerics
 
     def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer: PhaseTimer) -> Targets:
         """Step 4: advantages (and whatever else the update regresses onto) for the scored batch."""
@@ -305,7 +296,7 @@ class RLTrainer(Trainer):
     # ------------------------------------------------------------------------------------------ the step
     def step(self) -> dict:
         """One training step: rollout → rewards → advantages → loss → update. Returns its metrics."""
-        with linear_kernels(self.cpu_linear, *self.kernel_models):  # the CPU fast path's kernel, for this step only
+        with fast_kernels(self.fast_path, *self.kernel_models):  # the CPU fast path's kernel, for this step only
             timer, started = PhaseTimer(), time.perf_counter()
             trace = self._start_trace()  # None unless this step is in train.trace_steps
 
@@ -350,9 +341,11 @@ class RLTrainer(Trainer):
     def _reuse_rollout_forward(self) -> bool:
         """Whether the run's updates can differentiate decoding's forward (``train.reuse_rollout_forward``):
         each rollout is exactly the batch of a single on-policy update, and decoding computes what training
-        would. Then ``generate`` records it (where the lean decoder runs); the update uses the recording only
-        while the policy trains."""
+        would, on the run's fast path's lean decoder. Then ``generate`` records it; the update uses the recording
+        only while the policy trains."""
         a = self.cfg.algorithm
+        if self.fast_path is None or self.fast_path.decoder_for(self.model) is None:  # nothing would record it
+            return False
         return (self.cfg.train.reuse_rollout_forward and self.reuses_rollout_forward and not self._needs_old_logp()
                 and a.epochs == 1 and a.minibatches == 1 and self.dist.world == 1
                 and (a.micro_batch_size == 0 or a.micro_batch_size >= a.prompts_per_step * a.group_size)
@@ -481,9 +474,11 @@ class RLTrainer(Trainer):
     def evaluate(self, responses: list | None = None) -> dict:
         """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers. ``responses``
         (rank 0) receives each greedy response (``evaluate.evaluate``)."""
-        with self.dist.gathered(self.model), linear_kernels(self.cpu_linear, self.model):  # FSDP2: rank 0 runs forward passes the others do not
+        # FSDP2: rank 0 runs forward passes the others do not
+        with self.dist.gathered(self.model), fast_kernels(self.fast_path, self.model):
             metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
-                                      self.trainer_state, tools=self.tools, responses=responses) if self.dist.is_main else None
+                                      self.trainer_state, tools=self.tools, responses=responses,
+                                      fast_path=self.fast_path) if self.dist.is_main else None
         return self.dist.broadcast(metrics)
 
     def _eval_metrics(self, responses: list) -> dict:

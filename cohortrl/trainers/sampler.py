@@ -1,8 +1,8 @@
 """Steps 1-2 of the RL step (``rl.RLTrainer.step``): the rollout and its rewards.
 
-``Sampler.sample`` takes P prompts from the stream, generates G responses to each (transformers, with the run's
-tools, or the vLLM engine), scores them with the weighted reward functions and flags the groups whose G responses
-are equally correct. With ``algorithm.zero_variance: resample`` it draws again until P informative groups are
+``Sampler.sample`` takes P prompts from the stream, generates G responses to each with the run's rollout engine
+(``rollout/engine.py``: transformers with the run's tools and CPU fast path, or vLLM), scores them with the
+weighted reward functions and flags the groups whose G responses are equally correct. With ``algorithm.zero_variance: resample`` it draws again until P informative groups are
 found (DAPO's dynamic sampling). Under ``reward.process`` it then adds the process reward's step rewards to the
 batch the step trains on (``Sampler.score_steps``). Under torchrun every rank generates its share of the groups,
 each group seeded by its global index, and the zero-variance flags are gathered over all ranks.
@@ -20,7 +20,6 @@ import torch
 from cohortrl import distributed
 from cohortrl.rewards.process import guard_steps, step_detectors
 from cohortrl.rewards.scoring import RewardFunctionError, TrainerState, rollout_columns, score_rollout
-from cohortrl.rollout.hf import generate
 from cohortrl.rollout.types import Rollout
 from cohortrl.step_spans import step_end_tokens
 from cohortrl.trainers import faults
@@ -56,23 +55,23 @@ def reward_pool(cfg, in_memory: dict):
 
 class Sampler:
     """The policy's rollout on the stream's prompts, scored. It holds what sampling needs besides the policy:
-    the prompt stream, the reward functions (``correctness`` decides zero variance), the reward workers
-    (``pool``), the process reward (``process``), the vLLM engine (``generator``) and the tools."""
+    the prompt stream, the rollout engine (``engine``, a ``rollout.engine.RolloutEngine``), the reward functions
+    (``correctness`` decides zero variance), the reward workers (``pool``) and the process reward (``process``)."""
 
-    def __init__(self, cfg, dist, model, tokenizer, stream, rewards, correctness, *, tools=None, pool=None,
-                 process=None, generator=None):
+    def __init__(self, cfg, dist, model, tokenizer, stream, engine, rewards, correctness, *, pool=None, process=None):
         self.cfg, self.sampling, self.dist = cfg, cfg.sampling, dist
-        self.model, self.tokenizer, self.stream = model, tokenizer, stream
-        self.rewards, self.correctness, self.tools = rewards, correctness, tools
-        self.pool, self.process, self.generator = pool, process, generator
+        self.model, self.tokenizer, self.stream, self.engine = model, tokenizer, stream, engine
+        self.rewards, self.correctness = rewards, correctness
+        self.pool, self.process = pool, process
         self._engine_stale = False  # the policy changed since the engine last got its weights
 
     def policy_updated(self) -> None:
-        """The policy's weights changed (an optimiser step, or a resume's checkpoint loaded): the vLLM engine
-        needs them again before it samples."""
-        self._engine_stale = self.generator is not None
+        """The policy's weights changed (an optimiser step, or a resume's checkpoint loaded): an engine with its
+        own copy of them (vLLM) needs them again before it samples."""
+        self._engine_stale = self.engine.syncs_weights
 
     def close(self) -> None:
+        self.engine.close()
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -162,7 +161,7 @@ class Sampler:
         """G responses for each row, scored: (rollout, total rewards, each function's values, prompts truncated)."""
         if self._engine_stale:  # vLLM: the policy changed since the engine last got its weights
             with timer("weight_sync"):
-                self.generator.sync_weights(self.model)
+                self.engine.sync_weights(self.model)
             self._engine_stale = False
         state = self.trainer_state(step)
         parts, jobs = [], []
@@ -203,12 +202,9 @@ class Sampler:
 
     def _generate(self, rows: list[dict], seed: int | None, record: bool):
         cfg = self.cfg
-        kw = dict(system_prompt=cfg.model.system_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens,
-                  overlong_prompts=cfg.data.overlong_prompts)
-        if self.generator is not None:
-            return self.generator.generate(rows, cfg.algorithm.group_size, self.sampling, seed=seed, **kw)
-        return generate(self.model, self.tokenizer, rows, cfg.algorithm.group_size, self.sampling,
-                        record=record, tools=self.tools, **kw)
+        return self.engine.generate(rows, cfg.algorithm.group_size, self.sampling, system_prompt=cfg.model.system_prompt,
+                                    max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                    overlong_prompts=cfg.data.overlong_prompts, seed=seed, record=record)
 
     def score_steps(self, batch: ScoredBatch, step: int) -> dict:
         """Fill ``batch.step_rewards`` / ``step_ends`` from the process reward function (guarded, see

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -205,3 +205,20 @@ def build_scheduler(optimizer, optim_cfg, total_updates: int):
         return 1.0 - progress if optim_cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_fast_path(train_cfg, device, model):
+    """The run's CPU fast path (``cohortrl/cpu/``: a ``cpu.FastPath`` built once from ``train`` and the policy,
+    handed to generation, the step and evaluation), or None. The trainers' one import of that package, made only
+    when ``train.cpu_fast_path`` is not ``off``: with ``off`` no line of it runs."""
+    if train_cfg.cpu_fast_path == "off":
+        return None
+    from cohortrl import cpu
+
+    return cpu.build(train_cfg, device, model)
+
+
+def fast_kernels(fast_path, *models):
+    """A context for one phase of work (a step, an evaluation): ``models`` on the fast path's linear kernel, or
+    nothing without a fast path."""
+    return fast_path.kernels(*models) if fast_path is not None else nullcontext()

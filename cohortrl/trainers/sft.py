@@ -49,10 +49,9 @@ from pathlib import Path
 
 import torch
 
-from cohortrl import cpu, distributed
+from cohortrl import distributed
 from cohortrl.algorithms import masked_sum
 from cohortrl.config import ConfigError
-from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.data import (
     DataError, PromptStream, check_prompt, load_examples, load_rows, prompt_key, prompt_messages, render_prompt,
 )
@@ -66,7 +65,9 @@ from cohortrl.trainers.inputs import as_config, from_trl_order, resolve_inputs
 from cohortrl.trainers.loop import Trainer, _release_run_dir_on_failure, config_hash
 from cohortrl.trainers.metrics import peak_rss_mb
 from cohortrl.trainers.run_dir import claim as claim_run_dir
-from cohortrl.trainers.setup import Optimised, allocate_optimizer_state, build_optimizer, build_policy, build_scheduler
+from cohortrl.trainers.setup import (
+    Optimised, allocate_optimizer_state, build_fast_path, build_optimizer, build_policy, build_scheduler, fast_kernels,
+)
 from cohortrl.trainers.update import optimizer_step
 
 log = logging.getLogger("cohortrl")
@@ -333,7 +334,7 @@ class SFTTrainer(Trainer):
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer,
                                                   activation_checkpointing=cfg.train.activation_checkpointing)
         self.model.to(self.device)
-        self.cpu_linear = cpu.linear_kernel(cfg.train, self.device, self.model)  # every step's and evaluation's
+        self.fast_path = build_fast_path(cfg.train, self.device, self.model)  # every step's and evaluation's kernel
         # The prompt and call form RL and evaluation will use with this tokenizer (rollout/hf.py's generate): in
         # the text protocol the tools' description follows the system prompt, in the chat protocol the template
         # describes their schemas.
@@ -409,7 +410,7 @@ class SFTTrainer(Trainer):
         micro_batches = [self.stream.take(s.batch_size) for _ in range(s.grad_accum)]
         n_tokens = sum(sum(e.loss_mask) for mb in micro_batches for e in mb)  # the mean's N, over the whole step
         loss_total, seen = 0.0, 0
-        with linear_kernels(self.cpu_linear, self.model):
+        with fast_kernels(self.fast_path, self.model):
             for examples in micro_batches:
                 batch = collate(examples, self.tokenizer.pad_token_id)
                 loss = completion_loss(self.model, batch, n_tokens)
@@ -448,9 +449,9 @@ class SFTTrainer(Trainer):
     def evaluate(self, responses: list | None = None) -> dict:
         """Held-out accuracy by ``reward.correctness``, as the RL trainers measure it; ``responses`` receives each
         greedy response (``evaluate.evaluate``)."""
-        with linear_kernels(self.cpu_linear, self.model):
+        with fast_kernels(self.fast_path, self.model):
             return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
-                                   tools=self.tools, responses=responses)
+                                   tools=self.tools, responses=responses, fast_path=self.fast_path)
 
     def _extra_state(self) -> dict:
         return {"nonfinite_in_a_row": self.nonfinite_in_a_row}

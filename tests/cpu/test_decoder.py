@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from cohortrl.cpu import kernels
+from cohortrl.cpu import FastPath, kernels
 from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.models import build_tiny_tokenizer, load_model
 from cohortrl.cpu import decoder as decoder_module
@@ -16,6 +16,7 @@ from cohortrl.rollout.hf import Sampling, _positions, _prefill, encode_prompts, 
 from cohortrl.cpu.replay import Recording
 
 needs_onednn = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear op")
+ONEDNN = FastPath("onednn", "system")  # a run decoding on oneDNN (its layers switched by each test's linear_kernels)
 
 PROMPTS = ["What is 1 + 2?", "What is 3 * 3? Answer briefly please.", "Add 4 and 5."]
 
@@ -99,11 +100,10 @@ def test_generate_samples_the_same_tokens_through_either_forward(monkeypatch):
         used = []
         real = decoder_module.LlamaDecoder.step
         monkeypatch.setattr(decoder_module.LlamaDecoder, "step", lambda self, t: used.append(1) or real(self, t))
-        if path == "transformers":
-            monkeypatch.setattr("cohortrl.rollout.hf.decoder_for", lambda model: None)
+        fast_path = ONEDNN if path == "lean" else None  # None: transformers' forward throughout
         torch.manual_seed(0)
         with linear_kernels("onednn"):
-            out[path], _ = generate(model, tok, rows, 3, Sampling(temperature=1.0, max_new_tokens=16))
+            out[path], _ = generate(model, tok, rows, 3, Sampling(temperature=1.0, max_new_tokens=16), fast_path=fast_path)
         assert bool(used) == (path == "lean")
     assert torch.equal(out["lean"].response_ids, out["transformers"].response_ids)
     assert torch.equal(out["lean"].response_mask, out["transformers"].response_mask)
@@ -112,7 +112,7 @@ def test_generate_samples_the_same_tokens_through_either_forward(monkeypatch):
 @needs_onednn
 def test_what_the_lean_step_cannot_compute_goes_to_transformers():
     model, _ = load_model("tiny-llama", seed=5)
-    assert decoder_for(model) is None  # outside the oneDNN kernel
+    assert FastPath("aten", "system").decoder_for(model) is None  # a run that does not decode on oneDNN
     with linear_kernels("onednn"):
         assert decoder_for(model) is LlamaDecoder
         assert decoder_for(tiny_qwen2()[0]) is LlamaDecoder
@@ -157,9 +157,9 @@ def test_the_lean_step_samples_the_same_with_and_without_shared_prefill(temperat
     with linear_kernels("onednn"):
         assert decoder_for(model) is LlamaDecoder
         torch.manual_seed(0)
-        grouped, _ = generate(model, tok, rows, 3, sampling)
+        grouped, _ = generate(model, tok, rows, 3, sampling, fast_path=ONEDNN)
         torch.manual_seed(0)
-        flat, _ = generate(model, tok, [r for r in rows for _ in range(3)], 1, sampling)
+        flat, _ = generate(model, tok, [r for r in rows for _ in range(3)], 1, sampling, fast_path=ONEDNN)
     assert torch.equal(grouped.response_ids, flat.response_ids)
     assert torch.equal(grouped.response_mask, flat.response_mask)
 
@@ -186,7 +186,8 @@ def test_ended_rows_leave_the_products_and_the_others_sample_the_same_tokens(rec
         dropped.clear()
         torch.manual_seed(0)
         with linear_kernels("onednn"):
-            out[share], _ = generate(model, tok, rows, 4, Sampling(temperature=1.0, max_new_tokens=12), record=record)
+            out[share], _ = generate(model, tok, rows, 4, Sampling(temperature=1.0, max_new_tokens=12), record=record,
+                                     fast_path=ONEDNN)
         assert bool(dropped and dropped[-1]) == (share == 0.0)
     lengths = out[0.0].lengths
     assert lengths.min() < lengths.max()  # rows ended at different steps: some were dropped while others went on
@@ -238,9 +239,11 @@ def test_a_newer_transformers_or_peft_layout_falls_back_to_transformers(change, 
     with caplog.at_level(logging.INFO, logger="cohortrl"):
         for kind in ("onednn", "aten"):
             torch.manual_seed(0)
+            fast_path = FastPath(kind, "system")
             with linear_kernels(kind):
-                assert decoder_for(model) is None
-                out[kind], _ = generate(model, tok, rows, 3, Sampling(temperature=1.0, max_new_tokens=16))
+                assert fast_path.decoder_for(model) is None
+                out[kind], _ = generate(model, tok, rows, 3, Sampling(temperature=1.0, max_new_tokens=16),
+                                        fast_path=fast_path)
     assert torch.equal(out["onednn"].response_ids, out["aten"].response_ids)
     said = [r.getMessage() for r in caplog.records if r.name == "cohortrl"]
     assert len(said) == 1 and reason in said[0], said

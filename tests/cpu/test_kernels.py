@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from cohortrl.cpu import kernels
 from cohortrl.config import Config, ConfigError
 from cohortrl import cpu
-from cohortrl.cpu.kernels import (OneDNNLinear, decoding_weights, linear, linear_kernels, onednn_available, onednn_linear,
+from cohortrl.cpu.kernels import (OneDNNLinear, decoding_weights, linear_kernels, onednn_available, onednn_linear,
                                  resolve_cpu_linear)
 from cohortrl.models import load_model
-from cohortrl.rollout.hf import Sampling, generate, response_logprobs
+from cohortrl.rollout.hf import Sampling, _linear_product, generate, response_logprobs
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN linear op")
 ROWS = [{"prompt": "What is 1 + 2?"}, {"prompt": "What is 3 * 3? Answer briefly please."}]
@@ -76,17 +76,17 @@ def test_only_the_given_models_are_switched_for_the_contexts_duration_and_contex
     with linear_kernels("onednn", a, None):
         assert type(a[0]) is OneDNNLinear and isinstance(a[0], torch.nn.Linear)
         assert type(b) is torch.nn.Linear  # not given: PyTorch's kernel
-        assert F.linear is original and kernels._active == 1
+        assert F.linear is original
         with linear_kernels("onednn", a, b):
             assert type(a[0]) is OneDNNLinear and type(b) is OneDNNLinear
         assert type(a[0]) is OneDNNLinear and type(b) is torch.nn.Linear  # the inner exit undoes only its own
         assert set(a.state_dict()) == {"0.weight", "0.bias"}
-    assert type(a[0]) is torch.nn.Linear and kernels._active == 0
+    assert type(a[0]) is torch.nn.Linear
     with pytest.raises(RuntimeError, match="boom"), linear_kernels("onednn", a):
         raise RuntimeError("boom")
-    assert type(a[0]) is torch.nn.Linear and kernels._active == 0
+    assert type(a[0]) is torch.nn.Linear
     with linear_kernels("aten", a):
-        assert type(a[0]) is torch.nn.Linear and kernels._active == 0
+        assert type(a[0]) is torch.nn.Linear
     with pytest.raises(ValueError, match="unknown linear kernel"), linear_kernels("mkl"):
         pass
 
@@ -102,21 +102,22 @@ def test_a_linear_subclass_keeps_its_own_forward():
 
 
 @needs_onednn
-def test_this_packages_own_products_follow_the_innermost_context(monkeypatch):
+def test_code_applying_a_layers_weight_itself_follows_that_layers_kernel(monkeypatch):
+    """rollout/hf.py's chunked LM head multiplies by the head's weight itself: it takes the layer's own product,
+    so it runs on oneDNN exactly when the layer does, whatever other models are switched (no process-wide state)."""
     calls = []
     real = kernels._onednn
     monkeypatch.setattr(kernels, "_onednn", lambda *a: calls.append(1) or real(*a))
-    x, w = torch.randn(4, 8), torch.randn(6, 8)
-    with linear_kernels("aten"):
-        linear(x, w)
-    assert calls == []
-    with linear_kernels("onednn"):
-        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert calls == [1]
-    m = torch.nn.Linear(8, 6)
+    x = torch.randn(4, 8)
+    m, other = torch.nn.Linear(8, 6), torch.nn.Linear(8, 6)
+    assert _linear_product(m) is F.linear
     with linear_kernels("onednn", m):
-        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 1]
+        assert _linear_product(m) is onednn_linear and _linear_product(other) is F.linear  # other: not given
+        torch.testing.assert_close(_linear_product(m)(x, m.weight, m.bias), F.linear(x, m.weight, m.bias),
+                                   rtol=1e-5, atol=1e-5)
+        other(x)
+    assert calls == [1]
+    assert _linear_product(m) is F.linear
 
 
 def test_the_fast_path_is_one_switch_and_falls_back_for_models_it_does_not_compute(monkeypatch, caplog):
@@ -130,7 +131,9 @@ def test_the_fast_path_is_one_switch_and_falls_back_for_models_it_does_not_compu
     assert cpu.linear_kernel(TrainConfig(), "cuda", llama) == "aten"
     assert cpu.linear_kernel(TrainConfig(cpu_fast_path="off"), "cpu", llama) == "aten"
     assert cpu.linear_kernel(TrainConfig(cpu_linear="aten"), "cpu", llama) == "aten"
-    assert cpu.allocator(TrainConfig(cpu_fast_path="off"), "cpu") == "system"
+    assert cpu.build(TrainConfig(cpu_fast_path="off"), "cpu", llama) is None  # no object: nothing of it runs
+    assert cpu.build(TrainConfig(cpu_linear="aten", cpu_allocator="system"), "cpu", llama) is None
+    assert cpu.build(TrainConfig(cpu_allocator="system"), "cpu", llama).linear == "onednn"
     half = llama.to(torch.bfloat16)  # fp32 only: a bf16 model falls back, once, at INFO, with the reason
     with caplog.at_level(logging.INFO, logger="cohortrl"):
         assert cpu.linear_kernel(TrainConfig(), "cpu", half) == "aten"
@@ -209,8 +212,9 @@ def test_sampling_under_oneDNN_draws_the_same_tokens():
     out = {}
     for kind in ("aten", "onednn"):
         torch.manual_seed(0)
-        with linear_kernels(kind, model):
-            out[kind], _ = generate(model, tok, ROWS, 3, Sampling(temperature=1.0, max_new_tokens=16))
+        with linear_kernels(kind, model):  # on oneDNN, the run's fast path decodes with the lean decoder
+            out[kind], _ = generate(model, tok, ROWS, 3, Sampling(temperature=1.0, max_new_tokens=16),
+                                    fast_path=cpu.FastPath(kind, "system"))
     assert torch.equal(out["aten"].response_ids, out["onednn"].response_ids)
 
 
@@ -223,15 +227,20 @@ def test_decoding_lays_the_weights_out_once_uses_them_for_its_row_count_and_free
     real = kernels._onednn
     monkeypatch.setattr(kernels, "_onednn", lambda x, w, b: used.append(w.is_mkldnn) or real(x, w, b))
     x8, x3 = torch.randn(8, 1, head.shape[1]), torch.randn(3, head.shape[1])
+    lm_head = model.get_output_embeddings()
+
+    def laid_out() -> int:  # the layout is kept on each layer, nowhere else
+        return sum("decoding_layout" in m.__dict__ for m in model.modules())
+
     with torch.no_grad():
         with decoding_weights(model, 8):  # outside the oneDNN kernel: nothing is laid out
-            assert kernels._packed == {}
-        with linear_kernels("onednn"), decoding_weights(model, 8):
-            assert len(kernels._packed) == n_linear
+            assert laid_out() == 0
+        with linear_kernels("onednn", model), decoding_weights(model, 8):
+            assert laid_out() == n_linear
             with decoding_weights(model, 8):  # nested (evaluation inside a step): the outer layout stays
-                assert len(kernels._packed) == n_linear
-            got8, got3 = linear(x8, head), linear(x3, head)
-        assert kernels._packed == {}
+                assert laid_out() == n_linear
+            got8, got3 = lm_head(x8), lm_head(x3)
+        assert laid_out() == 0
     assert used == [True, False]  # the blocked layout for 8 rows only
     torch.testing.assert_close(got8, x8 @ head.t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got3, x3 @ head.t(), rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cohortrl.cpu import kernels
+from cohortrl.cpu import FastPath
 from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.models import load_model
 from cohortrl.cpu import decoder as decoder_module
@@ -72,7 +73,8 @@ def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
     rows = [{"prompt": p} for p in PROMPTS]
     with linear_kernels("onednn"):
         torch.manual_seed(0)
-        rollout, _ = generate(model, tok, rows, 3, Sampling(temperature=temperature, max_new_tokens=8), record=True)
+        rollout, _ = generate(model, tok, rows, 3, Sampling(temperature=temperature, max_new_tokens=8), record=True,
+                              fast_path=FastPath("onednn", "system"))
         recording = rollout.replay
         assert recording is not None and (recording.logits_NV is None) == bool(recomputed)
         lengths = rollout.lengths
@@ -124,7 +126,8 @@ def test_another_models_logprobs_on_the_recording_equal_its_own_forward(name, mo
     rows = [{"prompt": p} for p in PROMPTS]
     with linear_kernels("onednn"):
         torch.manual_seed(0)
-        rollout, _ = generate(model, tok, rows, 3, Sampling(temperature=0.8, max_new_tokens=8), record=True)
+        rollout, _ = generate(model, tok, rows, 3, Sampling(temperature=0.8, max_new_tokens=8), record=True,
+                              fast_path=FastPath("onednn", "system"))
         ids, mask, response_ids = rollout.input_ids(), rollout.attention_mask(), rollout.response_ids
         with torch.no_grad():
             policy, _ = response_logprobs(model, ids, mask, response_ids, temperature=0.8)

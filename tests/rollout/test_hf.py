@@ -251,7 +251,8 @@ def test_a_head_with_no_response_tokens_has_a_zero_weight_gradient():
 
     weight = torch.randn(11, 4, requires_grad=True)
     hidden = torch.randn(0, 4, requires_grad=True)
-    logp, _ = _HeadLogProbs.apply(hidden, weight, None, torch.zeros(0, dtype=torch.long), 1.0, 3, False, 2**20)
+    logp, _ = _HeadLogProbs.apply(hidden, weight, None, torch.zeros(0, dtype=torch.long), 1.0, 3, False, 2**20,
+                                  torch.nn.functional.linear)
     logp.sum().backward()
     assert weight.grad is not None and (weight.grad == 0).all() and hidden.grad.shape == (0, 4)
 
@@ -265,7 +266,7 @@ def test_the_chunked_head_is_used_and_bounds_the_logits_it_makes(monkeypatch):
     V = model.get_output_embeddings().weight.shape[0]
     sizes = []
     real = hf._chunk_logits
-    monkeypatch.setattr(hf, "_chunk_logits", lambda h, *a: sizes.append(h.shape[0]) or real(h, *a))
+    monkeypatch.setattr(hf, "_chunk_logits", lambda product, h, *a: sizes.append(h.shape[0]) or real(product, h, *a))
     monkeypatch.setattr(type(model), "forward", lambda *a, **k: pytest.fail("the full-logits forward ran"))
     logp, _ = response_logprobs(model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids,
                                 chunk_bytes=4 * V * 5)

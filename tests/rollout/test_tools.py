@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from cohortrl.cpu import kernels
+from cohortrl.cpu import FastPath, kernels
 from cohortrl.algorithms import aggregate, get_policy_loss
 from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.models import build_tiny_model, load_model
@@ -219,13 +219,12 @@ class _ForcedCalls(ToolSession):
 
 def _forced_rollout(model, tok, monkeypatch, record=False, lean=True):
     monkeypatch.setattr("cohortrl.rollout.hf.ToolSession", _ForcedCalls)
-    if not lean:
-        monkeypatch.setattr("cohortrl.rollout.hf.decoder_for", lambda model: None)
     rows = [{"prompt": p} for p in PROMPTS]
     with linear_kernels("onednn"):
         torch.manual_seed(0)
         rollout, _ = generate(model, tok, rows, 2, Sampling(temperature=0.8, max_new_tokens=24), record=record,
-                              tools=Toolset(resolve_tools(["calculator"])))
+                              tools=Toolset(resolve_tools(["calculator"])),
+                              fast_path=FastPath("onednn", "system") if lean else None)
     assert rollout.tool_mask[0::2].sum() > 0 and rollout.tool_mask[1::2].sum() == 0
     return rollout
 

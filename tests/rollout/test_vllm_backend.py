@@ -13,7 +13,7 @@ import torch
 from cohortrl.config import SamplingConfig
 from cohortrl.models import load_model
 from cohortrl.rollout.hf import response_logprobs
-from cohortrl.rollout.vllm import VLLMGenerator, VLLMUnavailable, merged_state_dict, weight_buckets
+from cohortrl.rollout.vllm import VLLMEngine, VLLMUnavailable, merged_state_dict, weight_buckets
 from tests.rollout import vllm_standin
 
 
@@ -34,7 +34,7 @@ def test_missing_vllm_says_what_to_do(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     model, tokenizer = load_model("tiny-llama")
     with pytest.raises(VLLMUnavailable, match=r"sampling.backend=vllm needs the vllm package and a CUDA GPU .*use sampling.backend=hf on a CPU"):
-        VLLMGenerator(model, tokenizer)
+        VLLMEngine(model, tokenizer)
 
 
 def test_lora_merge_for_sync_equals_peft_merge():
@@ -60,7 +60,7 @@ def test_generator_builds_the_rollout_with_the_sampled_distributions_logprobs(st
     log-probs are those of the distribution sampled from (temperature 0.7), which the trainer's own forward at
     that temperature reproduces."""
     model, tokenizer = load_model("tiny-llama")
-    gen = VLLMGenerator(model, tokenizer, gpu_memory_utilization=0.5, seed=3)
+    gen = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.5, seed=3)
     rows = [{"prompt": "What is 2 + 2?"}, {"prompt": "Name a colour."}]
     rollout, n_truncated = gen.generate(rows, 3, SamplingConfig(temperature=0.7, max_new_tokens=5), seed=11)
     assert n_truncated == 0 and rollout.batch_size == 6 and rollout.group_size == 3
@@ -78,7 +78,7 @@ def test_weights_reach_the_engine_through_collective_rpc_only(standin):
     the LoRA adapter merged as PEFT merges it: afterwards the engine samples as the merged model does."""
     model, tokenizer = lora_model()
     plain, _ = load_model("tiny-llama")
-    gen = VLLMGenerator(plain, tokenizer)  # the engine starts from other weights (no adapter)
+    gen = VLLMEngine(plain, tokenizer)  # the engine starts from other weights (no adapter)
     gen.sync_weights(model)
     assert gen.llm.rpc_calls == ["cohortrl_load_weights"]
     merged = copy.deepcopy(model).merge_and_unload()
@@ -110,7 +110,7 @@ def test_grpo_with_vllm_syncs_each_step_and_weighs_identical_policies_at_1(stand
     trainer = GRPOTrainer(cfg, tmp_path / "run")
     rows = [r for r in trainer.train() if "loss" in r]
     assert len(rows) == 3
-    assert trainer.generator.llm.rpc_calls == ["cohortrl_load_weights"] * 2
+    assert trainer.engine.llm.rpc_calls == ["cohortrl_load_weights"] * 2
     for row in rows:
         assert row["is_weight_mean"] == pytest.approx(1.0, abs=1e-4), row["is_weight_mean"]
     trainer.close()
@@ -136,7 +136,7 @@ def record_syncs(monkeypatch) -> list[dict[str, torch.Tensor]]:
     from cohortrl.rollout.vllm import WeightSyncExtension
 
     syncs: list[dict] = []
-    load, sync = WeightSyncExtension.cohortrl_load_weights, VLLMGenerator.sync_weights
+    load, sync = WeightSyncExtension.cohortrl_load_weights, VLLMEngine.sync_weights
 
     def recording_load(worker, weights):
         syncs[-1].update({name: value.clone() for name, value in weights})
@@ -147,5 +147,5 @@ def record_syncs(monkeypatch) -> list[dict[str, torch.Tensor]]:
         return sync(generator, model)
 
     monkeypatch.setattr(WeightSyncExtension, "cohortrl_load_weights", recording_load)
-    monkeypatch.setattr(VLLMGenerator, "sync_weights", recording_sync)
+    monkeypatch.setattr(VLLMEngine, "sync_weights", recording_sync)
     return syncs

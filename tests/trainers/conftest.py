@@ -35,10 +35,12 @@ class CPUPath:
         ``replays``: the test's config lets an update reuse decoding's forward, so the fast path did. The plain
         path (and the fast one on a build without oneDNN, where it is the plain path) did none of it."""
         fast = self.name == "fast" and kernels.onednn_available()
-        with kernels.linear_kernels(trainer.cpu_linear):
-            lean = decoder.decoder_for(trainer.model) is not None
+        fast_path = trainer.fast_path
+        lean = fast_path is not None and fast_path.decoder_for(trainer.model) is not None
         replayed = sum(r.get("rollout_forward_reused") or 0 for r in rows)
-        assert trainer.cpu_linear == ("onednn" if fast else "aten")
+        assert (fast_path.linear if fast_path is not None else "aten") == ("onednn" if fast else "aten")
+        if self.name == "plain":
+            assert fast_path is None  # off: no fast path object at all, so nothing of cpu/ runs
         assert lean == fast
         assert bool(self.onednn_products) == fast
         assert bool(self.decoders) == (fast and decodes)

@@ -296,7 +296,7 @@ def test_steps_and_evaluations_run_under_the_configured_linear_kernel(tmp_path, 
     monkeypatch.setattr(kernels, "_onednn", lambda *a: calls.append(1) or real(*a))
     trainer = GRPOTrainer(tiny_config(addition_jsonl, train={"steps": 1, "cpu_linear": setting}), tmp_path)
     want = "onednn" if setting == "auto" and kernels.onednn_available() else "aten"
-    assert trainer.cpu_linear == want
+    assert (trainer.fast_path.linear if trainer.fast_path is not None else "aten") == want
     trainer.step()
     after_step = len(calls)
     trainer.evaluate()

@@ -10,7 +10,7 @@ import torch
 
 from cohortrl.config import ConfigError
 from cohortrl.models import build_tiny_tokenizer, prepare_tokenizer
-from cohortrl.rollout import hf
+from cohortrl.cpu import FastPath
 from cohortrl.trainers.grpo import GRPOTrainer
 from cohortrl.trainers.sft import SFTTrainer
 from tests.trainers.test_grpo import params_of, tiny_config
@@ -48,9 +48,9 @@ def finite(row, keys):
 def test_grpo_trains_a_gpt2_through_transformers_and_says_once_why(tmp_path, addition_jsonl, monkeypatch, caplog):
     model, tok = tiny_gpt2()
     assert sum(p.numel() for p in model.parameters()) < 300_000
-    chosen = []  # what generation got from decoder_for: None is transformers' forward
-    real = hf.decoder_for
-    monkeypatch.setattr(hf, "decoder_for", lambda m: chosen.append(real(m)) or chosen[-1])
+    chosen = []  # what generation got from the fast path's decoder_for: None is transformers' forward
+    real = FastPath.decoder_for
+    monkeypatch.setattr(FastPath, "decoder_for", lambda self, m: chosen.append(real(self, m)) or chosen[-1])
     one_token_calls = []  # transformers' forward on one token per row: a decoding step of the plain loop
     model.register_forward_pre_hook(
         lambda module, args, kwargs: one_token_calls.append(1) if kwargs.get("input_ids") is not None
@@ -58,7 +58,8 @@ def test_grpo_trains_a_gpt2_through_transformers_and_says_once_why(tmp_path, add
     with caplog.at_level(logging.INFO, logger="cohortrl"):
         trainer = GRPOTrainer(tiny_config(addition_jsonl, model=NAME), tmp_path, model=model, tokenizer=tok)
         assert trainer.model is model
-        assert trainer.rollout_forward_reusable  # the settings allow the replayed backward: only the model rules it out
+        # the settings allow the replayed backward, but no lean decoder computes a GPT-2: nothing would record it
+        assert not trainer.rollout_forward_reusable
         before = params_of(trainer)
         rows = trainer.train()
     steps = [r for r in rows if "loss" in r]

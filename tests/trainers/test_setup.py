@@ -58,7 +58,7 @@ def test_a_tool_given_in_python_reaches_the_rollout(tmp_path, addition_jsonl):
 
     trainer = GRPOTrainer(tiny_config(addition_jsonl, train={"steps": 1}), tmp_path, tools=[shout])
     assert [t.name for t in trainer.tools.tools] == ["shout"]
-    assert trainer.sampler.tools is trainer.tools
+    assert trainer.sampler.engine.tools is trainer.tools  # the rollout engine runs them
 
 
 def test_a_process_reward_function_gets_the_reward_timeout(tmp_path, addition_jsonl):
@@ -86,10 +86,11 @@ def test_the_vllm_engine_gets_the_configured_memory_share_and_seed(tmp_path, add
 
     module.LLM = RecordingLLM
     monkeypatch.setitem(sys.modules, "vllm", module)
-    cfg = tiny_config(addition_jsonl, sampling={"backend": "vllm", "vllm_gpu_memory_utilization": 0.55},
-                      train={"seed": 5, "steps": 1})
+    cfg = tiny_config(addition_jsonl, sampling={"backend": "vllm", "vllm_gpu_memory_utilization": 0.55,
+                                                "vllm_max_model_len": 1024}, train={"seed": 5, "steps": 1})
     GRPOTrainer(cfg, tmp_path)
     assert engine_args["gpu_memory_utilization"] == 0.55 and engine_args["seed"] == 5
+    assert engine_args["max_model_len"] == 1024
 
 
 def test_reward_workers_score_the_functions_loaded_by_name(tmp_path, addition_jsonl):

@@ -494,8 +494,8 @@ def test_a_resumed_vllm_run_samples_its_first_step_from_the_checkpoints_weights(
     resumed = make_trainer(first.cfg, tmp_path, resume=True, reward_funcs=[first_token_is_even], reward_weights=[1.0],
                            train_dataset=ROWS)
     synced_before_generating = []
-    generate = resumed.generator.generate
-    resumed.generator.generate = lambda *a, **kw: synced_before_generating.append(len(loaded)) or generate(*a, **kw)
+    generate = resumed.engine.generate
+    resumed.engine.generate = lambda *a, **kw: synced_before_generating.append(len(loaded)) or generate(*a, **kw)
     resumed.train(steps=2)
     resumed.close()
     assert synced_before_generating == [1], "the resumed run's first step sampled before the engine got the checkpoint"
@@ -547,7 +547,7 @@ def test_vllm_importance_weights_multiply_the_policy_loss_token_by_token(tmp_pat
     # The engine's numerics differ from the trainer's: here, through vLLM's own interface, perturbed weights.
     torch.manual_seed(0)
     perturbed = [(name, value + 0.05 * torch.randn_like(value)) for name, value in merged_by_peft(trainer.model).items()]
-    trainer.generator.llm.collective_rpc("cohortrl_load_weights", args=(perturbed,))
+    trainer.engine.llm.collective_rpc("cohortrl_load_weights", args=(perturbed,))
     seen, losses = record_targets(trainer), record_policy_loss(trainer)
     row = trainer.step()
     step, call = seen[0], losses[0]
