@@ -98,11 +98,14 @@ def test_attention_dropout_set_in_the_models_config_turns_it_off(tmp_path, addit
     assert trainer.rollout_forward_reusable == (reusable and kernels.onednn_available())
 
 
-def test_a_dropout_module_with_p_0_leaves_it_on(tmp_path, addition_jsonl):
-    """An ``nn.Dropout(p=0)`` (GPT-2's with its dropout set to 0, a LoRA adapter's) is the identity in training."""
+@pytest.mark.parametrize("p, reusable", [(0.0, True), (0.1, False)])
+def test_a_dropout_module_with_p_0_leaves_it_on(tmp_path, addition_jsonl, p, reusable):
+    """An ``nn.Dropout(p=0)`` (GPT-2's with its dropout set to 0, a LoRA adapter's) is the identity in training;
+    one with p > 0 is not. (The module is attached beside the MLP, not in its path: wrapping a projection would
+    change the architecture the lean decoder computes, and with no decoder nothing is reused anyway.)"""
     from cohortrl.models import load_model
 
     model, tokenizer = load_model("tiny-llama", seed=0)
-    model.model.layers[0].mlp.down_proj = torch.nn.Sequential(model.model.layers[0].mlp.down_proj, torch.nn.Dropout(0.0))
+    model.model.layers[0].mlp.dropout = torch.nn.Dropout(p)
     trainer = GRPOTrainer(tiny_config(addition_jsonl, train={"steps": 1}), tmp_path, model=model, tokenizer=tokenizer)
-    assert trainer.rollout_forward_reusable == kernels.onednn_available()
+    assert trainer.rollout_forward_reusable == (reusable and kernels.onednn_available())
