@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 import textwrap
 from pathlib import Path
 
@@ -255,20 +256,42 @@ def identical_group_effect(trace: dict, prompt: int) -> str:
     return "yes; A = 0 and no other term in the loss: this group carries no learning signal"
 
 
+def whitening(trace: dict) -> dict | None:
+    """PPO's whitening of the GAE advantages, recomputed from the trace: mean and std over every trained token
+    of the batch (``masked_whiten`` on the loss mask), as the step applied it; None when it was off."""
+    if not trace["settings"]["whiten_advantages"]:
+        return None
+    m = trace["loss_mask"].bool()
+    a = trace["detail"]["gae_advantages"][m].double()
+    return {"mean": float(a.mean()), "std": float(a.std()) if a.numel() > 1 else 0.0, "tokens": int(m.sum())}
+
+
 def _ppo_advantages(trace, rows, view, add) -> None:
     s, d = trace["settings"], trace["detail"]
     beta = float(d["kl_coef"]) if "kl_coef" in d else s["beta"]
     add("3. advantages (PPO: the critic's values and GAE, no group baseline):")
-    add(f"   r_t = -beta x KL_t (+ the score on the last token), beta = {beta:.4g}; {KL_FORMULAS[s['kl_kind']]}")
+    # The reward's KL is the sampling policy's (ppo.py measures it on log pi_old), not the updated policy's.
+    kl_formula = re.sub(r"logp(?!_)", "logp_old", KL_FORMULAS[s["kl_kind"]])
+    add(f"   r_t = -beta x KL_t (+ the score on the last token), beta = {beta:.4g}")
+    add(f"   KL_t of the policy that sampled: {kl_formula}")
     add(f"   delta_t = r_t + gamma V_(t+1) - V_t;  A_t = sum_l (gamma lam)^l delta_(t+l);  R_t = A_t + V_t")
-    add(f"   gamma = {s['gamma']}, lam = {s['lam']}; A whitened over the batch: {s['whiten_advantages']}")
+    add("   t+1: the next token the model wrote (GAE skips a tool's result; its V_t is not used: shown -)")
+    w = whitening(trace)
+    add(f"   gamma = {s['gamma']}, lam = {s['lam']}; A whitened over the batch: {w is not None}")
+    if w is not None:
+        add(f"   A_t(train) = (A_t(GAE) - {w['mean']:.4f}) / ({w['std']:.4f} + eps): mean and std over the "
+            f"batch's {w['tokens']} trained tokens, every response's, so a token with A_t(GAE) below the mean "
+            f"is pushed down even in a response that scored 1")
+    response = trace["response_mask"].bool()
     for i in rows:
         add(f"   response {i - rows.start}: score {float(d['score'][i]):.4f}")
         add("      t  token         m       KL_t        r_t        V_t   A_t(GAE)  A_t(train)        R_t")
         for t in range(len(trace["tokens"][i])):
-            add(f"    {t:3d}  {_tok(trace['tokens'][i][t], 12)}  {_mark(trace, i, t)}  "
-                + "  ".join(_f(float(x[i, t]), 9, 4) for x in (d["kl"], d["token_rewards"], trace["values"],
-                                                              d["gae_advantages"], trace["advantages"], trace["returns"])))
+            cells = [_f(float(x[i, t]), 9, 4) for x in (d["kl"], d["token_rewards"], trace["values"],
+                                                       d["gae_advantages"], trace["advantages"], trace["returns"])]
+            if not response[i, t]:
+                cells[2] = "-".rjust(9)
+            add(f"    {t:3d}  {_tok(trace['tokens'][i][t], 12)}  {_mark(trace, i, t)}  " + "  ".join(cells))
 
 
 def _objective(trace, rows, view, add) -> None:

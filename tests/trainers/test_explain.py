@@ -212,3 +212,31 @@ def test_the_html_page_loads_in_headless_chromium_and_shows_the_step(tmp_path, t
     if name == "tools":  # the tool's result is marked; at its step 1 the policy is the reference: no high KL
         assert 'class="tok tool"' in dom.stdout
         assert len(re.findall(r'class="[^"]*highkl', dom.stdout)) == 1  # the legend's
+
+
+def test_ppos_advantages_show_the_whitening_and_no_value_where_gae_skips_the_token(traced_runs):
+    """On a real PPO trace a right answer's early tokens had A_t(train) < 0 with every A_t(GAE) > 0: the
+    whitening line shows the batch mean and std that did it, and they reproduce the trained advantages. A token
+    outside the response mask (a tool's result) shows no V_t: GAE skips it, so its value was never used."""
+    from cohortrl.trainers.explain import whitening
+
+    run_dir, rows = traced_runs("ppo")
+    trace = load_trace(run_dir, rows[-1]["step"])
+    w = whitening(trace)
+    m = trace["loss_mask"].bool()
+    by_hand = (trace["detail"]["gae_advantages"].double() - w["mean"]) / (w["std"] + 1e-6)
+    assert torch.allclose(by_hand[m], trace["advantages"][m].double(), atol=1e-5)
+    assert w["tokens"] == int(m.sum()) > 1
+    text = explain_text(trace, logged_row(run_dir, rows[-1]["step"]), prompt=0)
+    assert f"A_t(train) = (A_t(GAE) - {w['mean']:.4f}) / ({w['std']:.4f} + eps)" in text
+    assert "KL_t = logp_old - logp_ref" in text
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+
+    def v_cells(tr):  # response 0's V_t column, a cell per token
+        lines = explain_text(tr, None, prompt=0).split("A_t(train)        R_t\n", 1)[1].splitlines()
+        return [line.split()[-4] for line in lines[: len(tr["tokens"][0])]]
+
+    assert "-" not in v_cells(trace)
+    skipped = {**trace, "response_mask": trace["response_mask"].clone(), "loss_mask": trace["loss_mask"].clone()}
+    skipped["response_mask"][0, 1] = skipped["loss_mask"][0, 1] = 0  # token 1 of response 0 as a tool's result
+    assert v_cells(skipped)[1] == "-" and v_cells(skipped)[0] != "-"
