@@ -85,6 +85,7 @@ def test_ppo_runs_its_own_forward(tmp_path, addition_jsonl, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.fast_path  # the reuse needs the lean decoder: with the fast path off nothing is reused
 @pytest.mark.parametrize("attention_dropout, reusable", [(0.1, False), (0.0, True)])
 def test_attention_dropout_set_in_the_models_config_turns_it_off(tmp_path, addition_jsonl, attention_dropout, reusable):
     """Llama's attention dropout is a config value, not an ``nn.Dropout`` module: it too makes training's
@@ -98,6 +99,7 @@ def test_attention_dropout_set_in_the_models_config_turns_it_off(tmp_path, addit
     assert trainer.rollout_forward_reusable == (reusable and kernels.onednn_available())
 
 
+@pytest.mark.fast_path  # the reuse needs the lean decoder: with the fast path off nothing is reused
 @pytest.mark.parametrize("p, reusable", [(0.0, True), (0.1, False)])
 def test_a_dropout_module_with_p_0_leaves_it_on(tmp_path, addition_jsonl, p, reusable):
     """An ``nn.Dropout(p=0)`` (GPT-2's with its dropout set to 0, a LoRA adapter's) is the identity in training;
