@@ -239,25 +239,50 @@ class Dist:
         return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        """The optimiser's whole state (``optimizer_state``'s) loaded; under FSDP2, rank 0's, sent one tensor at a
+        time, each rank keeping its shard (the other ranks' ``state`` is not read: ``read_state``)."""
         if not self.sharded:
             optimizer.load_state_dict(state)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state if self.is_main else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def load_parameters(self, model, saved: dict[str, torch.Tensor]) -> None:
-        """Copy whole tensors into the (possibly sharded) parameters of the same names."""
+        """Copy whole tensors into the parameters of the same names; under FSDP2, rank 0's, sent one tensor at a
+        time, each rank keeping its shard (the other ranks' ``saved`` is not read: ``read_state``)."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            # strict=False: ``saved`` holds the trainable parameters only (a LoRA adapter); the caller checked the names
+            set_model_state_dict(model, saved if self.is_main else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+            return
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, value in saved.items():
-                p = params[name]
-                if hasattr(p, "full_tensor"):  # a DTensor: keep this rank's shard of the whole tensor
-                    from torch.distributed.tensor import distribute_tensor
+                params[name].copy_(value)
 
-                    p.copy_(distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements))
-                else:
-                    p.copy_(value)
+    def read_state(self, read, tensors: tuple[str, ...]) -> dict:
+        """``read()`` (a checkpoint's state) on every rank, except under FSDP2 with several processes: there rank 0
+        alone reads it and sends the other ranks every entry but those named in ``tensors`` (the whole weights and
+        optimiser state, which ``load_parameters`` and ``load_optimizer_state`` then send from rank 0 into the
+        shards, one tensor at a time); of those they get the keys alone, values None, enough to check names. An
+        error in ``read`` is raised on every rank. Under DDP every rank reads it: each holds a whole replica."""
+        if not self.sharded or self.world == 1:
+            return read()
+        state = sent = None
+        if self.is_main:
+            try:
+                state = read()
+                sent = {key: dict.fromkeys(value) if key in tensors else value for key, value in state.items()}
+            except Exception as e:  # the other ranks must not wait for a state that will not come
+                sent = e
+        received = self.broadcast(sent)
+        if isinstance(received, Exception):
+            raise received
+        return state if self.is_main else received
 
     def close(self) -> None:
         if self.launched:

@@ -2,8 +2,10 @@
 one device, on the tiny model. Rank 0 alone loads it (``Dist.load``); rank 1 builds it on the meta device;
 ``Dist.wrap`` shards it on the meta device on both ranks (``fully_shard`` never sees a parameter with storage)
 and fills each rank's shards from rank 0's weights. Checked against the model loaded whole in this process:
-every parameter (all-gathered) and buffer, the tied embedding, the logits; and that ``Dist.full_state`` gives
-rank 0 the whole weights and rank 1 nothing. Runs where ``train.device: auto`` would (``scripts/gpu_smoke.sh``
+every parameter (all-gathered) and buffer, the tied embedding, the logits; that ``Dist.full_state`` gives
+rank 0 the whole weights and rank 1 nothing; and that a resume's reading (``Dist.read_state``) happens on rank 0
+alone, rank 1 getting the names only, while ``Dist.load_parameters`` puts rank 0's saved weights into every
+rank's shards and leaves the parameters not saved (a LoRA base) alone. Runs where ``train.device: auto`` would (``scripts/gpu_smoke.sh``
 runs it on the GPU under one process). Prints ``rank R ok`` when every check passed."""
 
 import sys
@@ -70,16 +72,39 @@ def main(variant: str) -> None:
         torch.testing.assert_close(model(input_ids=ids).logits, whole(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
     state = dist.full_state(model, trainable_only=variant == "lora")
+    kept = [n for n, p in whole.named_parameters() if p.requires_grad or variant != "lora"]
     if dist.is_main:
-        kept = [n for n, p in whole.named_parameters() if p.requires_grad or variant != "lora"]
         assert sorted(state) == sorted(kept)
         for name in kept:
             torch.testing.assert_close(state[name].to(expected[name]), expected[name], rtol=0, atol=0, msg=name)
             assert state[name].device.type == "cpu"
     else:
         assert state == {}, sorted(state)[:3]
+    check_resume(dist, model, state, kept, expected)
     print(f"rank {dist.rank} ok", flush=True)
     dist.close()
+
+
+def check_resume(dist, model, state, kept, expected) -> None:
+    """The weights moved by 1, then a resume from ``state`` (rank 0's saved weights): read on rank 0 alone."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    reads = []
+
+    def read():
+        reads.append(dist.rank)
+        return {"model": state, "step": 3}
+
+    resumed = dist.read_state(read, tensors=("model",))
+    assert reads == ([0] if dist.is_main else []), reads
+    assert resumed["step"] == 3 and sorted(resumed["model"]) == sorted(kept)
+    if not dist.is_main:
+        assert set(resumed["model"].values()) == {None}
+    dist.load_parameters(model, resumed["model"])
+    for name, p in model.named_parameters():
+        want = expected[name] if name in kept else expected[name] + 1.0  # not saved: still moved
+        torch.testing.assert_close(p.full_tensor().to(want.dtype), want, rtol=0, atol=0, msg=name)
 
 
 if __name__ == "__main__":

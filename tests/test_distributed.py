@@ -159,8 +159,10 @@ def test_fsdp2_sharded_over_two_processes_computes_the_same_update(runs, tmp_pat
     import shutil
 
     shutil.copytree(root / "fsdp", resumed)
-    torchrun(2, path, resumed, "--resume", "train.strategy=fsdp")
+    log = torchrun(2, path, resumed, "--resume", "train.strategy=fsdp", module="tests.call_spy")
     assert_same_weights(root / "one" / "final", resumed / "final")
+    # rank 0 alone reads the checkpoint and sends the weights and optimiser state into the shards
+    assert re.findall(r"checkpoint read: rank (\d)", log) == ["0"]
 
 
 @pytest.mark.parametrize("nproc", [2, 1])
@@ -196,6 +198,20 @@ def test_resampling_chooses_the_same_groups_under_two_processes(runs, tmp_path):
     one, two = (read_metrics(tmp_path / run)[0] for run in ("one", "two"))
     assert one["resample_draws"] == two["resample_draws"] >= 1
     assert one["reward_mean"] == pytest.approx(two["reward_mean"]) and one["trained_responses"] == two["trained_responses"]
+
+
+def test_each_rank_generates_its_groups_in_one_call(config_path, tmp_path):
+    """Under torchrun a rank generates its share of the step's groups in one batched call, as one process does
+    (it made one call per group before): with 4 prompts over 2 processes each rank calls the engine once, with
+    its 2 groups, and the update equals a 1-process run's, which samples all 4 in one call (each group under
+    its own seed in either). ``tests/call_spy.py`` reports every call of the engine."""
+    four = ("algorithm.prompts_per_step=4", "--steps", "1")
+    calls = {}
+    for nproc in (1, 2):
+        log = torchrun(nproc, config_path, tmp_path / f"run_{nproc}", *four, module="tests.call_spy")
+        calls[nproc] = sorted(re.findall(r"generate: rank (\d) rows (\d+)", log))
+    assert calls == {1: [("0", "4")], 2: [("0", "2"), ("1", "2")]}
+    assert_same_weights(tmp_path / "run_1" / "final", tmp_path / "run_2" / "final")
 
 
 def test_ppo_with_its_critic_matches_one_process(runs, tmp_path):

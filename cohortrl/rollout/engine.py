@@ -33,11 +33,12 @@ class RolloutEngine(Protocol):
     syncs_weights: bool  # it samples from its own copy of the weights: sync_weights after the policy changes
 
     def generate(self, rows: list[dict], group_size: int, sampling: Sampling, *, system_prompt: str | None,
-                 max_prompt_tokens: int, overlong_prompts: str, seed: int | None = None,
+                 max_prompt_tokens: int, overlong_prompts: str, seeds: list[int] | None = None,
                  record: bool = False) -> tuple[Rollout, int]:
-        """``group_size`` responses to each row's ``prompt``, groups contiguous: (rollout, prompts truncated).
-        ``seed``: the draw's seed (None: the process's random stream); ``record``: keep the decoding forward for
-        the update (an engine that cannot leaves ``rollout.replay`` None)."""
+        """``group_size`` responses to each row's ``prompt``, groups contiguous, in one batched call: (rollout,
+        prompts truncated). ``seeds``: one per row, the seed its group samples with whatever else is in the
+        batch (None: the engine's random stream); ``record``: keep the decoding forward for the update (an
+        engine that cannot leaves ``rollout.replay`` None)."""
         ...
 
     def sync_weights(self, model) -> None:
@@ -57,12 +58,11 @@ class HFEngine:
     def __init__(self, model, tokenizer, *, tools=None, fast_path=None):
         self.model, self.tokenizer, self.tools, self.fast_path = model, tokenizer, tools, fast_path
 
-    def generate(self, rows, group_size, sampling, *, system_prompt, max_prompt_tokens, overlong_prompts, seed=None,
+    def generate(self, rows, group_size, sampling, *, system_prompt, max_prompt_tokens, overlong_prompts, seeds=None,
                  record=False):
-        # the seed is the caller's: the sampler forks the process's random stream around a seeded draw
         return generate(self.model, self.tokenizer, rows, group_size, sampling, system_prompt=system_prompt,
                         max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts, record=record,
-                        tools=self.tools, fast_path=self.fast_path)
+                        tools=self.tools, fast_path=self.fast_path, seeds=seeds)
 
     def sync_weights(self, model) -> None:
         pass  # it samples with the policy itself

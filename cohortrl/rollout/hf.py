@@ -128,8 +128,13 @@ def generate(
     record: bool = False,
     tools: Toolset | None = None,
     fast_path=None,
+    seeds: list[int] | None = None,
 ) -> tuple[Rollout, int]:
     """Sample ``group_size`` responses for each row's ``prompt``. Returns (rollout, prompts truncated).
+
+    ``seeds``: one per row; each group then samples from a generator of its own seeded with it, so its responses
+    do not depend on which other rows share the batch (torchrun: ``distributed.group_seed``). None: every row
+    draws from the process's random stream.
 
     ``fast_path``: the run's CPU fast path (``cpu.FastPath``), or None: plain transformers throughout. Where it
     runs the lean decoder, ``record`` keeps its forward for the update's backward (``rollout.replay``, a
@@ -160,7 +165,8 @@ def generate(
     shared = group_size > 1 and prompt_ids.shape[1] > 1 and not record
     cache = prefill_cache(model, prompt_ids, prompt_mask) if shared else None
     out, lengths, *recording = generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache,
-                                            record=record, tools=session, fast_path=fast_path)
+                                            record=record, tools=session, fast_path=fast_path,
+                                            generators=group_generators(seeds, model_device(model)))
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
     tool_mask = session.tool_mask(response_ids.shape[1]) if session is not None else None
@@ -188,15 +194,24 @@ def generate(
     )
     return rollout, n_truncated
 
+def group_generators(seeds: list[int] | None, device: torch.device) -> list[torch.Generator] | None:
+    """One random generator per seed (a group's), on the device that samples; None for no seeds."""
+    if seeds is None:
+        return None
+    return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+
 def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None,
-                 record: bool = False, tools: ToolSession | None = None, fast_path=None):
+                 record: bool = False, tools: ToolSession | None = None, fast_path=None,
+                 generators: list[torch.Generator] | None = None):
     """Autoregressive sampling with the KV cache, from ``cache`` (``prefill_cache``) if given: ids (B, Tp + T)
     on the CPU, each row padded after its EOS or stop string, and each row's response length (B,), its ending
     token included; with ``record`` (the lean decoder only), a third value: its ``Recording``. The loop ends
     when every row has ended. The lengths are recorded, not read back from the
     padding: a model may sample the pad token inside a response (SmolLM2 pads with ``<|endoftext|>``). With
     ``tools``, a row in the middle of a tool result is fed its next token instead of what it sampled (the lean
-    decoder and a recording take it like any fed token); such a token never ends the row.
+    decoder and a recording take it like any fed token); such a token never ends the row. ``generators``: one per
+    group of B / len(generators) contiguous rows, which draw their uniforms from it (``_uniforms``).
 
     Our own loop rather than ``model.generate``: on a CPU, transformers' sampler (``torch.multinomial``) draws an
     exponential variate for every vocabulary entry at every step, half the decoding time of a small model with
@@ -241,7 +256,7 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
                                logits_to_keep=1, **{name: cache}).logits[:, -1].float()
             if t < sampling.min_new_tokens:
                 logits[:, eos] = float("-inf")
-            token = _sample(logits, sampling, None if t == 0 else (~ended).nonzero().squeeze(-1))
+            token = _sample(logits, sampling, None if t == 0 else (~ended).nonzero().squeeze(-1), generators)
             fed = torch.zeros_like(ended)
             if tools is not None:
                 token, fed = tools.feed(token)
@@ -271,21 +286,33 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
     return ids_out, lengths.cpu()
 
 
-def _sample(logits_BV: torch.Tensor, sampling: Sampling, rows: torch.Tensor | None = None) -> torch.Tensor:
+def _sample(logits_BV: torch.Tensor, sampling: Sampling, rows: torch.Tensor | None = None,
+            generators: list[torch.Generator] | None = None) -> torch.Tensor:
     """One token per row from fp32 logits: argmax at temperature 0, else temperature, top-k, top-p (the
     smallest set of tokens whose probability reaches top_p, as transformers' TopPLogitsWarper keeps it).
     ``rows``: draw for these rows only (the others get token 0: rows that have ended), each with the
-    uniform it would get in a draw for every row, so the random stream does not depend on which rows ended."""
+    uniform it would get in a draw for every row, so the random stream does not depend on which rows ended.
+    ``generators``: where the uniforms come from (``_uniforms``)."""
     B = logits_BV.shape[0]
+    uniform_B1 = None if sampling.temperature == 0 else _uniforms(B, logits_BV.device, generators)
     if rows is None or len(rows) == B:
-        return _draw(logits_BV, sampling)
-    uniform = None if sampling.temperature == 0 else torch.rand(B, 1, dtype=torch.float64, device=logits_BV.device)[rows]
+        return _draw(logits_BV, sampling, uniform_B1)
     token_B = torch.zeros(B, dtype=torch.long, device=logits_BV.device)
-    return token_B.index_copy_(0, rows, _draw(logits_BV[rows], sampling, uniform))
+    return token_B.index_copy_(0, rows, _draw(logits_BV[rows], sampling, None if uniform_B1 is None else uniform_B1[rows]))
 
 
-def _draw(logits_BV: torch.Tensor, sampling: Sampling, uniform: torch.Tensor | None = None) -> torch.Tensor:
-    """``_sample`` of every row; ``uniform`` (B, 1) fp64: the draws' uniforms, else drawn here."""
+def _uniforms(B: int, device: torch.device, generators: list[torch.Generator] | None) -> torch.Tensor:
+    """One fp64 uniform per row, (B, 1): from the process's random stream, or with ``generators`` (one per group
+    of B / len(generators) contiguous rows) each group's from its own generator, which then draws exactly what
+    a call sampling that group alone from a stream seeded the same way would."""
+    if generators is None:
+        return torch.rand(B, 1, dtype=torch.float64, device=device)
+    per_group = B // len(generators)
+    return torch.cat([torch.rand(per_group, 1, dtype=torch.float64, device=device, generator=g) for g in generators])
+
+
+def _draw(logits_BV: torch.Tensor, sampling: Sampling, uniform_B1: torch.Tensor | None) -> torch.Tensor:
+    """``_sample`` of every row; ``uniform_B1`` (B, 1) fp64: the draws' uniforms (None at temperature 0)."""
     if sampling.temperature == 0:
         return logits_BV.argmax(-1)
     if sampling.temperature != 1.0:
@@ -301,9 +328,7 @@ def _draw(logits_BV: torch.Tensor, sampling: Sampling, uniform: torch.Tensor | N
     # Inverse-CDF draw: one uniform per row. torch.multinomial draws an exponential variate per vocabulary
     # entry instead, which costs more than a small model's forward. fp64 keeps tiny probabilities exact.
     cdf_BV = logits_BV.softmax(-1).cumsum(-1, dtype=torch.float64)  # cast inside the scan: no fp64 copy of the probabilities
-    if uniform is None:
-        uniform = torch.rand(cdf_BV.shape[0], 1, dtype=cdf_BV.dtype, device=cdf_BV.device)
-    u_B1 = uniform * cdf_BV[:, -1:]
+    u_B1 = uniform_B1 * cdf_BV[:, -1:]
     return torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(-1).clamp(max=cdf_BV.shape[-1] - 1)
 
 

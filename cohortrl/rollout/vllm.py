@@ -141,22 +141,23 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def generate(self, rows: list[dict], group_size: int, sampling, *, system_prompt=None, max_prompt_tokens=512,
-                 overlong_prompts="reject", seed: int | None = None, record: bool = False):
+                 overlong_prompts="reject", seeds: list[int] | None = None, record: bool = False):
         """(rollout, prompts truncated): the same Rollout as ``rollout.hf.generate``, plus the sampler's log-probs
-        of the sampled tokens in ``rollout.sampling_logp``. ``record`` asks for nothing here: vLLM's forward is not
-        one the update can differentiate (``rollout.replay`` stays None)."""
+        of the sampled tokens in ``rollout.sampling_logp``. ``seeds``: each prompt's request gets its own
+        ``SamplingParams`` with its seed (vLLM pairs a list of them with the prompts one by one). ``record`` asks
+        for nothing here: vLLM's forward is not one the update can differentiate (``rollout.replay`` stays None)."""
         prompt_ids, prompt_mask, n_truncated = encode_prompts(
             self.tokenizer, [r["prompt"] for r in rows], system_prompt, max_prompt_tokens, overlong_prompts
         )
         greedy = sampling.temperature == 0
-        params = self.vllm.SamplingParams(
+        params = [self.vllm.SamplingParams(
             n=group_size, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
             min_tokens=sampling.min_new_tokens,
             stop=list(sampling.stop) or None, include_stop_str_in_output=True, logprobs=0, seed=seed,
-        )
+        ) for seed in (seeds if seeds is not None else [None])]
         prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids, prompt_mask)]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params if seeds is not None else params[0], use_tqdm=False)
         samples = [s for out in outputs for s in out.outputs]  # groups contiguous, in prompt order
         T = max(1, max(len(s.token_ids) for s in samples))
         pad = self.tokenizer.pad_token_id

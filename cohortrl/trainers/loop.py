@@ -370,7 +370,8 @@ class Trainer:
         if isinstance(choice, Exception):
             raise choice
         path = choice
-        state = checkpoint.load(path)
+        # FSDP2: rank 0 alone reads the weights and the policy's optimiser state and sends them into the shards
+        state = self.dist.read_state(lambda: checkpoint.load(path), tensors=("model", "policy_optimizer"))
         load_trainable_state(self.model, state["model"], f"checkpoint {path}", self.dist)
         for name, o in self.optimised.items():
             if name == "policy":

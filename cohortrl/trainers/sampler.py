@@ -4,8 +4,8 @@
 (``rollout/engine.py``: transformers with the run's tools and CPU fast path, or vLLM), scores them with the
 weighted reward functions and flags the groups whose G responses are equally correct. With ``algorithm.zero_variance: resample`` it draws again until P informative groups are
 found (DAPO's dynamic sampling). Under ``reward.process`` it then adds the process reward's step rewards to the
-batch the step trains on (``Sampler.score_steps``). Under torchrun every rank generates its share of the groups,
-each group seeded by its global index, and the zero-variance flags are gathered over all ranks.
+batch the step trains on (``Sampler.score_steps``). Under torchrun every rank generates its share of the groups
+in one batched call, each group seeded by its global index, and the zero-variance flags are gathered over all ranks.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Sampler:
         local = d.local_groups(P)
         rows = self.stream.take(P)
         faults.point("generate")
-        group_ids = range(k * P + local.start, k * P + local.stop) if d.launched else None  # one process: batched
+        group_ids = range(k * P + local.start, k * P + local.stop) if d.launched else None  # one process: the run's stream
         rollout, rewards, per_fn, n_trunc = self._rollout_and_score(step, [rows[g] for g in local], timer, group_ids, record)
         correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, G)
         zero_local = (correct_PG == correct_PG[:, :1]).all(-1)
@@ -166,11 +166,9 @@ class Sampler:
         state = self.trainer_state(step)
         parts, jobs = [], []
         with self.dist.gathered(self.model):  # FSDP2: ranks run different numbers of decoding steps
-            for chunk, seed in self._generation_chunks(step, rows, group_ids):
-                with timer("generate"), torch.random.fork_rng(devices=[], enabled=seed is not None):
-                    if seed is not None:
-                        torch.manual_seed(seed)
-                    rollout, n_trunc = self._generate(chunk, seed, record)
+            for chunk, seeds in self._generation_chunks(step, rows, group_ids):
+                with timer("generate"):
+                    rollout, n_trunc = self._generate(chunk, seeds, record)
                 parts.append((rollout, n_trunc))
                 if self.pool is not None:  # reward workers score this chunk while the next one is generated
                     cols = rollout_columns(rollout, self.sampling.max_new_tokens, state)
@@ -188,23 +186,24 @@ class Sampler:
             rewards, per_fn = score_rollout(self.rewards, rollout, self.sampling.max_new_tokens, computed, state)
         return rollout, rewards, per_fn, n_truncated
 
-    def _generation_chunks(self, step: int, rows: list[dict], group_ids: range | None) -> list[tuple[list[dict], int | None]]:
-        """The rows cut into generation calls, each with its sampling seed (None: the run's random stream). One
-        chunk normally; one per group under torchrun (``group_ids``), seeded by its global index
-        (``distributed.group_seed``) so what a group samples does not depend on the number of processes; two
-        halves with a reward pool, whose scoring of the first then runs while the second is generated."""
-        if group_ids is not None:
-            return [([row], distributed.group_seed(self.cfg.train.seed, step, g)) for row, g in zip(rows, group_ids)]
+    def _generation_chunks(self, step: int, rows: list[dict], group_ids: range | None) -> list[tuple[list[dict], list[int] | None]]:
+        """The rows cut into generation calls, each with its rows' sampling seeds (None: the run's random stream).
+        One call normally; two halves with a reward pool, whose scoring of the first then runs while the second
+        is generated. Under torchrun (``group_ids``: the rows' global group indices) each row is seeded by its
+        group's index (``distributed.group_seed``), so what a group samples depends neither on the number of
+        processes nor on the other groups in its call."""
+        seeds = None if group_ids is None else [distributed.group_seed(self.cfg.train.seed, step, g) for g in group_ids]
         if self.pool is not None and len(rows) > 1:
             half = (len(rows) + 1) // 2
-            return [(rows[:half], None), (rows[half:], None)]
-        return [(rows, None)]
+            return [(rows[:half], None if seeds is None else seeds[:half]),
+                    (rows[half:], None if seeds is None else seeds[half:])]
+        return [(rows, seeds)]
 
-    def _generate(self, rows: list[dict], seed: int | None, record: bool):
+    def _generate(self, rows: list[dict], seeds: list[int] | None, record: bool):
         cfg = self.cfg
         return self.engine.generate(rows, cfg.algorithm.group_size, self.sampling, system_prompt=cfg.model.system_prompt,
                                     max_prompt_tokens=cfg.data.max_prompt_tokens,
-                                    overlong_prompts=cfg.data.overlong_prompts, seed=seed, record=record)
+                                    overlong_prompts=cfg.data.overlong_prompts, seeds=seeds, record=record)
 
     def score_steps(self, batch: ScoredBatch, step: int) -> dict:
         """Fill ``batch.step_rewards`` / ``step_ends`` from the process reward function (guarded, see

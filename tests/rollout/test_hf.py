@@ -29,6 +29,24 @@ def test_a_prefilled_group_samples_what_unshared_rows_sample(temperature):
         assert len({tuple(r.tolist()) for r in grouped.response_ids[:3]}) > 1  # the group's samples differ
 
 
+def test_a_seeded_group_samples_alone_what_it_samples_in_a_batch():
+    """Under torchrun each row carries its group's seed (``seeds``): a group samples the same responses in one
+    batched call with other groups as in a call of its own, and as a call of its own after ``torch.manual_seed``
+    of that seed (what the sampler did before it batched the groups); the process's random stream is untouched."""
+    model, tok = load_model("tiny-llama", seed=1)
+    sampling = Sampling(temperature=1.0, max_new_tokens=12)
+    before = torch.random.get_rng_state()
+    batched, _ = generate(model, tok, ROWS, 3, sampling, seeds=[7, 8])
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for i, seed in enumerate((7, 8)):
+        alone, _ = generate(model, tok, ROWS[i : i + 1], 3, sampling, seeds=[seed])
+        torch.manual_seed(seed)
+        stream, _ = generate(model, tok, ROWS[i : i + 1], 3, sampling)
+        assert alone.completions == stream.completions == batched.completions[3 * i : 3 * i + 3], i
+    swapped, _ = generate(model, tok, ROWS, 3, sampling, seeds=[8, 7])  # the seed, not the position, decides
+    assert swapped.completions[:3] != batched.completions[:3]
+
+
 def _logprobs_and_grads(model, rollout, rows, share):
     model.zero_grad()
     ids, mask = rollout.input_ids()[rows], rollout.attention_mask()[rows]
@@ -283,7 +301,7 @@ def test_a_pad_token_sampled_inside_a_response_does_not_end_it(monkeypatch):
     eos = hf.eos_token_ids(model, tok)[0]
     a, b = 40, 41
     script = iter([a, tok.pad_token_id, b, eos])
-    monkeypatch.setattr(hf, "_sample", lambda logits, sampling, rows=None: torch.full((logits.shape[0],), next(script)))
+    monkeypatch.setattr(hf, "_sample", lambda logits, sampling, rows=None, generators=None: torch.full((logits.shape[0],), next(script)))
     rollout, _ = generate(model, tok, ROWS[:1], 1, Sampling(temperature=1.0, max_new_tokens=6))
     assert rollout.response_ids[0, :4].tolist() == [a, tok.pad_token_id, b, eos]
     assert rollout.response_mask[0].tolist() == [1, 1, 1, 1]  # through the EOS; the loop stopped there

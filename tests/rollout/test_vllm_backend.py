@@ -58,11 +58,12 @@ def standin(monkeypatch):
 def test_generator_builds_the_rollout_with_the_sampled_distributions_logprobs(standin):
     """The Rollout the HF backend builds, from the engine's outputs: masks, truncation flags, rows; the sampler's
     log-probs are those of the distribution sampled from (temperature 0.7), which the trainer's own forward at
-    that temperature reproduces."""
+    that temperature reproduces. With a seed per row, a group samples what it samples alone under its seed."""
     model, tokenizer = load_model("tiny-llama")
     gen = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.5, seed=3)
     rows = [{"prompt": "What is 2 + 2?"}, {"prompt": "Name a colour."}]
-    rollout, n_truncated = gen.generate(rows, 3, SamplingConfig(temperature=0.7, max_new_tokens=5), seed=11)
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=5)
+    rollout, n_truncated = gen.generate(rows, 3, sampling, seeds=[11, 12])
     assert n_truncated == 0 and rollout.batch_size == 6 and rollout.group_size == 3
     assert [r["prompt"] for r in rollout.rows] == ["What is 2 + 2?"] * 3 + ["Name a colour."] * 3
     lengths = rollout.response_mask.sum(-1)
@@ -71,6 +72,8 @@ def test_generator_builds_the_rollout_with_the_sampled_distributions_logprobs(st
     mask = rollout.response_mask.bool()
     torch.testing.assert_close(rollout.sampling_logp[mask], ours[mask], rtol=0, atol=1e-4)
     assert not rollout.sampling_logp[~mask].any()
+    alone, _ = gen.generate(rows[1:], 3, sampling, seeds=[12])
+    assert alone.completions == rollout.completions[3:]
 
 
 def test_weights_reach_the_engine_through_collective_rpc_only(standin):

@@ -11,8 +11,10 @@ What it keeps of vLLM (V1, the version the ``vllm`` extra pins):
   qualified name, mixed into the worker's bases), where ``self.model_runner.model.load_weights`` takes
   (name, tensor) pairs;
 * ``LLM.generate(prompts, SamplingParams, use_tqdm=...)`` samples ``n`` completions per ``prompt_token_ids``
-  with temperature, stopping at EOS, a stop string or ``max_tokens``; each position's ``logprobs`` maps the sampled token to a
-  ``Logprob``; ``reset_prefix_cache()`` exists.
+  (one ``SamplingParams`` for every prompt, or a list paired with the prompts one by one; a request with a
+  ``seed`` samples from a generator of its own) with temperature, stopping at EOS, a stop string or
+  ``max_tokens``; each position's ``logprobs`` maps the sampled token to a ``Logprob``;
+  ``reset_prefix_cache()`` exists.
 
 It samples with plain transformers on the CPU, one token at a time without a cache: slow, but only tiny models
 use it. A stop string ends a sample at the token that completes it (``finish_reason`` "stop"). Top-p, top-k and
@@ -122,16 +124,18 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return True
 
-    def generate(self, prompts, sampling_params: SamplingParams, use_tqdm=True):
-        p = sampling_params
-        if p.top_p != 1.0 or p.top_k not in (0, -1) or p.min_tokens:
-            raise NotImplementedError("the stand-in samples with temperature and stop strings only")
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams], use_tqdm=True):
+        each = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(each) != len(prompts):
+            raise ValueError("The lengths of prompts and sampling_params must be the same.")
         model = self.__worker.model_runner.model.hf
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
-        generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else self.__generator
         outputs = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, p) in enumerate(zip(prompts, each)):
+            if p.top_p != 1.0 or p.top_k not in (0, -1) or p.min_tokens:
+                raise NotImplementedError("the stand-in samples with temperature and stop strings only")
+            generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else self.__generator
             request = RequestOutput(str(i), list(prompt["prompt_token_ids"]))
             for j in range(p.n):
                 ids, logprobs, finish = list(request.prompt_token_ids), [], "length"
