@@ -199,7 +199,9 @@ class Dist:
     @contextlib.contextmanager
     def gathered(self, model):
         """With FSDP2: every shard all-gathered once, and kept, for work that runs a different number of forward
-        passes on each rank (generation stops when a rank's groups are done; rank 0 alone evaluates)."""
+        passes on each rank (generation stops when a rank's groups are done; rank 0 alone evaluates). Layer by
+        layer, each forward would be a collective the ranks could not match, and keeping them in step would
+        gather the whole model again for every decoded token (docs/distributed.md, "Eight GPUs")."""
         if not self.sharded:
             yield
             return

@@ -1,4 +1,5 @@
-"""Generation and log-probabilities with Hugging Face transformers (the CPU / single-process backend).
+"""Generation and log-probabilities with Hugging Face transformers (the ``hf`` backend: any device, one process
+or torchrun).
 
 ``generate`` turns P dataset rows into a :class:`Rollout` of P·G responses: the chat template is applied, each
 prompt is prefilled once and its KV cache shared by its G responses (groups contiguous), and one left-padded
@@ -425,14 +426,16 @@ def response_logprobs(
 
     The LM head runs only on real response tokens, ``chunk_bytes`` of logits at a time (default
     ``LOGPROB_CHUNK_BYTES``), in :class:`_HeadLogProbs`, which recomputes each chunk in backward instead of keeping
-    it: the (B, T, V) logits tensor (V = 49,152 for SmolLM2) never exists. Where the head cannot be applied
-    outside the model (DDP or FSDP2 wrappers, heads that are not a plain ``nn.Linear``, logit soft-capping or
-    scaling), the model's own head computes the full logits of the last T + 1 positions instead; the numbers
-    are the same.
+    it: the (B, T, V) logits tensor (V = 49,152 for SmolLM2) never exists. Under DDP and FSDP2 the trainer calls
+    this inside the wrapped module's forward (``distributed.forward_inside``), where ``model`` is the plain
+    model, so the head runs in chunks there too. Where the head cannot be applied outside the model (``model``
+    itself wrapped by DDP or FSDP2, a head that is not a plain ``nn.Linear``, logit soft-capping or scaling),
+    the model's own head computes the full logits of the last T + 1 positions instead; the numbers are the same.
 
     ``share_prompts``: rows with the same prompt (a group) run it through the model once (see the module
-    docstring); it needs two forward calls per backward, which DDP does not allow, so the trainer turns it off
-    for the gradient forward under torchrun.
+    docstring): two decoder calls, or one where no prompt repeats, so the number of calls depends on the rows.
+    The trainer turns it off only under FSDP2 over several processes, where every layer's forward is a
+    collective that each rank must run as often as the others; DDP's hooks run once around the whole call.
     """
     T = response_ids.shape[1]
     device = model_device(model)  # the batch lives on the CPU; the forward runs where the model is
@@ -503,8 +506,10 @@ def _logprobs_from_logits(logits_BTV, response_ids, temperature, with_entropy):
 
 def _plain_lm_head(model):
     """(decoder, head) when the head is a plain ``nn.Linear`` on the decoder's last hidden state that we may
-    apply ourselves; None under DDP or FSDP2 (their hooks belong to the wrapped model's own forward) or when the
-    model changes its logits after the head (Gemma-2's soft-capping, Cohere's logit scale)."""
+    apply ourselves; None for a model DDP or FSDP2 wraps, seen from outside its forward (their hooks belong to
+    that forward, and outside it an FSDP2 head's weight is a shard; ``distributed.forward_inside`` runs the
+    caller inside it, where the model is plain), or when the model changes its logits after the head
+    (Gemma-2's soft-capping, Cohere's logit scale)."""
     from cohortrl.distributed import _fsdp_modules
 
     if hasattr(model, "module") or not hasattr(model, "get_decoder") or _fsdp_modules(model):
