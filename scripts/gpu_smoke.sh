@@ -4,6 +4,10 @@
 #   scripts/gpu_smoke.sh              # on a GPU machine (train.device auto: the GPU)
 #   SMOKE_DEVICE=cpu scripts/gpu_smoke.sh   # the checks a CPU can run (gloo instead of NCCL; no vLLM)
 #
+# Each check's time limit is its GPU budget (they sum to 8 minutes); on a CPU every limit is multiplied by
+# SMOKE_TIME_SCALE (default 6 with SMOKE_DEVICE=cpu, 1 otherwise): the same checks, given the time a small
+# shared CPU needs (a run with the GPU limits on a loaded 2-core machine timed out in 4 checks that pass).
+#
 # Checks: NCCL (with gloo for CPU tensors) collectives under a 1-process torchrun; a training run under a
 # 1-process torchrun (one process wraps no DDP and short-circuits the trainer's collectives: DDP itself needs
 # 2 GPUs); bf16 full fine-tuning moves the weights at lr 1e-5; LoRA on a bf16 base learns; FSDP2 in bf16 saves
@@ -19,12 +23,13 @@ PY=${PYTHON:-python}
 WORK=$(mktemp -d /tmp/cohortrl-gpu-smoke.XXXXXX)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" SMOKE_DEVICE=${SMOKE_DEVICE:-auto}
 export PY WORK TORCHRUN="$PY -m torch.distributed.run --standalone --nproc-per-node 1"
+SCALE=${SMOKE_TIME_SCALE:-$([ "$SMOKE_DEVICE" = cpu ] && echo 6 || echo 1)}
 FAILED=0
 START=$SECONDS
 
-# check NAME LIMIT_S COMMAND: one line; on failure (or past LIMIT_S seconds) the last line the command wrote.
+# check NAME LIMIT_S COMMAND: one line; on failure (or past LIMIT_S × SCALE seconds) the last line the command wrote.
 check() {
-    local name=$1 limit=$2 command=$3
+    local name=$1 limit=$(($2 * SCALE)) command=$3
     local log="$WORK/$name.log" t0=$SECONDS rc=0
     timeout "$limit" bash -c "$command" >"$log" 2>&1 || rc=$?
     if [ "$rc" -eq 0 ]; then
@@ -64,5 +69,5 @@ check fsdp_chunked_head_rank0_load 50 '$TORCHRUN tests/wrapped_logprobs_check.py
     echo "PASS fsdp_chunked_head_rank0_load: log-probs and gradients through FSDP2 without (B, T, V) logits; bf16 weights loaded on rank 0 reach the shards"'
 check vllm 120 '"$PY" scripts/gpu_smoke.py vllm "$WORK"'
 
-echo "$FAILED failed, $((SECONDS - START)) s in all (logs in $WORK)"
+echo "$FAILED failed, $((SECONDS - START)) s in all, time limits x$SCALE (logs in $WORK)"
 exit $((FAILED > 0))
