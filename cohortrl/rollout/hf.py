@@ -195,6 +195,7 @@ def generate(
     )
     return rollout, n_truncated
 
+
 def group_generators(seeds: list[int] | None, device: torch.device) -> list[torch.Generator] | None:
     """One random generator per seed (a group's), on the device that samples; None for no seeds."""
     if seeds is None:
