@@ -108,6 +108,18 @@ def test_gradients_count_in_the_update_phase_not_in_generation():
     assert m.peak == m.persistent + max(m.update_phase, m.generation_phase)
 
 
+def test_fsdp2_over_several_gpus_holds_the_whole_policy_in_bf16_while_generating():
+    """Generation under FSDP2 gathers every layer at once (``Dist.gathered``): 2 bytes per parameter in bf16,
+    the LoRA adapter's too, beside the shards; nothing of the kind on one GPU or under DDP."""
+    fsdp = plan("7b", RunSpec(gpus=8, sharding="zero3", dtype="bf16")).memory
+    assert fsdp.gathered_weights == 2 * 6_738_415_616  # 12.55 GiB
+    assert fsdp.generation_phase == fsdp.kv_cache + fsdp.gathered_weights
+    lora = plan("7b", RunSpec(gpus=8, sharding="zero3", dtype="bf16", lora_rank=16)).memory
+    assert lora.gathered_weights == 2 * (6_738_415_616 + LLAMA2_7B.lora_params(16))
+    for run in (RunSpec(gpus=8, sharding="none", dtype="bf16"), RunSpec(gpus=1, sharding="zero3", dtype="bf16")):
+        assert plan("7b", run).memory.gathered_weights == 0
+
+
 def test_lora_has_no_reference_copy():
     m = plan("7b", RunSpec(lora_rank=16)).memory
     assert m.reference == 0.0

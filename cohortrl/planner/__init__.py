@@ -23,7 +23,9 @@ What the model assumes (each is a choice a reader can check and change):
   the policy's shape, forward only);
 * generation and the update do not overlap: the peak is the persistent states (weights, optimiser states,
   models) plus the larger of the generation phase (KV cache; on a CPU in fp32 also the linear weights in
-  oneDNN's layout, which ``kernels.decoding_weights`` holds while decoding) and the update phase (the
+  oneDNN's layout, which ``kernels.decoding_weights`` holds while decoding; under zero3 over several devices
+  the whole policy in the compute dtype, which generation gathers from the shards, ``Dist.gathered``, as
+  TRL does under ZeRO-3) and the update phase (the
   gradients, which the trainer frees after each optimiser step, and the activations and logits of one
   micro-batch);
 * where the trainer runs the update on decoding's recording (a CPU in fp32, GRPO/RLOO, one epoch, one
@@ -422,6 +424,7 @@ class Memory:
     decode_layout: float = 0.0  # cpu, fp32: the linear weights' oneDNN layout while decoding (cpu/decoder.py, kernels.decoding_weights)
     recording: float = 0.0  # decoding's recorded forward, when the update reuses it (cpu/replay.py)
     replay_temporaries: float = 0.0  # the replayed backward's largest set of temporaries
+    gathered_weights: float = 0.0  # zero3 over several devices: the whole policy, gathered for generation
 
     @property
     def gradients(self) -> float:
@@ -438,7 +441,7 @@ class Memory:
 
     @property
     def generation_phase(self) -> float:
-        return self.recording + self.kv_cache + self.decode_layout
+        return self.recording + self.kv_cache + self.decode_layout + self.gathered_weights
 
     @property
     def peak(self) -> float:
@@ -489,11 +492,15 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
     # kernels.decoding_weights for transformers' forward: the same bytes); LoRA's small matrices are not counted.
     linear_weights = m.num_layers * m.layer_matrix_params + m.vocab_size * m.hidden_size
     decode_layout = linear_weights * DTYPE_BYTES[dt] if run.device == "cpu" and dt == "fp32" else 0.0
+    # Sharded over several devices, generation gathers every layer of the policy at once and keeps it until
+    # decoding ends (distributed.Dist.gathered: the ranks decode different numbers of steps, so per-layer
+    # gathers could not be matched), into buffers of its own beside the shards, in the compute dtype.
+    gathered = (m.params + (trainable if lora else 0)) * DTYPE_BYTES[dt] if shard == "zero3" and n > 1 else 0.0
     return Memory(
         policy=policy, critic=critic, reference=reference, reward_model=reward_model,
         activations=ckpt if run.checkpointing else no_ckpt, activations_no_ckpt=no_ckpt, activations_ckpt=ckpt,
         logits=logits, kv_cache=kv, baseline=run.cpu_baseline_bytes if run.device == "cpu" else 0.0,
-        decode_layout=decode_layout, recording=recording, replay_temporaries=temporaries,
+        decode_layout=decode_layout, recording=recording, replay_temporaries=temporaries, gathered_weights=gathered,
     )
 
 
@@ -709,6 +716,8 @@ def memory_rows(p: Plan) -> list[tuple[str, float]]:
     rows.append(("KV cache (generation)", mem.kv_cache))
     if mem.decode_layout:
         rows.append(("linear weights in oneDNN's layout (cpu, generation)", mem.decode_layout))
+    if mem.gathered_weights:
+        rows.append(("policy weights gathered whole (zero3, generation)", mem.gathered_weights))
     return rows
 
 
