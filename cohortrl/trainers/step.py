@@ -5,7 +5,7 @@
      (``sampler.Sampler.sample``, one call; the batch it returns is never changed after);
 3.   log-probs of the reference (β > 0) and of the sampling policy (when the run needs them);
 4.   targets, where the algorithms differ: the run's algorithm object (``algorithm.py``; GRPO's group
-     advantages, PPO's critic and GAE, RFT's kept responses) returns what the update regresses onto;
+     advantages, PPO's critic and GAE, RFT's zero advantages) returns what the update regresses onto;
 5.   update: μ epochs over minibatches of whole groups; each micro-batch's loss (the clipped surrogate plus the
      algorithm's ``extra_loss``) is weighted by the configured aggregation, so that accumulating micro-batches
      is exact; then one optimiser step for every trained model (``setup.optimizer_step``);
