@@ -118,7 +118,7 @@ def child(name: str, args) -> None:
     from cohortrl.config import Config
     from cohortrl.planner import resolve_shape
     from cohortrl.planner.cpu_rates import measure_cpu_rates
-    from cohortrl.trainers import make_trainer
+    from cohortrl.trainers import make_trainer, step
     from cohortrl.trainers.metrics import peak_rss_mb
 
     baseline = vm_rss_bytes()
@@ -130,7 +130,7 @@ def child(name: str, args) -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = make_trainer(cfg, run_dir)
         after_setup = peak_rss_mb()
-        update, sample = trainer._update, trainer.sampler.sample
+        update, sample = step.update, trainer.sampler.sample
 
         def timed(name, fn):
             def call(*a, **kw):
@@ -141,11 +141,11 @@ def child(name: str, args) -> None:
                     steps[-1][f"cpu_{name}_s"] = cpu_seconds() - start
             return call
 
-        def recording_update(rollout, *rest):
+        def recording_update(t, rollout, *rest):
             steps[-1].update(step_shape(rollout))
-            return update(rollout, *rest)
+            return update(t, rollout, *rest)
 
-        trainer._update = timed("update", recording_update)  # the update: forward/backward, optimiser step
+        step.update = timed("update", recording_update)  # the update: forward/backward, optimiser step (this process's only trainer)
         trainer.sampler.sample = timed("sample", sample)  # generation and scoring
         for i in range(args.steps):
             steps.append({})

@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/trace_overhead.py                 # tiny GRPO, 2 x 8 steps
     PYTHONPATH=. .venv/bin/python benchmarks/trace_overhead.py --steps 20 --config configs/tiny_ppo.yaml
 
-Tracing off runs, per step, what the untraced step ran before tracing existed plus ``RLTrainer._start_trace``
+Tracing off runs, per step, what the untraced step ran before tracing existed plus ``step.start_trace``
 (a membership test) and a few ``trace is not None`` tests (two per step, one per update and one per
 micro-batch); the step's sum of w·L is the same operations under a name. So the cost of tracing off is
 measured directly: those calls timed in a loop of 100,000, times how often a step makes them, over the
@@ -26,6 +26,7 @@ import torch
 
 from cohortrl.config import Config
 from cohortrl.trainers import make_trainer
+from cohortrl.trainers.step import start_trace
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,9 +46,9 @@ def timed_step(trainer) -> float:
 
 
 def off_path_seconds(trainer, checks_per_step: int) -> float:
-    """Seconds per step of what tracing off adds: one ``_start_trace`` and ``checks_per_step`` None tests."""
+    """Seconds per step of what tracing off adds: one ``start_trace`` and ``checks_per_step`` None tests."""
     n = 100_000
-    start = timeit.timeit(trainer._start_trace, number=n) / n
+    start = timeit.timeit(lambda: start_trace(trainer), number=n) / n
     trace = None
     checks = timeit.timeit(lambda: trace is not None, number=n) / n
     return start + checks_per_step * checks

@@ -307,7 +307,7 @@ def cohortrl_bench(job: dict) -> dict:
 
 def cohortrl_check(job: dict) -> dict:
     """cohortrl's loss and gradient norm on the fixed batch, from its public pieces composed as its update
-    does (``RLTrainer._update`` in trainers/rl.py): response log-probs, the configured advantage estimator, policy loss
+    does (``update`` in trainers/step.py): response log-probs, the configured advantage estimator, policy loss
     and KL, weighted by ``token_weights`` of the configured aggregation."""
     import torch
 

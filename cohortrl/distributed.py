@@ -28,6 +28,11 @@ from dataclasses import dataclass
 import torch
 
 
+def micro_batch_positions(n: int, micro_batch_size: int) -> list[torch.Tensor]:
+    """Positions 0..n-1 split into micro-batches of ``micro_batch_size`` (0: one batch)."""
+    return list(torch.arange(n).split(micro_batch_size or n))
+
+
 @dataclass
 class Dist:
     rank: int = 0
@@ -67,6 +72,16 @@ class Dist:
         first, stop = groups.start * group_size, groups.stop * group_size
         mine = (rows_all >= first) & (rows_all < stop)
         return rows_all[mine] - first, weights_all[mine][:, :width] * self.world
+
+    def micro_batch_share(self, rows_all: torch.Tensor, weights_all: torch.Tensor, n_groups: int, group_size: int,
+                          width: int, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int]:
+        """This rank's micro-batches of a minibatch chosen over the whole batch: its rows and their token weights
+        (``local_share``), each micro-batch's positions among them (``micro_batch_positions``), and how many
+        zero-weight micro-batches it runs after those (``padding_micro_batches``). One process: every row, no
+        padding."""
+        rows, weights_BT = self.local_share(rows_all, weights_all, n_groups, group_size, width)
+        positions = micro_batch_positions(len(rows), micro_batch_size) if len(rows) else []
+        return rows, weights_BT, positions, self.padding_micro_batches(len(positions))
 
     def padding_micro_batches(self, n: int) -> int:
         """How many zero-weight micro-batches this rank runs after its ``n``: a rank with no rows in a minibatch

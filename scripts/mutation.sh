@@ -5,10 +5,10 @@
 #
 #   scripts/mutation.sh algorithms          # cohortrl/algorithms/ against tests/algorithms/
 #   scripts/mutation.sh grading             # grading/units.py and grading/answer_format.py against their tests
-#   scripts/mutation.sh step                # trainers/update.py and trainers/grpo.py against the wiring, golden,
-#                                           # optimiser and rollout-forward-reuse tests
-#   scripts/mutation.sh rl                  # trainers/rl.py (the step's own methods and the trainer's setup) against
-#                                           # the same tests and the vLLM, grader-error, options and reliability ones
+#   scripts/mutation.sh step                # trainers/step.py and trainers/grpo.py against the wiring, golden,
+#                                           # optimiser, rollout-forward-reuse, vLLM, grader-error, options and
+#                                           # reliability tests
+#   scripts/mutation.sh rl                  # trainers/rl.py (the trainer's setup) against the same tests
 #   scripts/mutation.sh setup               # trainers/setup.py (policy, reference, optimiser, LR schedule)
 #   scripts/mutation.sh checkpoint          # trainers/checkpoint.py against the integrity, resume and run-directory tests
 #   scripts/mutation.sh sandbox             # the sandbox's limit handling, mutants applied to the source (below)
@@ -29,13 +29,14 @@ case $scope in
     mutate='"cohortrl/grading/units.py", "cohortrl/grading/answer_format.py"'
     tests='"tests/tasks/test_units.py", "tests/tasks/test_unit_boundaries.py", "tests/tasks/test_answer_format.py",
       "tests/tasks/test_grading_mutation_kills.py"' ;;
-  step)  # the update's helpers and GRPO's own part of the step, against the tests that pin the step's numbers
-    mutate='"cohortrl/trainers/update.py", "cohortrl/trainers/grpo.py"'
-    tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py",
-      "tests/trainers/test_reuse_rollout_forward.py", "tests/trainers/test_micro_batches.py"' ;;
-  rl)  # RLTrainer: step, update loop, micro-batch loss, log-probs, and the setup they rely on; the step's own
-       # settings, vLLM, grader-error logging and the non-finite guard are pinned in the last four files
-    mutate='"cohortrl/trainers/rl.py"'
+  step|rl)  # step: the step (rl_step, update loop, micro-batch loss, log-probs) and GRPO's own part of it;
+            # rl: RLTrainer, the setup the step relies on. The step's own settings, vLLM, grader-error logging and
+            # the non-finite guard are pinned in the last four files
+    if [ "$scope" = step ]; then
+      mutate='"cohortrl/trainers/step.py", "cohortrl/trainers/grpo.py"'
+    else
+      mutate='"cohortrl/trainers/rl.py"'
+    fi
     tests='"tests/trainers/test_wiring.py", "tests/trainers/test_golden.py", "tests/trainers/test_optimizer.py",
       "tests/trainers/test_reuse_rollout_forward.py", "tests/trainers/test_micro_batches.py",
       "tests/trainers/test_backends.py", "tests/trainers/test_grader_errors.py", "tests/trainers/test_grpo_options.py",

@@ -1,15 +1,17 @@
-"""How many lines a reader follows through one GRPO step (issue 24: at most 250, generation and the algorithms'
-pure functions aside). Runs two steps of a tiny GRPO run on the plain path (one process, train.cpu_linear=aten,
-beta > 0, no resampling, step rewards or vLLM), records every function of the package that ran in the second, and counts
-each one's lines (``def`` to its end, docstring included) by where it lives:
+"""How many lines a reader follows through one RL step (issue 54: under 300): every line of the step's own file,
+``cohortrl/trainers/step.py`` (``rl_step``, sample → score → targets → update → log, and every piece of the step
+it defines), docstrings, comments and blank lines included; nothing in the file is set aside. The functions of other
+files it calls are not counted: the rollout and its scoring (``Sampler.sample``), the algorithm's object
+(``trainers/algorithm.py``; GRPO's, PPO's and RFT's in ``trainers/grpo.py``, ``ppo.py``, ``rft.py``) with its pure
+functions (``cohortrl/algorithms/``), the collectives (``distributed.py``), the optimiser step (``setup.py``), the
+non-finite guard and the metrics row, each reached by one call from the step.
 
-  counted      the trainers' step: cohortrl/trainers/ except sampler.py and metrics.py
-  aside        the rollout and its scoring (cohortrl/trainers/sampler.py: prompts drawn, generation called,
-               rewards scored, resampling; generation itself in cohortrl/rollout/), the algorithms' pure
-               functions (cohortrl/algorithms/), reward scoring (cohortrl/rewards/, user reward functions), the
-               metrics assembly (cohortrl/trainers/metrics.py), the distributed helper and everything else
+It also runs two steps of a tiny single-process GRPO run on the plain path (``train.cpu_fast_path: off``, beta > 0)
+and checks that the second went through that file's ``rl_step``; ``--calls`` lists every other function of the
+package that step ran, by file, with its lines (``def`` to its end), for a reader who wants to follow the calls.
+Exits 1 when the file has 300 lines or more, or the step did not run through it.
 
-    .venv/bin/python scripts/step_lines.py [--all]      # --all lists the functions set aside too
+    .venv/bin/python scripts/step_lines.py [--calls]
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from cohortrl.config import Config
 from cohortrl.trainers.grpo import GRPOTrainer
 
 ROOT = Path(cohortrl.__file__).parent
-COUNTED = "trainers/"
-ASIDE_IN_TRAINERS = ("trainers/sampler.py", "trainers/metrics.py")
+STEP_FILE = "trainers/step.py"
+STEP_FUNCTION = "rl_step"
+LIMIT = 300
 
 
 def reward(completions, **_):
@@ -42,7 +45,7 @@ def config(data: Path) -> Config:
         "sampling": {"max_new_tokens": 8},
         "reward": {"functions": [{"name": f"{__file__}:reward"}], "correctness": f"{__file__}:reward"},
         "algorithm": {"group_size": 4, "prompts_per_step": 2, "beta": 0.04},
-        "train": {"steps": 1, "progress": False, "cpu_linear": "aten"},
+        "train": {"steps": 1, "progress": False, "cpu_fast_path": "off"},
         "eval": {"before": False, "n_prompts": 0},
     })
 
@@ -54,9 +57,8 @@ def ran_functions(trainer) -> set:
     def tracer(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.startswith(str(ROOT)):
             seen.add(frame.f_code)
-        return None
 
-    sys.setprofile(lambda frame, event, arg: tracer(frame, event, arg))
+    sys.setprofile(tracer)
     try:
         trainer.step()
     finally:
@@ -84,7 +86,8 @@ def spans(codes) -> dict[str, list[tuple[str, int, int]]]:
     return out
 
 
-def main() -> None:
+def traced_step() -> dict[str, list[tuple[str, int, int]]]:
+    """The functions the second step of a tiny GRPO run ran, by file (the first builds what later steps reuse)."""
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "add.jsonl"
@@ -93,24 +96,26 @@ def main() -> None:
                                 for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(64))))
         trainer = GRPOTrainer(config(data), Path(tmp) / "run")
         try:
-            trainer.step()  # the first step builds what later steps reuse; the second is the one read
-            by_file = spans(ran_functions(trainer))
+            trainer.step()
+            return spans(ran_functions(trainer))
         finally:
             trainer.close()
-    counted = aside = 0
-    for path in sorted(by_file):
-        is_counted = path.startswith(COUNTED) and path not in ASIDE_IN_TRAINERS
-        n = sum(last - first + 1 for _, first, last in by_file[path])
-        if is_counted:
-            counted += n
-        else:
-            aside += n
-        if is_counted or "--all" in sys.argv:
-            print(f"{'' if is_counted else '(aside) '}{path}: {n}")
+
+
+def main() -> int:
+    n_lines = len((ROOT / STEP_FILE).read_text().splitlines())
+    by_file = traced_step()
+    through = any(name == STEP_FUNCTION for name, _, _ in by_file.get(STEP_FILE, []))
+    if "--calls" in sys.argv:
+        for path in sorted(set(by_file) - {STEP_FILE}):
+            print(f"{path}: {sum(last - first + 1 for _, first, last in by_file[path])}")
             for name, first, last in by_file[path]:
                 print(f"    {name:45s} {first:4d}-{last:<4d} {last - first + 1}")
-    print(f"GRPO step, lines to read: {counted} (set aside: {aside})")
+    print(f"RL step, lines to read: {n_lines} (cohortrl/{STEP_FILE}, every line; the limit is under {LIMIT})")
+    if not through:
+        print(f"the step did not run through {STEP_FUNCTION} in cohortrl/{STEP_FILE}")
+    return 0 if through and n_lines < LIMIT else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -407,7 +407,7 @@ def replay_temporaries(m: ModelShape, run: RunSpec) -> float:
 @dataclass(frozen=True)
 class Memory:
     """Bytes per device by component; ``peak`` = persistent states + the larger of the two phases. Gradients
-    belong to the update phase: the trainer frees them after each optimiser step (``trainers/update.py``).
+    belong to the update phase: the trainer frees them after each optimiser step (``trainers/setup.optimizer_step``).
     Decoding's recording (the update on decoding's forward) is held from generation through the update, so
     it is in both phases."""
 

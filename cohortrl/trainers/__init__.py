@@ -1,5 +1,6 @@
-"""The trainers: one shared RL step (``rl.py``, its update's pieces in ``update.py``) and a small subclass per
-algorithm (``grpo.py``, ``ppo.py``, ``rft.py``: rejection-sampling fine-tuning, the supervised baseline); ``make_trainer`` picks the one ``algorithm.name`` asks for. Supervised
+"""The trainers: one RL step, one function in one file (``step.py``), run by the RL trainer (``rl.py``) with one
+small object per algorithm (``algorithm.py``; ``grpo.py``, ``ppo.py``, ``rft.py``: rejection-sampling fine-tuning,
+the supervised baseline), each with its trainer class; ``make_trainer`` picks the one ``algorithm.name`` asks for. Supervised
 fine-tuning, the stage before RL, is ``sft.py``. Every trainer runs in ``loop.Trainer`` (train loop,
 evaluation schedule, checkpoints and resume, logs, final save)."""
 

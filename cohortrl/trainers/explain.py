@@ -40,7 +40,7 @@ AGGREGATION_WEIGHTS = {
     "token-mean": "w_t = 1 / (sum_i |o_i|): each token weighs the same   [DAPO]",
     "seq-mean-token-sum-norm": "w_t = 1 / (N x norm_length): a constant   [Dr. GRPO]",
 }
-# Each algorithm's extra per-token loss (``_extra_loss``): (its token-table column, the trace's name, its name)
+# Each algorithm's extra per-token loss (its object's ``extra_loss``): (its token-table column, the trace's name, its name)
 EXTRA_TERMS = {"ppo": ("value", "extra/value_loss", "value loss term"), "rft": ("-logp", "extra/nll", "supervised term")}
 KL_TERM = ("KL_t", "extra/kl", "KL term")
 KL_FORMULAS = {

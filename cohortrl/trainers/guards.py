@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 
 from cohortrl.config import ConfigError
@@ -57,11 +56,6 @@ def check_prompts_fit(cfg, tokenizer, tools, splits: dict[str, list[dict]]) -> N
     for what, rows in splits.items():
         check_prompt_lengths(tokenizer, [r["prompt"] for r in rows], what, system_prompt=cfg.model.system_prompt,
                              max_prompt_tokens=cfg.data.max_prompt_tokens, tools=tools)
-
-
-def finite(loss: float, grad_norms: dict[str, float]) -> bool:
-    """Whether an update's loss and every gradient norm are finite (a NaN anywhere makes the norm NaN)."""
-    return math.isfinite(loss) and all(math.isfinite(n) for n in grad_norms.values())
 
 
 class NonfiniteGuard:

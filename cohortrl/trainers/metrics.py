@@ -146,7 +146,7 @@ class UpdateTotals:
         self.n_updates, self.token_count, self.skipped, self.replayed = 0, 0, 0, 0
 
     def add_policy(self, mb, loss_BT, entropy_BT, pg_metrics: dict) -> None:
-        """The clipped surrogate's numbers on micro-batch ``mb`` (an ``update.MicroBatch``)."""
+        """The clipped surrogate's numbers on micro-batch ``mb`` (a ``step.MicroBatch``)."""
         import torch
 
         w, n_loss_tokens = mb.weights, int(mb.loss_mask.sum())
@@ -156,7 +156,7 @@ class UpdateTotals:
         self.sums["clip_frac_high"] += pg_metrics["clip_frac_high"] * n_loss_tokens
 
     def add_extra(self, mb, metrics_BT: dict) -> None:
-        """The algorithm's per-token numbers (``_extra_loss``'s metrics), summed over response tokens."""
+        """The algorithm's per-token numbers (the algorithm's ``extra_loss`` metrics), summed over response tokens."""
         for name, value_BT in metrics_BT.items():
             self.token_sums[name] += masked_total(value_BT.detach(), mb.response_mask)
 

@@ -1,4 +1,5 @@
-"""PPO for RLHF (Ziegler et al., arXiv 1909.08593; InstructGPT, arXiv 2203.02155) on the shared step (``rl.py``).
+"""PPO for RLHF (Ziegler et al., arXiv 1909.08593; InstructGPT, arXiv 2203.02155) as the ``PPO`` object the RL step
+(``step.py``) calls, and ``PPOTrainer``, the RL trainer that runs it.
 
 What is PPO's own, against GRPO (``grpo.py``):
 
@@ -35,49 +36,52 @@ from cohortrl.algorithms import (
     outcome_token_rewards,
     value_loss,
 )
+from cohortrl.distributed import micro_batch_positions
 from cohortrl.trainers import checkpoint
+from cohortrl.trainers.algorithm import Algorithm, Targets
 from cohortrl.trainers.critic import build_critic, response_values
 from cohortrl.trainers.loop import load_trainable_state
-from cohortrl.trainers.rl import RLTrainer, ScoredBatch, Targets
+from cohortrl.trainers.rl import RLTrainer
 from cohortrl.trainers.setup import Optimised, build_optimizer, build_scheduler
 
-__all__ = ["PPOTrainer"]
+__all__ = ["PPO", "PPOTrainer"]
 
 
-class PPOTrainer(RLTrainer):
-    name = "ppo"
-
-    def _init_algorithm(self, model) -> None:
-        cfg, a, p = self.cfg, self.cfg.algorithm, self.cfg.algorithm.ppo
-        self.critic = build_critic(p.critic_init, model, getattr(torch, cfg.model.dtype)).to(self.device)
+class PPO(Algorithm):
+    def __init__(self, cfg, dist, device, policy):
+        a, p = cfg.algorithm, cfg.algorithm.ppo
+        self.a, self.p, self.dist = a, p, dist
+        self.process_coef = cfg.reward.process.coef if cfg.reward.process is not None else None
+        self.critic = build_critic(p.critic_init, policy, getattr(torch, cfg.model.dtype)).to(device)
         critic_optim = dataclasses.replace(cfg.optim, lr=p.critic_lr or cfg.optim.lr)
         optimizer = build_optimizer(self.critic, critic_optim)
         scheduler = build_scheduler(optimizer, critic_optim, cfg.train.steps * a.epochs * a.minibatches)
         params = [p for p in self.critic.parameters() if p.requires_grad]
-        self.optimised["critic"] = Optimised("critic_grad_norm", params, optimizer, scheduler)
+        self.critic_optimised = Optimised("critic_grad_norm", params, optimizer, scheduler)
         if p.kl_controller == "adaptive":
             self.kl_controller = AdaptiveKLController(a.beta, p.target_kl, p.horizon)
         else:
             self.kl_controller = FixedKLController(a.beta)
         self.policy_frozen_steps = p.critic_warmup_steps
-        # Under torchrun the critic is data-parallel like the policy (DDP); its value targets stay local.
-        self.train_critic = self.dist.wrap(self.critic)
-
-    def _kernel_models(self) -> list:
-        return [*super()._kernel_models(), self.critic]
-
-    def _synced_modules(self, train_policy: bool) -> list:
-        return [*super()._synced_modules(train_policy), self.train_critic]
-
-    def _needs_old_logp(self) -> bool:
         # The KL in the reward is measured on the policy that sampled, so β > 0 needs log π_old.
-        return super()._needs_old_logp() or self.reference is not None
+        self.needs_old_logp = a.beta > 0
+        # Under torchrun the critic is data-parallel like the policy (DDP); its value targets stay local.
+        self.train_critic = dist.wrap(self.critic)
 
-    def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer) -> Targets:
-        p, rollout = self.cfg.algorithm.ppo, batch.rollout
+    def models(self) -> list:
+        return [self.critic]
+
+    def synced(self) -> list:
+        return [self.train_critic]
+
+    def optimised(self) -> dict:
+        return {"critic": self.critic_optimised}
+
+    def targets(self, batch, rewards_B, loss_mask, ref_logp, old_logp, timer) -> Targets:
+        p, rollout = self.p, batch.rollout
         response_mask = rollout.response_mask
         with timer("values"), torch.no_grad():
-            old_values_BT = self._values(rollout.input_ids(), rollout.attention_mask(), response_mask.shape[1]).cpu()
+            old_values_BT = self.values(rollout.input_ids(), rollout.attention_mask(), response_mask.shape[1]).cpu()
 
         # r_t = score on the last token − β·KL_t (Ziegler et al. §2.2; ALGORITHMS.md "PPO for RLHF").
         score_B = rewards_B
@@ -86,8 +90,8 @@ class PPOTrainer(RLTrainer):
         beta = self.kl_controller.value
         kl_BT = torch.zeros(response_mask.shape)
         if ref_logp is not None:
-            kl_BT = masked_fill_padding(kl_penalty(old_logp, ref_logp, self.cfg.algorithm.kl_kind), response_mask)
-        token_rewards_BT = self._token_rewards(batch, score_B) - beta * kl_BT
+            kl_BT = masked_fill_padding(kl_penalty(old_logp, ref_logp, self.a.kl_kind), response_mask)
+        token_rewards_BT = self.token_rewards(batch, score_B) - beta * kl_BT
 
         # GAE: δ_t = r_t + γV_{t+1} − V_t, A_t = Σ_l (γλ)^l δ_{t+l}, R_t = A_t + V_t (arXiv 1506.02438, eq. 16).
         advantages_BT, returns_BT = gae_advantages(token_rewards_BT, old_values_BT, response_mask, p.gamma, p.lam)
@@ -96,7 +100,7 @@ class PPOTrainer(RLTrainer):
         d, T = self.dist, response_mask.shape[1]
         if p.whiten_advantages:  # over the whole batch (every rank's rows under torchrun)
             whitened = masked_whiten(d.gather_rows(advantages_BT), d.gather_rows(loss_mask))
-            advantages_BT = d.local_rows(whitened, self.cfg.algorithm.group_size, T)
+            advantages_BT = d.local_rows(whitened, self.a.group_size, T)
 
         # The controller sees the KL per response of this batch and sets β for the next one (Ziegler et al.).
         kl_all, mask_all = d.gather_rows(kl_BT), d.gather_rows(response_mask)
@@ -111,45 +115,48 @@ class PPOTrainer(RLTrainer):
             "value_mean": masked_mean(values_all, mask_all).item(),
             "return_mean": masked_mean(returns_all, mask_all).item(),
             "explained_variance": _explained_variance(values_all, returns_all, mask_all),
-            "critic_lr": self.optimised["critic"].scheduler.get_last_lr()[0],
+            "critic_lr": self.critic_optimised.scheduler.get_last_lr()[0],
         }
         return Targets(advantages_BT, old_logp, ref_logp, old_values_BT, returns_BT, metrics, detail=detail)
 
-    def _token_rewards(self, batch: ScoredBatch, score_B: torch.Tensor) -> torch.Tensor:
+    def token_rewards(self, batch, score_B: torch.Tensor) -> torch.Tensor:
         """(B, T) rewards before the KL penalty: each response's score on its last token, plus, with
         ``reward.process``, λ × each step's reward on the step's last token (GAE then credits earlier tokens)."""
         rewards_BT = outcome_token_rewards(score_B, batch.rollout.response_mask)
         if batch.step_rewards is not None:
-            coef = self.cfg.reward.process.coef
             for i, (scores, ends) in enumerate(zip(batch.step_rewards, batch.step_ends)):
                 for score, end in zip(scores, ends):
-                    rewards_BT[i, end] += coef * score
+                    rewards_BT[i, end] += self.process_coef * score
         return rewards_BT
 
-    def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
+    def extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
         """vf_coef · clipped value loss per token (Ziegler et al.; ``value_loss``): the critic's share."""
-        p = self.cfg.algorithm.ppo
-        values_BT = self._values(input_ids[rows], attention_mask[rows], targets.returns.shape[1], self.train_critic)
+        p = self.p
+        values_BT = self.values(input_ids[rows], attention_mask[rows], targets.returns.shape[1], self.train_critic)
         dev = values_BT.device  # the batch lives on the CPU, the critic where train.device puts it
         loss_BT = value_loss(values_BT, targets.old_values[rows].to(dev), targets.returns[rows].to(dev), loss_mask.to(dev),
                              clip=p.value_clip)
         return p.vf_coef * loss_BT, {"value_loss": loss_BT}
 
-    def _values(self, input_ids, attention_mask, response_len: int, critic=None) -> torch.Tensor:
+    def values(self, input_ids, attention_mask, response_len: int, critic=None) -> torch.Tensor:
         """The critic's V on response tokens, (B, T), in the update's micro-batches (through ``critic``, the
         data-parallel wrapper, when gradients must be synced)."""
         parts = [
             response_values(critic or self.critic, input_ids[idx], attention_mask[idx], response_len)
-            for idx in self._micro_batches(len(input_ids))
+            for idx in micro_batch_positions(len(input_ids), self.a.micro_batch_size)
         ]
         return torch.cat(parts)
 
-    def _algorithm_state(self) -> dict:
+    def state_dict(self) -> dict:
         return {"critic": checkpoint.trainable_state(self.critic), "kl_coef": self.kl_controller.value}
 
-    def _load_algorithm_state(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
         load_trainable_state(self.critic, state["critic"], "the critic's checkpoint")
         self.kl_controller.value = state["kl_coef"]
+
+class PPOTrainer(RLTrainer):
+    name = "ppo"
+    algorithm_class = PPO
 
 
 def _explained_variance(values_BT, returns_BT, response_mask) -> float | None:

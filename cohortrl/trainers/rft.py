@@ -1,4 +1,5 @@
-"""Rejection-sampling fine-tuning (expert iteration) on the shared step (``rl.py``): the baseline that needs no
+"""Rejection-sampling fine-tuning (expert iteration) as the ``RFT`` object the RL step (``step.py``) calls,
+and ``RFTTrainer``, the RL trainer that runs it: the baseline that needs no
 demonstrations, as RL does not, but learns only by imitation.
 
 Each step samples G responses to each of P training prompts from the current policy (with the run's tools),
@@ -10,9 +11,9 @@ the best of each group instead of every passing one).
 
 What is RFT's own, against GRPO (``grpo.py``):
 
-* the loss keeps only passing responses (``_rows_to_train``): a failed one contributes nothing, not a negative
+* the loss keeps only passing responses (``keep``): a failed one contributes nothing, not a negative
   gradient; a step where nothing passes trains on nothing (its loss is 0, ``trained_responses`` says so);
-* the loss is the supervised one (``_extra_loss``), on log-probs at temperature 1 (``loss_temperature``), not
+* the loss is the supervised one (``extra_loss``), on log-probs at temperature 1 (``loss_temperature``), not
   the sampling distribution's: the policy is fitted to the kept text, as by SFT; its advantages are zero, so
   the clipped surrogate adds nothing;
 * no reference model and no KL term (``algorithm.beta`` must be 0); ``algorithm.aggregation: token-mean`` gives
@@ -23,30 +24,35 @@ from __future__ import annotations
 
 import torch
 
-from cohortrl.trainers.rl import RLTrainer, ScoredBatch, Targets
+from cohortrl.trainers.algorithm import Algorithm, Targets
+from cohortrl.trainers.rl import RLTrainer
 
-__all__ = ["RFTTrainer"]
+__all__ = ["RFT", "RFTTrainer"]
 
 
-class RFTTrainer(RLTrainer):
-    name = "rft"
+class RFT(Algorithm):
     loss_temperature = 1.0  # the SFT loss's distribution, whatever the sampling temperature
+    progress_metric = "loss"
 
-    def _rows_to_train(self, batch: ScoredBatch) -> torch.Tensor:
-        """(B,) bool: the responses the correctness function passes, after the shared settings' exclusions."""
-        passed_B = torch.tensor([(v or 0.0) >= 1.0 for v in batch.per_fn[self.correctness.name]], dtype=torch.bool)
-        return super()._rows_to_train(batch) & passed_B
+    def __init__(self, cfg, dist, device, policy):
+        self.correctness = cfg.reward.correctness
 
-    def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer) -> Targets:
-        # Zero advantages: the surrogate term vanishes and only the supervised loss of _extra_loss trains.
+    def keep(self, batch) -> torch.Tensor:
+        """(B,) bool: the responses the correctness function passes."""
+        return torch.tensor([(v or 0.0) >= 1.0 for v in batch.per_fn[self.correctness]], dtype=torch.bool)
+
+    def targets(self, batch, rewards_B, loss_mask, ref_logp, old_logp, timer) -> Targets:
+        # Zero advantages: the surrogate term vanishes and only the supervised loss of extra_loss trains.
         advantages_BT = torch.zeros(batch.rollout.response_mask.shape)
         return Targets(advantages_BT, old_logp, ref_logp, metrics={"rft_kept_fraction": float(loss_mask.any(-1).float().mean())})
 
-    def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
+    def extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
         """−log π_θ of each kept response token (the SFT loss; ``loss_mask`` selects the tokens)."""
         if logp is None:
             return None, {}
         return -logp, {"nll": -logp.detach()}
 
-    def _progress_postfix(self, metrics: dict) -> dict:
-        return {"reward": f"{metrics['reward_mean']:.3f}", "acc": f"{metrics['accuracy']:.2f}", "loss": f"{metrics['loss']:.4f}"}
+
+class RFTTrainer(RLTrainer):
+    name = "rft"
+    algorithm_class = RFT

@@ -1,23 +1,10 @@
-"""The training step GRPO and PPO share (``RLTrainer.step``), read top to bottom:
+"""The RL trainer (``RLTrainer``): what a GRPO, PPO or RFT run holds and how it is built: the policy, the
+reference, the algorithm's object (``algorithm.py``: ``grpo.GRPO``, ``ppo.PPO``, ``rft.RFT``), the rollout
+engine and the sampler, an optimiser and LR schedule for every trained model. Its ``step`` is
+``step.rl_step``, one function in one file (sample → score → targets → update → log); the run around the
+steps (train loop, evaluation, checkpoints, resume) is ``loop.Trainer``, shared with SFT.
 
-1. rollout: sample P prompts and generate G responses each (``sampler.Sampler.sample``);
-2. rewards: score every response with the weighted reward functions; count zero-variance groups (all G equally
-   correct) and keep / filter / resample them; step rewards when ``reward.process`` is set;
-3. log-probs of the reference model (β > 0) and of the policy that sampled (when the algorithm needs them);
-4. advantages — the algorithm's part (``_targets``): GRPO's group baseline, or PPO's critic values, KL in
-   the reward and GAE;
-5. loss and update (``_update``): μ epochs over minibatches of whole groups, the clipped surrogate plus the
-   algorithm's extra per-token loss (``_extra_loss``: GRPO's β·KL, PPO's value loss), aggregated by the
-   configured mode through token weights so gradient accumulation over micro-batches is exact; grad-norm
-   clipping, AdamW and LR schedule for every trained model (the policy, and PPO's critic);
-6. the step's metrics (``metrics.step_metrics``).
-
-The update is the plain single-process loop; torchrun's row sharing and padding sit behind ``distributed.Dist``
-and the CPU fast path's replayed backward behind ``update.ReplayedForward`` (``update.py``). The run around
-the steps (train loop, evaluation, checkpoints, resume) is ``loop.Trainer``, shared with SFT.
-
-An algorithm is a subclass that fills in ``_targets`` and ``_extra_loss`` (and, if it trains more than the
-policy, registers it in ``self.optimised`` and saves it via ``_algorithm_state``). Nothing else differs.
+An algorithm is its object, named by a trainer subclass (``algorithm_class``); nothing else differs.
 
 Departures from the papers, on purpose: log-probs are computed from logits divided by the sampling
 temperature (the distribution actually sampled from, as TRL does); a zero-variance group is detected on the
@@ -29,67 +16,41 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from cohortrl import distributed
-from cohortrl.algorithms import get_policy_loss, masked_mean, token_weights, truncated_importance_weights
+from cohortrl.algorithms import get_policy_loss
 from cohortrl.config import Config
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, check_columns, resolve
 from cohortrl.rollout.engine import build_engine
-from cohortrl.rollout.hf import micro_batched_logprobs
 from cohortrl.rollout.tools import toolset
-from cohortrl.rollout.types import Rollout
-from cohortrl.trainers import faults, guards
+from cohortrl.trainers import guards
+from cohortrl.trainers.algorithm import Algorithm
 from cohortrl.trainers.evaluate import evaluate_config
 from cohortrl.trainers.inputs import from_trl_order, resolve_inputs
 from cohortrl.trainers.loop import Trainer, _check_distributed, _release_run_dir_on_failure, config_hash
-from cohortrl.trainers.metrics import MetricsLog, PhaseTimer, UpdateTotals, log_grader_errors, step_metrics
+from cohortrl.trainers.metrics import MetricsLog, log_grader_errors
 from cohortrl.trainers.run_dir import claim as claim_run_dir
-from cohortrl.trainers.sampler import Sampler, ScoredBatch, reward_pool
+from cohortrl.trainers.sampler import Sampler, reward_pool
 from cohortrl.trainers.setup import (
     Optimised, Reference, allocate_optimizer_state, build_fast_path, build_optimizer, build_policy, build_scheduler,
     fast_kernels, load_configured_model,
 )
-from cohortrl.trainers.trace import StepTrace
-from cohortrl.trainers.update import (
-    PlainForward, ReplayedForward, is_whole_rollout, micro_batches, minibatch_rows, optimizer_step,
-)
+from cohortrl.trainers.step import rl_step
 
 log = logging.getLogger("cohortrl")
 
 
-@dataclass
-class Targets:
-    """What the update regresses onto, fixed for the whole step: the algorithm's output of step 4."""
-
-    advantages: torch.Tensor  # (B, T) advantage per response token, 0 on padding
-    old_logp: torch.Tensor | None  # (B, T) log π_old (the sampling policy); None: on-policy, ratio 1
-    ref_logp: torch.Tensor | None  # (B, T) log π_ref; None when β = 0
-    old_values: torch.Tensor | None = None  # (B, T) PPO: the critic's values at rollout time
-    returns: torch.Tensor | None = None  # (B, T) PPO: GAE returns, the critic's regression target
-    metrics: dict = field(default_factory=dict)  # the algorithm's numbers for the step's log row
-    is_weights: torch.Tensor | None = None  # (B, T) truncated importance weights for a vLLM sampler; None: 1
-    # intermediate tensors of the algorithm's step 4 that only a trace reads (``trace.py``), e.g. PPO's
-    # KL-penalised token rewards; the update never looks here
-    detail: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
 class RLTrainer(Trainer):
-    """The shared step; subclasses (``GRPOTrainer``, ``PPOTrainer``) supply the algorithm."""
+    """An RL run; a subclass (``GRPOTrainer``, ``PPOTrainer``, ``RFTTrainer``) names its algorithm's object."""
 
     name = "rl"
-    # The update may differentiate decoding's own forward (train.reuse_rollout_forward): the algorithm's loss
-    # reaches the policy only through the log-probs of the sampled tokens under the sampling policy.
-    reuses_rollout_forward = False
-    # The temperature of the log-probs the update trains on; None: the sampling temperature (the distribution
-    # actually sampled from). RFT's supervised loss sets 1.
-    loss_temperature: float | None = None
+    algorithm_class: type[Algorithm]  # built once per run as ``self.algorithm``
 
     @_release_run_dir_on_failure
     def __init__(
@@ -139,7 +100,8 @@ class RLTrainer(Trainer):
         self._build_models(inputs, n_train_rows)
         # the CPU fast path (cpu/), built once and handed to generation, every step and evaluation; None when off
         self.fast_path = build_fast_path(self.cfg.train, self.device, self.model)
-        self.kernel_models = self._kernel_models()  # whose linear layers it computes during a step
+        # the models a step runs forward passes of, whose linear layers the fast path's kernel computes
+        self.kernel_models = [self.model, self.reference_copy, *self.algorithm.models()]
         # before the reward workers and the vLLM engine start: a refused prompt leaves no process behind
         guards.check_prompts_fit(self.cfg, self.tokenizer, self.tools,
                                  {"training prompt": self.stream.rows, "held-out prompt": self.eval_rows})
@@ -194,9 +156,8 @@ class RLTrainer(Trainer):
         if model is None:
             # FSDP2 over several processes: rank 0 loads, the others build on the meta device (Dist.load)
             model, tokenizer = self.dist.load(lambda: load_configured_model(cfg.model, cfg.train.seed))
-        self.optimised: dict[str, Optimised] = {}
-        self.policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO critic warm-up)
-        self._init_algorithm(model)  # before LoRA is attached: a critic copies the plain initial weights
+        # before LoRA is attached: a critic copies the plain initial weights
+        self.algorithm = self.algorithm_class(cfg, self.dist, self.device, model)
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, model, tokenizer,
                                                   activation_checkpointing=cfg.train.activation_checkpointing)
         if not self.dist.sharded:  # FSDP2: wrap puts each rank's shards there, never the whole model
@@ -218,10 +179,11 @@ class RLTrainer(Trainer):
                      ", ".join(f"{name} {h} of {t} parameter elements" for name, (h, t) in held.items()))
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.updates_per_step = a.epochs * a.minibatches
-        policy_updates = max(0, cfg.train.steps - self.policy_frozen_steps) * self.updates_per_step
+        policy_updates = max(0, cfg.train.steps - self.algorithm.policy_frozen_steps) * self.updates_per_step
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, policy_updates)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimised = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler), **self.optimised}
+        self.optimised: dict[str, Optimised] = {"policy": Optimised("grad_norm", params, self.optimizer, self.scheduler),
+                                                **self.algorithm.optimised()}
         for o in self.optimised.values():  # AdamW's moments now, before the first rollout (a resume overwrites them)
             allocate_optimizer_state(o.optimizer)
 
@@ -242,6 +204,10 @@ class RLTrainer(Trainer):
         self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or bool(
             getattr(getattr(self.model, "config", None), "attention_dropout", 0))
         self.norm_length = self.cfg.algorithm.norm_length or cfg.sampling.max_new_tokens
+        # Whether step 3 computes log π_old; without it the update is on-policy (ratio 1). A vLLM sampler needs it
+        # for the importance weights (its own log-probs come from other numerics); so may the algorithm.
+        a = cfg.algorithm
+        self.needs_old_logp = a.epochs > 1 or a.minibatches > 1 or self.engine.own_numerics or self.algorithm.needs_old_logp
         self.rollout_forward_reusable = self._reuse_rollout_forward()  # a property of the run: decided once
 
     def close(self) -> None:
@@ -255,88 +221,9 @@ class RLTrainer(Trainer):
         """What reward functions get as ``trainer_state`` (TRL's argument): steps done and the run's total."""
         return self.sampler.trainer_state(self.step_count)
 
-    # ------------------------------------------------------------------------------------------ the algorithm
-    def _init_algorithm(self, model) -> None:
-        """Build what the algorithm holds besides the policy (``model`` is the policy before LoRA)."""
-
-    def _needs_old_logp(self) -> bool:
-        """Whether step 3 computes log π_old; without it the update is on-policy (ratio 1). A vLLM sampler
-        needs it for the importance weights (its own log-probs come from other numerics)."""
-        a = self.cfg.algorithm
-        return a.epochs > 1 or a.minibatches > 1 or self.engine.own_numerics
-
-    def _targets(self, batch: ScoredBatch, rewards_B, loss_mask, ref_logp, old_logp, timer: PhaseTimer) -> Targets:
-        """Step 4: advantages (and whatever else the update regresses onto) for the scored batch."""
-        raise NotImplementedError
-
-    def _extra_loss(self, rows, loss_mask, logp, input_ids, attention_mask, targets: Targets):
-        """The per-token loss added to the clipped surrogate on ``rows`` (``loss_mask`` is theirs, (b, T)):
-        (loss (b, T) or None, metrics), where metrics maps a name to a (b, T) tensor averaged over response
-        tokens for the log. ``logp`` (b, T) carries the policy's gradient; it is None while the policy is
-        frozen."""
-        raise NotImplementedError
-
-    def _algorithm_state(self) -> dict:
-        """Extra checkpoint entries (e.g. PPO's critic and KL coefficient)."""
-        return {}
-
-    def _load_algorithm_state(self, state: dict) -> None:
-        pass
-
-    def _synced_modules(self, train_policy: bool) -> list:
-        """The data-parallel modules whose gradients this update's backward produces (the algorithm may add
-        its own, e.g. PPO's critic)."""
-        return [self.train_model] if train_policy else []
-
-    def _kernel_models(self) -> list:
-        """The models a step runs forward passes of, whose linear layers the CPU fast path's kernel computes
-        (the algorithm may add its own, e.g. PPO's critic)."""
-        return [self.model, self.reference_copy]
-
-    # ------------------------------------------------------------------------------------------ the step
     def step(self) -> dict:
-        """One training step: rollout → rewards → advantages → loss → update. Returns its metrics."""
-        with fast_kernels(self.fast_path, *self.kernel_models):  # the CPU fast path's kernel, for this step only
-            timer, started = PhaseTimer(), time.perf_counter()
-            trace = self._start_trace()  # None unless this step is in train.trace_steps
-
-            # 1-2. rollout and rewards (with step rewards under reward.process)
-            batch = self.sampler.sample(self.step_count, timer, record=self.rollout_forward_reusable)
-            rollout, rewards_B = batch.rollout, torch.tensor(batch.rewards)
-            keep_B = self._rows_to_train(batch)
-            loss_mask = rollout.response_mask * keep_B.unsqueeze(-1)
-
-            # 3. reference and old-policy log-probs, with the same micro-batches as the update
-            with timer("reference"), torch.no_grad():
-                ref_logp = self._reference_logprobs(rollout) if self.reference is not None else None
-                old_logp = self._logprobs(self.model, rollout) if self._needs_old_logp() else None
-
-            # 4. advantages: where the algorithms differ
-            targets = self._targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
-            if rollout.sampling_logp is not None:  # sampled by vLLM: correct for its numerics
-                self._add_importance_weights(targets, rollout, old_logp)
-            if trace is not None:
-                trace.scored(batch, rewards_B, keep_B, loss_mask, targets)
-
-            # 5. loss and update: μ epochs over minibatches of whole groups
-            with timer("train"):
-                update_metrics = self._update(rollout, loss_mask, targets, timer, trace)
-            self.guard.after_step(self.step_count + 1, update_metrics, batch)  # saves skipped steps' samples; may stop the run
-
-            # 6. metrics, over the whole batch (every rank's rows, under torchrun)
-            errors = log_grader_errors(self.dist, self.grader_log, self.step_count + 1)  # built-in graders that raised
-            if trace is not None:
-                trace.save(self.run_dir)
-            return step_metrics(self.dist, batch, rewards_B, keep_B, targets, update_metrics,
-                                group_size=self.cfg.algorithm.group_size, correctness=self.correctness.name,
-                                lr=self.scheduler.get_last_lr()[0], timer=timer, started=started, grader_errors=errors)
-
-    def _start_trace(self) -> StepTrace | None:
-        """The recording of this step when ``train.trace_steps`` names it (under torchrun rank 0 records its own
-        rows), else None: nothing of ``trace.py`` runs."""
-        if self.step_count + 1 not in self.cfg.train.trace_steps or not self.dist.is_main:
-            return None
-        return StepTrace(self.step_count + 1, self.cfg, self.tokenizer, self.name, {r.name: r.weight for r in self.rewards})
+        """One training step: sample → score → targets → update → log (``step.rl_step``). Returns its metrics."""
+        return rl_step(self)
 
     def _reuse_rollout_forward(self) -> bool:
         """Whether the run's updates can differentiate decoding's forward (``train.reuse_rollout_forward``):
@@ -346,130 +233,16 @@ class RLTrainer(Trainer):
         a = self.cfg.algorithm
         if self.fast_path is None or self.fast_path.decoder_for(self.model) is None:  # nothing would record it
             return False
-        return (self.cfg.train.reuse_rollout_forward and self.reuses_rollout_forward and not self._needs_old_logp()
+        return (self.cfg.train.reuse_rollout_forward and self.algorithm.reuses_rollout_forward and not self.needs_old_logp
                 and a.epochs == 1 and a.minibatches == 1 and self.dist.world == 1
                 and (a.micro_batch_size == 0 or a.micro_batch_size >= a.prompts_per_step * a.group_size)
                 and a.zero_variance != "resample" and self.sampler.pool is None  # a batch joined from parts drops the recording
                 and not self._dropout)
 
-    def _rows_to_train(self, batch: ScoredBatch) -> torch.Tensor:
-        """(B,) bool: the responses the loss keeps after the zero-variance and truncation settings."""
-        a = self.cfg.algorithm
-        keep_B = torch.ones(batch.rollout.batch_size, dtype=torch.bool)
-        if a.zero_variance == "filter":
-            keep_B &= ~batch.zero_variance.repeat_interleave(a.group_size)
-        if a.mask_truncated:
-            keep_B &= ~batch.rollout.truncated
-        return keep_B
-
-    def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
-        """log π_ref of the response tokens (B, T)."""
-        with self.reference() as ref_model:
-            if rollout.replay is not None and rollout.replay.can_score(ref_model):
-                # the CPU fast path: on decoding's recorded rows, every product over all of them at once (cpu/replay.py)
-                return rollout.replay.logprobs_under(ref_model, rollout.response_ids, rollout.response_mask)
-            return self._logprobs(ref_model, rollout)
-
-    def _add_importance_weights(self, targets: Targets, rollout: Rollout, old_logp: torch.Tensor) -> None:
-        """vLLM sampled the batch: truncated importance weights w_t = min(π_old / π_vLLM, C) per token correct
-        the policy loss for the engine's other numerics."""
-        targets.is_weights = truncated_importance_weights(old_logp, rollout.sampling_logp, rollout.response_mask, self.sampling.is_cap)
-        targets.metrics["is_weight_mean"] = masked_mean(targets.is_weights, rollout.response_mask).item()
-
-    # ------------------------------------------------------------------------------------------ 3. log-probs
-    def _micro_batches(self, n: int) -> list[torch.Tensor]:
-        """Positions 0..n-1 split into micro-batches of ``algorithm.micro_batch_size`` (0: one batch)."""
-        return list(torch.arange(n).split(self.cfg.algorithm.micro_batch_size or n))
-
-    def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:
-        """log π of the rollout's response tokens under ``model`` (B, T), in the update's micro-batches."""
-        return distributed.forward_inside(  # under FSDP2 inside one root forward: the LM head in chunks
-            model, micro_batched_logprobs, input_ids=rollout.input_ids(), attention_mask=rollout.attention_mask(),
-            response_ids=rollout.response_ids, micro_batches=self._micro_batches(rollout.batch_size),
-            temperature=self.sampling.temperature)
-
-    # ------------------------------------------------------------------------------------------ 5. loss, update
-    def _update(self, rollout: Rollout, loss_mask, targets: Targets, timer: PhaseTimer, trace: StepTrace | None = None) -> dict:
-        """μ epochs over minibatches of whole groups; in each, every micro-batch's loss is accumulated into the
-        gradients, then one optimiser step per trained model. Returns the update's metrics. ``trace``: this
-        step's recording, or None."""
-        a, d = self.cfg.algorithm, self.dist
-        # Token weights come from the whole batch's loss mask (every rank's rows under torchrun), so an
-        # aggregation over the batch (token-mean) divides by the global token count.
-        loss_mask_all = d.gather_rows(loss_mask)
-        n_groups = loss_mask_all.shape[0] // a.group_size
-        train_policy = self.step_count >= self.policy_frozen_steps
-        trained = [o for name, o in self.optimised.items() if name != "policy" or train_policy]
-        inputs = rollout.input_ids(), rollout.attention_mask()
-        temperature = self.loss_temperature or self.sampling.temperature
-        plain = PlainForward(self.train_model, rollout, *inputs, temperature, share_prompts=not d.sharded or d.world == 1)
-        totals = UpdateTotals()
-        for rows_all in minibatch_rows(n_groups, a.group_size, a.epochs, a.minibatches):
-            weights_all = token_weights(loss_mask_all[rows_all], a.aggregation, self.norm_length)
-            # torchrun: this rank's rows of the minibatch, and zero-weight micro-batches that keep ranks in step
-            rows, weights_BT = d.local_share(rows_all, weights_all, n_groups, a.group_size, loss_mask.shape[1])
-            positions = self._micro_batches(len(rows)) if len(rows) else []
-            batches = micro_batches(rows, weights_BT, loss_mask, rollout.response_mask, positions, self.device,
-                                    n_padding=d.padding_micro_batches(len(positions)))
-            # the CPU fast path: one on-policy update on every row of the rollout is what decoding computed
-            replay = train_policy and a.epochs == 1 and rollout.replay is not None and is_whole_rollout(batches, rollout.batch_size)
-            forward = ReplayedForward(rollout.replay, rollout, temperature) if replay else plain
-            for o in trained:
-                o.optimizer.zero_grad(set_to_none=True)
-            update_loss = 0.0
-            if trace is not None:
-                trace.begin_update()
-            for mb in batches:
-                # DDP / FSDP2 sync gradients on the last micro-batch only; the forwards belong inside too.
-                with d.no_sync(self._synced_modules(train_policy), mb.sync):
-                    loss = self._micro_batch_loss(mb, forward if train_policy else None, inputs, targets, totals, trace)
-                totals.add_loss(mb, loss)
-                update_loss += loss
-            totals.replayed += int(forward.replayed)
-            with timer("optimizer"):  # part of the "train" phase: clipping and the AdamW step
-                faults.point("update")
-                # No optimiser or scheduler step on a non-finite update; every rank decides alike.
-                finite, norms = optimizer_step(trained, d.sum({"loss": update_loss})["loss"], self.cfg.optim.max_grad_norm)
-                totals.add_update(finite, norms)
-            if finite and train_policy:
-                self.sampler.policy_updated()
-        rollout.replay = None  # used up (or unused): free decoding's activations
-        return totals.result(d, int(loss_mask_all.sum()) * a.epochs, [o.metric for o in trained], train_policy)
-
-    def _micro_batch_loss(self, mb, forward, inputs, targets: Targets, totals: UpdateTotals, trace=None) -> float:
-        """Σ w·L over micro-batch ``mb``, backpropagated: the clipped surrogate on the log-probs ``forward``
-        computes (None while the policy is frozen: no surrogate) plus the algorithm's extra loss. ``inputs``: the
-        rollout's (input ids, attention mask). Returns the loss's value."""
-        a, dev = self.cfg.algorithm, self.device
-        logp, old, loss_BT = None, None, torch.zeros(mb.loss_mask.shape, device=dev)
-        if forward is not None:
-            logp, entropy = forward.logprobs(mb.rows)
-            old = targets.old_logp[mb.rows].to(dev) if targets.old_logp is not None else logp.detach()
-            loss_BT, pg_metrics = self.policy_loss(
-                logp=logp, old_logp=old, advantages=targets.advantages[mb.rows].to(dev), response_mask=mb.loss_mask,
-                clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
-            )
-            if targets.is_weights is not None:  # vLLM sampled: w_t = min(π_old / π_vLLM, C) per token
-                loss_BT = loss_BT * targets.is_weights[mb.rows].to(dev)
-            totals.add_policy(mb, loss_BT, entropy, pg_metrics)
-        policy_BT = loss_BT
-        extra_BT, extra_metrics = self._extra_loss(mb.rows, mb.loss_mask, logp, *inputs, targets)
-        if extra_BT is not None:
-            loss_BT = loss_BT + extra_BT
-        totals.add_extra(mb, extra_metrics)
-        contribution_BT = torch.where(mb.weights != 0, mb.weights * loss_BT, 0.0)
-        loss = contribution_BT.sum()
-        if trace is not None:
-            trace.micro_batch(mb, logp, old, targets.advantages[mb.rows], policy_BT, extra_BT, extra_metrics, contribution_BT)
-        if forward is None:  # the policy is frozen: only the algorithm's own model (PPO's critic) learns
-            loss.backward()
-        else:
-            forward.backward(loss, logp)
-        return loss.item()
-
     # ------------------------------------------------------------------------------------------ the run (loop.Trainer)
     def _progress_postfix(self, metrics: dict) -> dict:
-        return {"reward": f"{metrics['reward_mean']:.3f}", "acc": f"{metrics['accuracy']:.2f}", "kl": f"{metrics['kl']:.4f}"}
+        shown = self.algorithm.progress_metric
+        return {"reward": f"{metrics['reward_mean']:.3f}", "acc": f"{metrics['accuracy']:.2f}", shown: f"{metrics[shown]:.4f}"}
 
     def evaluate(self, responses: list | None = None) -> dict:
         """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers. ``responses``
@@ -487,10 +260,10 @@ class RLTrainer(Trainer):
 
     def _extra_state(self) -> dict:
         return {"guard": self.guard.state_dict(), "process": self.process.state_dict() if self.process is not None else {},
-                **self._algorithm_state()}
+                **self.algorithm.state_dict()}
 
     def _load_extra_state(self, state: dict) -> None:
         self.guard.load_state_dict(state.get("guard", {}))  # absent in checkpoints written before the guard
         if self.process is not None:
             self.process.load_state_dict(state.get("process", {}))
-        self._load_algorithm_state(state)
+        self.algorithm.load_state_dict(state)

@@ -1,11 +1,12 @@
-"""Steps 1-2 of the RL step (``rl.RLTrainer.step``): the rollout and its rewards.
+"""Steps 1-2 of the RL step (``step.rl_step``): the rollout and its rewards.
 
 ``Sampler.sample`` takes P prompts from the stream, generates G responses to each with the run's rollout engine
 (``rollout/engine.py``: transformers with the run's tools and CPU fast path, or vLLM), scores them with the
 weighted reward functions and flags the groups whose G responses are equally correct. With ``algorithm.zero_variance: resample`` it draws again until P informative groups are
-found (DAPO's dynamic sampling). Under ``reward.process`` it then adds the process reward's step rewards to the
-batch the step trains on (``Sampler.score_steps``). Under torchrun every rank generates its share of the groups
-in one batched call, each group seeded by its global index, and the zero-variance flags are gathered over all ranks.
+found (DAPO's dynamic sampling). Under ``reward.process`` the batch it returns carries the process reward's step
+rewards (``Sampler.score_steps``); a batch is never changed once built. Under torchrun every rank generates its
+share of the groups in one batched call, each group seeded by its global index, and the zero-variance flags are
+gathered over all ranks.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from cohortrl.trainers import faults
 log = logging.getLogger("cohortrl")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScoredBatch:
+    """One step's rollout with its rewards, as sampled and scored; never changed once built (``dataclasses.replace``
+    makes the batch with the step rewards)."""
+
     rollout: Rollout
     rewards: list[float]  # (B,) weighted total reward
     per_fn: dict[str, list[float | None]]  # each reward function's values, (B,) each
@@ -90,7 +94,7 @@ class Sampler:
             batch = self._resample(step, timer, [(batch, zero_all)])
         if self.process is not None:
             with timer("score_steps"):
-                batch.process_metrics = self.score_steps(batch, step)
+                batch = self.score_steps(batch, step)
         return batch
 
     def _draw(self, step: int, timer, k: int, record: bool, first_frac: float | None = None) -> tuple[ScoredBatch, torch.Tensor]:
@@ -205,9 +209,9 @@ class Sampler:
                                     max_prompt_tokens=cfg.data.max_prompt_tokens,
                                     overlong_prompts=cfg.data.overlong_prompts, seeds=seeds, record=record)
 
-    def score_steps(self, batch: ScoredBatch, step: int) -> dict:
-        """Fill ``batch.step_rewards`` / ``step_ends`` from the process reward function (guarded, see
-        ``rewards/process.py``) and return the step detectors' metrics (over the whole batch)."""
+    def score_steps(self, batch: ScoredBatch, step: int) -> ScoredBatch:
+        """``batch`` with its ``step_rewards`` / ``step_ends`` from the process reward function (guarded, see
+        ``rewards/process.py``) and the step detectors' metrics (over the whole batch) as its ``process_metrics``."""
         p, rollout = self.cfg.reward.process, batch.rollout
         prompts = [r["prompt"] for r in rollout.rows]
         cols = rollout_columns(rollout, self.sampling.max_new_tokens, self.trainer_state(step))
@@ -231,10 +235,10 @@ class Sampler:
             last = max(0, len(char_ends) - 1)  # a required step never stated counts on the last token
             step_rewards.append([score for score, _ in guarded])
             step_ends.append([next(stated) if span is not None else last for _, span in guarded])
-        batch.step_rewards, batch.step_ends = step_rewards, step_ends
         learned = self.process.update(rollout, batch.per_fn[self.correctness.name])  # a PRM that learns online
         d = self.dist
-        return {**step_detectors(
+        metrics = {**step_detectors(
             d.gather_list(rollout.completions), d.gather_list(step_rewards),
             d.gather_list(batch.per_fn[self.correctness.name]), p.coef,
         ), **learned}
+        return dataclasses.replace(batch, step_rewards=step_rewards, step_ends=step_ends, process_metrics=metrics)

@@ -1,5 +1,5 @@
 """Building what a trainer holds: the policy (optionally with a LoRA adapter), the frozen reference, the
-optimiser and the learning-rate schedule. Shared by every trainer."""
+optimiser and the learning-rate schedule; and the optimiser step. Shared by every trainer."""
 
 from __future__ import annotations
 
@@ -94,6 +94,28 @@ class Optimised:
     params: list[torch.Tensor]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def as_float(x) -> float:
+    """A scalar tensor (a DTensor under FSDP2) as a Python float."""
+    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
+
+
+def optimizer_step(trained: list[Optimised], loss: float, max_grad_norm: float | None) -> tuple[bool, dict[str, float]]:
+    """Grad-norm clipping, then AdamW and the LR schedule for every trained model, unless the loss or a
+    gradient norm is not finite (then neither steps: their state stays exactly as before; ``guards.py`` says
+    why). ``loss`` is the update's loss (summed over ranks under torchrun, so that every rank decides alike).
+    Gradients are freed either way. Returns (finite, each model's grad norm by its metric name)."""
+    norms = {o.metric: as_float(torch.nn.utils.clip_grad_norm_(o.params, max_grad_norm or float("inf"))) for o in trained}
+    finite = math.isfinite(loss) and all(math.isfinite(n) for n in norms.values())  # a NaN anywhere makes the norm NaN
+    for o in trained:
+        if finite:
+            o.optimizer.step()
+            o.scheduler.step()
+        # Freed once used (as transformers' Trainer does): the next rollout and reference pass run without
+        # them (SmolLM2: 540 MB), and lay their buffers out as every later step will.
+        o.optimizer.zero_grad(set_to_none=True)
+    return finite, norms
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -35,7 +35,7 @@ next text; the same tokens a rollout of that text holds, with loss where its ``r
 Shared with the RL trainers rather than copied: the run around the steps (``loop.Trainer``: train loop,
 evaluation schedule, checkpoints and resume, metrics rows, callbacks, final save), the inputs (``inputs.py``),
 the model, LoRA, optimiser and schedule (``setup.py``), the optimiser step with its non-finite guard
-(``update.optimizer_step``), response log-probs (``rollout/hf.py``) and held-out evaluation (``evaluate.py``).
+(``setup.optimizer_step``), response log-probs (``rollout/hf.py``) and held-out evaluation (``evaluate.py``).
 One process only for now.
 """
 
@@ -67,8 +67,8 @@ from cohortrl.trainers.metrics import peak_rss_mb
 from cohortrl.trainers.run_dir import claim as claim_run_dir
 from cohortrl.trainers.setup import (
     Optimised, allocate_optimizer_state, build_fast_path, build_optimizer, build_policy, build_scheduler, fast_kernels,
+    optimizer_step,
 )
-from cohortrl.trainers.update import optimizer_step
 
 log = logging.getLogger("cohortrl")
 

@@ -1,6 +1,6 @@
 """One training step recorded token by token (``train.trace_steps``), for ``cohortrl explain``.
 
-``RLTrainer.step`` builds a ``StepTrace`` only for a traced step (``start_trace``) and hands it the step's own
+``step.rl_step`` builds a ``StepTrace`` only for a traced step (``start_trace``) and hands it the step's own
 tensors at three points: the scored batch with its targets (after step 4), each micro-batch's loss (step 5),
 and the end of the step. The trace detaches and copies what the step computed and derives only what is read
 from it afterwards (the ratio and its clipping side, from the same log-probs the loss used); nothing it does

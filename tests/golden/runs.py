@@ -174,14 +174,14 @@ def _rl_trainer(name: str, run_dir: str | Path):
     trainer = make_trainer(config(name), run_dir, reward_funcs=[starts_with_letter, starts_with_vowel],
                            reward_weights=[1.0, 0.5], train_dataset=ROWS)
     advantages = []
-    targets = trainer._targets
+    targets = trainer.algorithm.targets
 
     def recording_targets(batch, *args, **kwargs):  # the advantages the step trains on, as the update sees them
         out = targets(batch, *args, **kwargs)
         advantages.append(advantage_stats(out.advantages, batch.rollout.response_mask))
         return out
 
-    trainer._targets = recording_targets
+    trainer.algorithm.targets = recording_targets
     return trainer, advantages
 
 

@@ -3,6 +3,7 @@ steps, restating givens, stopping without an answer) earn no more than the hones
 step grader or a naive per-line PRM once guarded, and the detectors flag them; the trainer runs process GRPO
 (sum and min credit, combined with the outcome) and PPO with step rewards."""
 
+import dataclasses
 import pytest
 import torch
 
@@ -128,9 +129,9 @@ def test_ppo_places_step_rewards_on_step_end_tokens(tmp_path):
     )
     trainer = PPOTrainer(cfg, tmp_path / "run")
     batch = trainer.sampler.sample(trainer.step_count, __import__("cohortrl.trainers.metrics", fromlist=["PhaseTimer"]).PhaseTimer())
-    batch.step_rewards = [[1.0, 0.5] for _ in range(batch.rollout.batch_size)]
-    batch.step_ends = [[0, 1] for _ in range(batch.rollout.batch_size)]
-    rewards = trainer._token_rewards(batch, torch.zeros(batch.rollout.batch_size))
+    batch = dataclasses.replace(batch, step_rewards=[[1.0, 0.5] for _ in range(batch.rollout.batch_size)],
+                                step_ends=[[0, 1] for _ in range(batch.rollout.batch_size)])
+    rewards = trainer.algorithm.token_rewards(batch, torch.zeros(batch.rollout.batch_size))
     assert rewards[:, 0].tolist() == [2.0] * batch.rollout.batch_size and rewards[:, 1].tolist() == [1.0] * batch.rollout.batch_size
 
 

@@ -12,6 +12,7 @@ from cohortrl.models import load_model
 from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.trainers.grpo import GRPOTrainer
 from cohortrl.trainers.metrics import PhaseTimer
+from cohortrl.trainers.step import logprobs
 from tests.trainers.test_grpo import tiny_config
 
 
@@ -57,11 +58,11 @@ def test_kl_in_reward_moves_the_penalty_from_the_loss_into_the_group_normalised_
     rollout, mask = batch.rollout, batch.rollout.response_mask
     ids, attn = rollout.input_ids(), rollout.attention_mask()
     with torch.no_grad(), trainer.reference() as ref_model:
-        ref_logp = trainer._logprobs(ref_model, rollout)
+        ref_logp = logprobs(ref_model, rollout, trainer.cfg.algorithm.micro_batch_size, trainer.sampling.temperature)
     with torch.no_grad():
-        old_logp = trainer._logprobs(trainer.model, rollout)
+        old_logp = logprobs(trainer.model, rollout, trainer.cfg.algorithm.micro_batch_size, trainer.sampling.temperature)
     rewards = torch.tensor(batch.rewards)
-    targets = trainer._targets(batch, rewards, mask, ref_logp, old_logp, PhaseTimer())
+    targets = trainer.algorithm.targets(batch, rewards, mask, ref_logp, old_logp, PhaseTimer())
 
     # by hand: k1 = log π_old − log π_ref summed over each response, r' = r − β·Σ k1, GRPO over groups of 4
     kl_sum = ((old_logp - ref_logp) * mask).sum(-1)
@@ -72,7 +73,7 @@ def test_kl_in_reward_moves_the_penalty_from_the_loss_into_the_group_normalised_
 
     # ... and the loss has no KL term left (the KL is still logged)
     logp = old_logp.clone().requires_grad_()
-    extra, logged = trainer._extra_loss(torch.arange(len(mask)), mask, logp, ids, attn, targets)
+    extra, logged = trainer.algorithm.extra_loss(torch.arange(len(mask)), mask, logp, ids, attn, targets)
     assert extra is None and "kl" in logged
     step = [r for r in trainer.train(2) if "loss" in r][-1]
     assert step["kl_reward_per_response"] != 0 and torch.isfinite(torch.tensor(step["loss"]))

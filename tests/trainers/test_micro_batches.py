@@ -1,10 +1,10 @@
-"""``update.micro_batches``: a minibatch's rows cut into micro-batches, then the zero-weight padding micro-batches that
+"""``step.micro_batches``: a minibatch's rows cut into micro-batches, then the zero-weight padding micro-batches that
 keep torchrun's ranks in step (``Dist.padding_micro_batches``). One process never pads, so the trainer tests reach the
 padding only through ``tests/test_distributed.py``; here it is checked directly."""
 
 import torch
 
-from cohortrl.trainers.update import MicroBatch, micro_batches
+from cohortrl.trainers.step import MicroBatch, micro_batches
 
 
 def _minibatch():

@@ -75,7 +75,7 @@ def _one_model_update(max_grad_norm):
     """One AdamW step of a small linear model through ``optimizer_step``: (model, optimizer, the gradient's norm
     before the step, finite, the logged norms)."""
     from cohortrl.trainers.setup import Optimised
-    from cohortrl.trainers.update import optimizer_step
+    from cohortrl.trainers.setup import optimizer_step
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)

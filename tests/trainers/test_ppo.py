@@ -73,7 +73,7 @@ def test_a_few_steps_with_rule_rewards_move_policy_and_critic(tmp_path, addition
     cfg = ppo_config(addition_jsonl, model={"lora": {"enabled": lora, "r": 4}}, algorithm={"epochs": 2, "minibatches": 2},
                      train=cpu_path.train)
     trainer = PPOTrainer(cfg, tmp_path)
-    policy_before, critic_before = params_of(trainer), {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
+    policy_before, critic_before = params_of(trainer), {n: p.detach().clone() for n, p in trainer.algorithm.critic.named_parameters()}
     rows = trainer.train()
     assert rows[0]["kl"] == 0.0  # the sampling policy is the reference before the first update
     for r in rows:
@@ -81,10 +81,10 @@ def test_a_few_steps_with_rule_rewards_move_policy_and_critic(tmp_path, addition
             assert torch.isfinite(torch.tensor(float(r[key]))), key
         assert r["zero_variance_frac"] is None  # G = 1: no groups to speak of
     assert any(not torch.equal(policy_before[n], p) for n, p in params_of(trainer).items())
-    assert all(not torch.equal(critic_before[n], p) for n, p in trainer.critic.named_parameters() if "value_head" in n)
+    assert all(not torch.equal(critic_before[n], p) for n, p in trainer.algorithm.critic.named_parameters() if "value_head" in n)
     # With LoRA the critic is still a full, separate, trainable copy; the reference is the adapter switched off.
-    assert not any("lora_" in n for n, _ in trainer.critic.named_parameters())
-    assert all(p.requires_grad for p in trainer.critic.parameters())
+    assert not any("lora_" in n for n, _ in trainer.algorithm.critic.named_parameters())
+    assert all(p.requires_grad for p in trainer.algorithm.critic.parameters())
     assert (trainer.reference.model is None) == lora
     cpu_path.check(trainer, rows)  # PPO's update runs its own forward on either path
 
@@ -108,7 +108,7 @@ def test_a_few_steps_with_a_reward_model_and_a_critic_from_it(tmp_path, addition
     from transformers import AutoModelForSequenceClassification
 
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model)
-    torch.testing.assert_close(trainer.critic.value_head.weight, rm.score.weight)  # InstructGPT: V from the RM
+    torch.testing.assert_close(trainer.algorithm.critic.value_head.weight, rm.score.weight)  # InstructGPT: V from the RM
     rows = trainer.train()
     for r in rows:
         assert torch.isfinite(torch.tensor([r["loss"], r["value_loss"], r["reward_mean"]])).all()

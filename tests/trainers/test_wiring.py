@@ -14,7 +14,7 @@
 * the weights synced into a (stand-in) vLLM engine are the policy's merged weights, tensor by tensor, and a
   resumed run syncs the checkpoint's before its first step samples.
 
-The step's tensors are read by wrapping the trainer's own methods on the instance (``_targets``,
+The step's tensors are read by wrapping methods on the instance (the algorithm object's ``targets``, the trainer's
 ``policy_loss``) and by optimiser hooks; nothing in the library is changed.
 """
 
@@ -64,8 +64,9 @@ def build(tmp_path, *, reward_funcs=(starts_with_letter, starts_with_vowel), rew
 
 
 def record_targets(trainer) -> list[dict]:
-    """Wrap ``trainer._targets``: per step, its inputs (batch, rewards, loss mask, ref / old log-probs) and output."""
-    seen, targets = [], trainer._targets
+    """Wrap ``trainer.algorithm.targets``: per step, its inputs (batch, rewards, loss mask, ref / old log-probs) and
+    output."""
+    seen, targets = [], trainer.algorithm.targets
 
     def recording(batch, rewards_B, loss_mask, ref_logp, old_logp, timer):
         out = targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
@@ -73,7 +74,7 @@ def record_targets(trainer) -> list[dict]:
                      "old_logp": old_logp, "targets": out})
         return out
 
-    trainer._targets = recording
+    trainer.algorithm.targets = recording
     return seen
 
 
@@ -262,9 +263,10 @@ def test_ppo_gae_skips_the_tool_results_inside_a_response(tmp_path):
 
 
 def record_value_losses(trainer) -> list[dict]:
-    """Wrap PPO's ``_extra_loss`` and ``_values``: per call, the critic's values V (from the one ``_values`` call
+    """Wrap PPO's ``extra_loss`` and ``values``: per call, the critic's values V (from the one ``values`` call
     inside it), V_old and the returns R of its rows, its loss mask, and the value loss it returned."""
-    calls, values, extra_loss, critic_values = [], [], trainer._extra_loss, trainer._values
+    algo = trainer.algorithm
+    calls, values, extra_loss, critic_values = [], [], algo.extra_loss, algo.values
 
     def recording_values(*args, **kwargs):
         out = critic_values(*args, **kwargs)
@@ -279,7 +281,7 @@ def record_value_losses(trainer) -> list[dict]:
                       "loss": loss_BT.detach().clone(), "value_loss": metrics["value_loss"].detach().clone()})
         return loss_BT, metrics
 
-    trainer._values, trainer._extra_loss = recording_values, recording_extra_loss
+    algo.values, algo.extra_loss = recording_values, recording_extra_loss
     return calls
 
 
