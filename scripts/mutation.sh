@@ -44,7 +44,8 @@ case $scope in
   setup)  # the policy and reference, the optimiser and its state, the LR schedule
     mutate='"cohortrl/trainers/setup.py"'
     tests='"tests/trainers/test_wiring.py", "tests/trainers/test_optimizer.py", "tests/trainers/test_golden.py",
-      "tests/trainers/test_setup.py", "tests/test_python_api.py", "tests/trainers/test_other_architectures.py"' ;;
+      "tests/trainers/test_setup.py", "tests/test_python_api.py", "tests/trainers/test_other_architectures.py",
+      "tests/trainers/test_reliability.py"' ;;
   checkpoint)  # atomic writes, the manifest and its checks, finding the last intact checkpoint, resuming
     mutate='"cohortrl/trainers/checkpoint.py"'
     # (less the one test that starts the CLI in another working directory, where mutmut's trampolines cannot

@@ -133,8 +133,9 @@ def generate(
 ) -> tuple[Rollout, int]:
     """Sample ``group_size`` responses for each row's ``prompt``. Returns (rollout, prompts truncated).
 
-    ``seeds``: one per row; each group then samples from a generator of its own seeded with it, so its responses
-    do not depend on which other rows share the batch (torchrun: ``distributed.group_seed``). None: every row
+    ``seeds``: one per row; each group then draws its uniforms from a generator of its own seeded with it, so its
+    random draws do not depend on which other rows share the batch (torchrun: ``distributed.group_seed``); its
+    logits still depend on the batch to float rounding (padding, batch-size-dependent kernels). None: every row
     draws from the process's random stream.
 
     ``fast_path``: the run's CPU fast path (``cpu.FastPath``), or None: plain transformers throughout. Where it

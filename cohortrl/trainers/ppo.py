@@ -154,6 +154,7 @@ class PPO(Algorithm):
         load_trainable_state(self.critic, state["critic"], "the critic's checkpoint")
         self.kl_controller.value = state["kl_coef"]
 
+
 class PPOTrainer(RLTrainer):
     name = "ppo"
     algorithm_class = PPO

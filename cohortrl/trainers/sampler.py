@@ -194,8 +194,10 @@ class Sampler:
         """The rows cut into generation calls, each with its rows' sampling seeds (None: the run's random stream).
         One call normally; two halves with a reward pool, whose scoring of the first then runs while the second
         is generated. Under torchrun (``group_ids``: the rows' global group indices) each row is seeded by its
-        group's index (``distributed.group_seed``), so what a group samples depends neither on the number of
-        processes nor on the other groups in its call."""
+        group's index (``distributed.group_seed``), so a group's random draws depend neither on the number of
+        processes nor on the other groups in its call; its logits still do, to float rounding (left-padding to the
+        call's longest prompt, kernels chosen by batch size), so its tokens can differ where a draw lies that close
+        to a boundary."""
         seeds = None if group_ids is None else [distributed.group_seed(self.cfg.train.seed, step, g) for g in group_ids]
         if self.pool is not None and len(rows) > 1:
             half = (len(rows) + 1) // 2
