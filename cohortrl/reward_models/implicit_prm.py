@@ -43,6 +43,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from cohortrl.distributed import micro_batch_positions
 from cohortrl.rollout.hf import response_logprobs
 from cohortrl.step_spans import Span, StepScores, StepSource, split_steps, step_end_tokens
 
@@ -108,14 +109,11 @@ class ImplicitPRM(StepSource):
         logp, _ = response_logprobs(model, input_ids, attention_mask, rollout.response_ids[rows], temperature=1.0)
         return logp
 
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        return list(rows.split(self.micro_batch_size or max(1, len(rows))))
-
     @torch.no_grad()
     def token_rewards(self, rollout) -> torch.Tensor:
         """r_t = β·(log π_φ − log π_ref) per response token, 0 on padding: (B, T) on the CPU."""
         phi, ref = [], []
-        for idx in self._micro_batches(torch.arange(rollout.batch_size)):
+        for idx in micro_batch_positions(rollout.batch_size, self.micro_batch_size):
             phi.append(self._logprobs(self.phi, rollout, idx).float().cpu())
             ref.append(self._logprobs(self.reference, rollout, idx).float().cpu())
         ref_logp = torch.cat(ref)
@@ -150,12 +148,12 @@ class ImplicitPRM(StepSource):
         else:
             with torch.no_grad():
                 ref_logp = torch.cat([self._logprobs(self.reference, rollout, idx).float().cpu()
-                                      for idx in self._micro_batches(torch.arange(rollout.batch_size))])
+                                      for idx in micro_batch_positions(rollout.batch_size, self.micro_batch_size)])
         labels = torch.tensor([float(outcomes[i]) for i in rows])
         rows_t = torch.tensor(rows)
         self.optimizer.zero_grad(set_to_none=True)
         total, agree = 0.0, 0
-        for idx in self._micro_batches(torch.arange(len(rows))):
+        for idx in micro_batch_positions(len(rows), self.micro_batch_size):
             r = rows_t[idx]
             logp = self._logprobs(self.phi, rollout, r)
             mask = rollout.response_mask[r].to(logp.device)
