@@ -465,7 +465,8 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
     n, shard, dt = run.gpus, run.sharding, run.dtype
     lora = run.lora_rank > 0
     trainable = m.lora_params(run.lora_rank) if lora else m.params
-    policy = model_states(m.params + (trainable if lora else 0), trainable, dt, shard, n)
+    policy_params = m.params + (trainable if lora else 0)  # the base weights and, with LoRA, the adapter
+    policy = model_states(policy_params, trainable, dt, shard, n)
     critic = model_states(m.critic_params, m.critic_params, dt, shard, n) if run.algorithm == "ppo" else None
     frozen_copy = m.params * DTYPE_BYTES[dt] / (n if shard == "zero3" else 1)
     reference = frozen_copy if run.reference and not lora else 0.0  # LoRA: the base weights, adapter off
@@ -495,7 +496,7 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
     # Sharded over several devices, generation gathers every layer of the policy at once and keeps it until
     # decoding ends (distributed.Dist.gathered: the ranks decode different numbers of steps, so per-layer
     # gathers could not be matched), into buffers of its own beside the shards, in the compute dtype.
-    gathered = (m.params + (trainable if lora else 0)) * DTYPE_BYTES[dt] if shard == "zero3" and n > 1 else 0.0
+    gathered = policy_params * DTYPE_BYTES[dt] if shard == "zero3" and n > 1 else 0.0
     return Memory(
         policy=policy, critic=critic, reference=reference, reward_model=reward_model,
         activations=ckpt if run.checkpointing else no_ckpt, activations_no_ckpt=no_ckpt, activations_ckpt=ckpt,
