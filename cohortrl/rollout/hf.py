@@ -144,6 +144,8 @@ def generate(
     ``tools``: the model may call them (``rollout/tools.py``), in the protocol ``tool_protocol`` picks: the text
     protocol describes them after the system prompt, the chat protocol hands their schemas to the chat template;
     their results are in the responses as tokens marked by ``rollout.tool_mask``."""
+    if seeds is not None and len(seeds) != len(rows):
+        raise ValueError(f"{len(seeds)} seeds for {len(rows)} prompts: generate takes one seed per prompt (its group's)")
     session = None
     framed_system_prompt, schemas = prompt_framing(tokenizer, system_prompt, tools)
     if tools is not None:

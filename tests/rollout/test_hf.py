@@ -45,6 +45,8 @@ def test_a_seeded_group_samples_alone_what_it_samples_in_a_batch():
         assert alone.completions == stream.completions == batched.completions[3 * i : 3 * i + 3], i
     swapped, _ = generate(model, tok, ROWS, 3, sampling, seeds=[8, 7])  # the seed, not the position, decides
     assert swapped.completions[:3] != batched.completions[:3]
+    with pytest.raises(ValueError, match="1 seeds for 2 prompts"):  # not one group of six rows, silently
+        generate(model, tok, ROWS, 3, sampling, seeds=[7])
 
 
 def _logprobs_and_grads(model, rollout, rows, share):
