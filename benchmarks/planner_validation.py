@@ -40,7 +40,8 @@ MIB = 1024**2
 MEMORY_TOLERANCE = 0.20
 TIME_TOLERANCE = 0.25
 
-# name → (config file, overrides): the engineering GRPO configuration (GRPO with the calculator on axial_stress) at
+# name → (config file, overrides): `make demo`'s RL phase as it runs (`configs/demo_grpo.yaml`: GRPO on python_function
+# level 1, P 4 x G 8, no tool), the engineering GRPO configuration (GRPO with the calculator on axial_stress) at
 # two batches (2 x 4: the demo's RL phase until 2026-12-05, then named `demo_grpo`), and its PPO variant on the
 # same family. Their lengths (256 new tokens, up to 8 calculator
 # calls) are the configs'; the batches are smaller than the configs' P = 4 x G = 8, so that a run fits beside
@@ -48,11 +49,20 @@ TIME_TOLERANCE = 0.25
 # 2 x 4, GRPO 4 x 2 (more distinct prompts, smaller groups), PPO 4 x 1 in micro-batches of one sequence (PPO's
 # update runs its own forward, whose activations grow with the micro-batch; the setting is the config's own).
 CONFIGS = {
+    "demo_grpo": ("configs/demo_grpo.yaml", []),
     "eng_grpo_2x4": ("configs/eng_grpo.yaml", ["algorithm.prompts_per_step=2", "algorithm.group_size=4"]),
     "eng_grpo": ("configs/eng_grpo.yaml", ["algorithm.prompts_per_step=4", "algorithm.group_size=2"]),
     "eng_ppo": ("configs/eng_grpo.yaml", ["algorithm.name=ppo", "algorithm.prompts_per_step=4", "algorithm.group_size=1",
                                           "algorithm.micro_batch_size=1"]),
 }
+
+
+def init_for(name: str, inits: list[str]) -> str | None:
+    """The warm start a configuration runs from: ``NAME=PATH`` from ``--init`` for that configuration, else the
+    plain ``PATH`` given (one for the rest), else None."""
+    named = dict(i.split("=", 1) for i in inits if "=" in i.split("/")[0])
+    plain = [i for i in inits if "=" not in i.split("/")[0]]
+    return named.get(name, plain[0] if plain else None)
 
 
 def vm_rss_bytes() -> float:
@@ -72,8 +82,9 @@ def overrides(name: str, args) -> list[str]:
     """The configuration's own overrides plus the benchmark's: steps, threads, no evaluation or checkpoints."""
     extra = [f"train.steps={args.steps}", f"train.threads={args.threads}", "train.progress=false",
              "eval.before=false"]
-    if args.init:
-        extra.append(f"model.init={args.init}")
+    init = init_for(name, args.init)
+    if init:
+        extra.append(f"model.init={init}")
     else:  # the configs' warm start may not exist here: the base model (its answers' lengths are measured anyway)
         extra.append("model.init=null")
     return [*CONFIGS[name][1], *extra]
@@ -212,9 +223,12 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (default 1: see the docstring)")
-    parser.add_argument("--init", default=None, help="model.init: a supervised warm start's final/ (default: the base model)")
+    parser.add_argument("--init", action="append", default=[],
+                        help="model.init: a supervised warm start's final/, for every configuration (PATH) or for one "
+                             "(NAME=PATH; repeat the flag); default: the base model")
     parser.add_argument("--profile-step", type=int, default=0, help="print torch's profile of this step (a diagnosis)")
-    parser.add_argument("--json", default=None, help="also write the measurements here (a later --from-json re-plans them)")
+    parser.add_argument("--json", default=None, help="also write the measurements here, replacing the entries of the configurations measured and "
+                             "keeping the file's others (a later --from-json re-plans them)")
     parser.add_argument("--from-json", default=None, help="compare saved measurements instead of running steps")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -224,14 +238,17 @@ def main() -> None:
         measurements = json.loads(Path(args.from_json).read_text())
     else:
         measurements = []
+        kept = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else []
+        kept = [m for m in kept if m["name"] not in args.configs and m["name"] in CONFIGS]
         for name in args.configs:
             cmd = [sys.executable, __file__, *[a for a in sys.argv[1:]], "--child", name]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
             if out.returncode != 0:
                 sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
             measurements.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            if args.json:
-                Path(args.json).write_text(json.dumps(measurements, indent=1) + "\n")
+            if args.json:  # this run's configurations replace their entries; the file's others are kept
+                Path(args.json).write_text(json.dumps(kept + measurements, indent=1) + "\n")
+        measurements = kept + measurements
     text, ok = table([(m, compare(m)) for m in measurements])
     print(f"fp32, one process; memory: predicted peak vs ru_maxrss (tolerance ±{MEMORY_TOLERANCE:.0%}); time: "
           f"predicted compute seconds vs the step's process CPU time at {measurements[0]['threads']} thread(s) "
