@@ -5,8 +5,9 @@ methods: ``generate`` (P rows → a :class:`Rollout` of P·G responses, with the
 numerics are not the trainer's, the log-probability of every sampled token) and ``sync_weights`` (after the
 policy changed, before the next ``generate``). What the trainer does differently per engine is read from two
 attributes: ``own_numerics`` (its ``rollout.sampling_logp`` come from other kernels or precision: the trainer
-computes log π_old with its own forward and corrects with truncated importance weights) and ``syncs_weights``
-(it samples from its own copy of the weights, so the sampler calls ``sync_weights`` after every update).
+computes log π_old with its own forward and corrects with truncated importance weights, unless the update
+differentiates the engine's own recorded forward) and ``syncs_weights`` (it samples from its own copy of the
+weights, so the sampler calls ``sync_weights`` after every update, and nothing records the policy's forward).
 
 The engines:
 

@@ -235,6 +235,8 @@ class RLTrainer(Trainer):
         a = self.cfg.algorithm
         if self.fast_path is None or self.fast_path.decoder_for(self.model) is None:  # nothing would record it
             return False
+        if self.engine.syncs_weights:  # it samples from its own copy of the weights (vLLM), not the policy's forward
+            return False
         return (self.cfg.train.reuse_rollout_forward and self.algorithm.reuses_rollout_forward and not self.needs_old_logp
                 and a.epochs == 1 and a.minibatches == 1 and self.dist.world == 1
                 and (a.micro_batch_size == 0 or a.micro_batch_size >= a.prompts_per_step * a.group_size)
