@@ -24,7 +24,8 @@ setting is not ``off``: with ``train.cpu_fast_path: off`` no line of this packag
 (``tests/trainers/test_plain_path_imports.py`` checks it in a fresh process). The state it keeps is the run's:
 the layers it switches, each layer's decoding layout, the allocator hold the object releases on ``close``.
 
-Each computes the same function as the plain path, to float rounding; ``tests/cpu/`` checks each against
+Each computes the same function as the plain path, to float rounding (the lean decoder's opt-in bf16 products,
+``train.cpu_decode_dtype``, to bf16 rounding: ``tests/cpu/test_bf16_decoding.py``); ``tests/cpu/`` checks each against
 it, and the trainer tests run on both paths (``tests/trainers/conftest.py``). It relies on transformers'
 Llama module layout and PEFT's LoRA layer attributes (``lora_A``, ``lora_B``, ``scaling``, ``base_layer``,
 ``get_delta_weight``): the versions it is tested with are pinned in ``constraints.txt`` (dev and CI), and a model

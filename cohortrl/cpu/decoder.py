@@ -18,14 +18,17 @@ model's own weights and does only the arithmetic:
   decodes until its longest response ends, and its shorter rows would otherwise be computed to the end.
 
 PEFT LoRA adapters are folded into the laid-out copy (W + s·B·A): the same function, computed in one
-product. ``dtype=torch.bfloat16`` (``train.cpu_decode_dtype``, training rollouts only): the laid-out copies are
-bf16 (folded in fp32 first, then cast), each product's input is cast to bf16 and its output, which oneDNN writes
-in bf16, back to fp32; everything between the products (residual stream, norms, rotary, attention, the KV
-cache, the logits the sampler reads) stays fp32. Only plain LoRA; DoRA, LoRA bias or other variants fall back to transformers' forward, as do other
+product. Only plain LoRA; DoRA, LoRA bias or other variants fall back to transformers' forward, as do other
 architectures, GPUs and non-fp32 weights (:func:`decoder_for` returns None and says why at INFO, once per model).
 Prefill stays with transformers' forward: it runs once per prompt, on many tokens, where its overhead is
-small. The arithmetic is the same to float rounding; ``tests/cpu/test_decoder.py`` checks the logits
-against transformers' step by step.
+small. The arithmetic is the same to float rounding; ``tests/cpu/test_decoder.py`` checks the logits against
+transformers' step by step.
+
+``dtype=torch.bfloat16`` (``train.cpu_decode_dtype``, training rollouts only): the laid-out copies are bf16
+(adapters folded in fp32 first, then cast), each product's input is cast to bf16 and its output, which oneDNN
+writes in bf16, back to fp32 (the logits too: the head's bf16 output); everything between the products (residual
+stream, norms, rotary, attention, the KV cache) stays fp32, and so does transformers' prefill. The same function
+to bf16 rounding (``tests/cpu/test_bf16_decoding.py``).
 """
 
 from __future__ import annotations

@@ -166,6 +166,7 @@ def _config(overrides: list[str]) -> Config:
     return Config.from_dict(apply_overrides({}, overrides))
 
 
+@pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear op")
 def test_bfloat16_decoding_is_refused_on_a_cpu_without_bf16_units(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_has_bf16_units", lambda: False)
     cfg = _config(["train.cpu_decode_dtype=bfloat16"])
