@@ -24,6 +24,8 @@ from ``torch.profiler`` (top operators by self CPU time) on one extra step.
     .venv/bin/python benchmarks/step_roofline.py --init RUN/final --profile
     # A/B: the current tree against another checkout (e.g. `git worktree add /tmp/base dbb9b36`), alternating
     .venv/bin/python benchmarks/step_roofline.py --init RUN/final --baseline /tmp/base --rounds 2
+    # decoding's products in bf16 (train.cpu_decode_dtype; the shares stay those of the fp32 peak)
+    .venv/bin/python benchmarks/step_roofline.py --init RUN/final --override train.cpu_decode_dtype=bfloat16
 """
 
 from __future__ import annotations

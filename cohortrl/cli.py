@@ -198,8 +198,9 @@ def cmd_eval(args) -> int:
               f"prompts: {saved or _held_out_set(cfg)}", file=sys.stderr, flush=True)
     correctness = WeightedReward(fn.name, resolve(fn.name, fn.kwargs), timeout_s=cfg.reward.timeout_s)
     check_columns({fn.name: correctness.fn}, eval_rows, "held-out rows")
-    # The CPU fast path the trainer's own evaluations use (train.cpu_fast_path), so both report the same numbers.
-    fast_path = build_fast_path(cfg.train, model_device(model), model)
+    # The CPU fast path the trainer's own evaluations use (train.cpu_fast_path), so both report the same numbers;
+    # evaluation decodes in fp32 whatever train.cpu_decode_dtype says (a training rollouts' setting, not checked here).
+    fast_path = build_fast_path(replace(cfg.train, cpu_decode_dtype="float32"), model_device(model), model)
     try:
         with fast_kernels(fast_path, model):
             responses: list[dict] = []

@@ -158,8 +158,9 @@ class SamplingConfig:
     """With ``backend: vllm``: the longest sequence (prompt and response, in tokens) the engine holds a KV cache
     for; at least ``data.max_prompt_tokens + sampling.max_new_tokens`` (checked), at most the model's context."""
     is_cap: float = 2.0
-    """With ``backend: vllm``: C in the truncated importance weight min(π_old / π_vLLM, C) that corrects
-    for the engine's numerics differing from the trainer's."""
+    """With ``backend: vllm``, or ``train.cpu_decode_dtype: bfloat16`` where the update runs its own forward: C in
+    the truncated importance weight min(π_old / π_sampler, C) that corrects for the sampler's numerics differing
+    from the trainer's."""
 
     def check(self) -> None:
         require(self.temperature >= 0, "sampling.temperature", self.temperature, "must be >= 0 (0 = greedy)")
@@ -574,6 +575,17 @@ class TrainConfig:
     ``system`` leaves glibc's defaults; ``auto`` retains on a CPU under glibc. Process-wide while a run holds it:
     peak memory stays about where it was, but it is not returned to the OS until the run closes, which puts
     glibc's defaults back (``cohortrl/cpu/memory.py``)."""
+    cpu_decode_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The lean decoder's products (``cpu/decoder.py``) in training rollouts: ``bfloat16`` casts each product's
+    input and the laid-out weights (LoRA adapters folded in first, in fp32) to bf16, its output back to fp32,
+    several times faster on a CPU with bf16 units (AVX512-BF16, AMX; ``docs/performance.md``); the residual
+    stream, norms, rotary, attention, sampling and the KV cache stay fp32, and so do the model's weights, its
+    adapters, the optimiser and the update's own forward. The update sees the sampler's numbers: its replayed
+    backward (``reuse_rollout_forward``) differentiates the bf16 forward decoding ran, so π_old is the sampling
+    probability; where it runs its own fp32 forward instead, the rollout's bf16 log-probs correct the loss with
+    truncated importance weights (``sampling.is_cap``), as for vLLM. Evaluation (during training and ``cohortrl
+    eval``) decodes in fp32 whatever this says. Needs the fast path's oneDNN kernel and a CPU with bf16 units,
+    checked when the run starts (an error, not a fallback)."""
     reuse_rollout_forward: bool = True
     """GRPO with one update per rollout (``algorithm.epochs`` 1, one minibatch, one micro-batch), one process,
     the lean decoder (``cpu/decoder.py``) and no dropout: the policy that sampled is the policy being
@@ -625,10 +637,12 @@ class TrainConfig:
         require(t.dist_timeout_s > 0, "train.dist_timeout_s", t.dist_timeout_s, "must be > 0 (seconds)")
         require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps,
                 "must be >= 0 (0: never stop)")
-        for key in ("cpu_linear", "cpu_allocator"):
-            require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system"),
+        for key in ("cpu_linear", "cpu_allocator", "cpu_decode_dtype"):
+            require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system", "float32"),
                     f"train.{key}", getattr(t, key), "asks for part of the CPU fast path, which train.cpu_fast_path=off "
                     "turns off; drop one of the two")
+        require(t.cpu_decode_dtype == "float32" or t.cpu_linear != "aten", "train.cpu_decode_dtype", t.cpu_decode_dtype,
+                "needs the CPU fast path's oneDNN kernel, which train.cpu_linear=aten turns off; drop one of the two")
         require(
             t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
             "train.device", t.device, "must be auto, cpu, cuda or cuda:N",

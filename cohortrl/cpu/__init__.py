@@ -8,7 +8,7 @@ autograd throughout; where ``auto`` falls back, the run says so once, at INFO, w
 - ``kernels.py``: the model's fp32 linear layers on oneDNN for the duration of a step or an evaluation
   (``train.cpu_linear``), switched per model, never by replacing ``torch.nn.functional.linear``;
 - ``decoder.py``: a lean one-token decoding step computing the model's forward without transformers'
-  per-call machinery;
+  per-call machinery, its products in fp32 or, for training rollouts, bf16 (``train.cpu_decode_dtype``);
 - ``replay.py``: an on-policy GRPO update's backward through what decoding recorded, instead of a second
   forward (``train.reuse_rollout_forward``);
 - ``memory.py``: freed memory kept in the process between steps (``train.cpu_allocator``; glibc's
@@ -24,7 +24,8 @@ setting is not ``off``: with ``train.cpu_fast_path: off`` no line of this packag
 (``tests/trainers/test_plain_path_imports.py`` checks it in a fresh process). The state it keeps is the run's:
 the layers it switches, each layer's decoding layout, the allocator hold the object releases on ``close``.
 
-Each computes the same function as the plain path, to float rounding; ``tests/cpu/`` checks each against
+Each computes the same function as the plain path, to float rounding (the lean decoder's opt-in bf16 products,
+``train.cpu_decode_dtype``, to bf16 rounding: ``tests/cpu/test_bf16_decoding.py``); ``tests/cpu/`` checks each against
 it, and the trainer tests run on both paths (``tests/trainers/conftest.py``). It relies on transformers'
 Llama module layout and PEFT's LoRA layer attributes (``lora_A``, ``lora_B``, ``scaling``, ``base_layer``,
 ``get_delta_weight``): the versions it is tested with are pinned in ``constraints.txt`` (dev and CI), and a model
@@ -35,22 +36,26 @@ gains is measured by ``benchmarks/vs_trl.py`` and ``benchmarks/cpu_linear.py`` (
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from cohortrl.cpu import decoder, kernels
 from cohortrl.cpu.decoder import check_architecture, computes
-from cohortrl.cpu.kernels import resolve_cpu_linear
+from cohortrl.cpu.kernels import resolve_cpu_linear, resolve_decode_dtype
 from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator
 from cohortrl.cpu.replay import Recording
 
 
 class FastPath:
-    """One run's CPU fast path: its linear kernel (``onednn`` or ``aten``) and whether it holds the retained
-    allocator. Built by :func:`build`; the run calls :meth:`close` when it ends."""
+    """One run's CPU fast path: its linear kernel (``onednn`` or ``aten``), whether it holds the retained
+    allocator, and ``decode_dtype``, the dtype of the lean decoder's products in the run's training rollouts
+    (``train.cpu_decode_dtype``; what the rollout engine asks :meth:`decoder_for`, evaluation never does).
+    Built by :func:`build`; the run calls :meth:`close` when it ends."""
 
-    def __init__(self, linear: str, allocator: str):
+    def __init__(self, linear: str, allocator: str, decode_dtype: torch.dtype = torch.float32):
         self.linear = linear
+        self.decode_dtype = decode_dtype
         self.holds_allocator = apply_cpu_allocator(allocator)  # process-wide while held: glibc's mallopt
 
     def kernels(self, *models):
@@ -58,10 +63,14 @@ class FastPath:
         run's kernel (``kernels.linear_kernels``)."""
         return kernels.linear_kernels(self.linear, *models)
 
-    def decoder_for(self, model):
+    def decoder_for(self, model, dtype: torch.dtype = torch.float32):
         """The lean decoder's factory for ``model`` (``decoder.LlamaDecoder``) when this run decodes on oneDNN
-        and the decoder computes the model, else None (transformers' forward; the reason said once)."""
-        return decoder.decoder_for(model) if self.linear == "onednn" else None
+        and the decoder computes the model, else None (transformers' forward; the reason said once). ``dtype``:
+        its products' dtype (fp32 unless the caller passes :attr:`decode_dtype`, as training rollouts do)."""
+        factory = decoder.decoder_for(model) if self.linear == "onednn" else None
+        if factory is None or dtype == torch.float32:
+            return factory
+        return functools.partial(factory, dtype=dtype)
 
     def decoding_weights(self, model, rows: int):
         """While transformers' forward decodes ``rows`` rows: the weights in oneDNN's layout for them
@@ -84,18 +93,24 @@ def build(settings, device, model, *, generates: bool = True) -> FastPath | None
     """A run's fast path from its settings (``cpu_fast_path``, ``cpu_linear``, ``cpu_allocator``: a run's
     ``train`` section, or ``train-rm``'s config) and its model, or None where no part of it applies (off, a GPU,
     ``cpu_linear: aten`` with the system allocator). ``generates``: the run decodes with the model (the
-    trainers), so ``cpu_linear: auto`` falls back on a model the lean decoder does not compute; a run that does
-    not (``train-rm``) takes oneDNN's kernel on any model, the kernel being the same function."""
+    trainers), so ``cpu_linear: auto`` falls back on a model the lean decoder does not compute, and
+    ``cpu_decode_dtype: bfloat16`` is checked against the machine and the model (an error where it cannot run);
+    a run that does not (``train-rm``) takes oneDNN's kernel on any model, the kernel being the same function."""
     if settings.cpu_fast_path == "off":
         return None
+    decode_dtype = torch.float32
     if generates:
         linear = linear_kernel(settings, device, model)
+        decode_dtype = resolve_decode_dtype(settings.cpu_decode_dtype, linear)
+        if decode_dtype != torch.float32 and decoder.decoder_for(model) is None:
+            raise RuntimeError("train.cpu_decode_dtype=bfloat16 needs the lean decoder, which does not compute this "
+                               "model (the reason is logged above); set train.cpu_decode_dtype=float32.")
     else:
         linear = resolve_cpu_linear(settings.cpu_linear, device)
     allocator = resolve_cpu_allocator(settings.cpu_allocator, device)
     if linear == "aten" and allocator == "system":
         return None
-    return FastPath(linear, allocator)
+    return FastPath(linear, allocator, decode_dtype)
 
 
 def linear_kernel(settings, device, model) -> str:

@@ -21,8 +21,14 @@ PEFT LoRA adapters are folded into the laid-out copy (W + s·B·A): the same fun
 product. Only plain LoRA; DoRA, LoRA bias or other variants fall back to transformers' forward, as do other
 architectures, GPUs and non-fp32 weights (:func:`decoder_for` returns None and says why at INFO, once per model).
 Prefill stays with transformers' forward: it runs once per prompt, on many tokens, where its overhead is
-small. The arithmetic is the same to float rounding; ``tests/cpu/test_decoder.py`` checks the logits
-against transformers' step by step.
+small. The arithmetic is the same to float rounding; ``tests/cpu/test_decoder.py`` checks the logits against
+transformers' step by step.
+
+``dtype=torch.bfloat16`` (``train.cpu_decode_dtype``, training rollouts only): the laid-out copies are bf16
+(adapters folded in fp32 first, then cast), each product's input is cast to bf16 and its output, which oneDNN
+writes in bf16, back to fp32 (the logits too: the head's bf16 output); everything between the products (residual
+stream, norms, rotary, attention, the KV cache) stays fp32, and so does transformers' prefill. The same function
+to bf16 rounding (``tests/cpu/test_bf16_decoding.py``).
 """
 
 from __future__ import annotations
@@ -111,10 +117,11 @@ def _stacked(modules, orders=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight.contiguous(), bias
 
 
-def _merged(modules, rows: int, orders=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_stacked`, the weight in oneDNN's layout for ``rows``-row products."""
+def _merged(modules, rows: int, orders=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_stacked` (adapters folded in fp32), the weight cast to ``dtype`` in oneDNN's layout for ``rows``-row
+    products."""
     weight, bias = _stacked(modules, orders)
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows), bias
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows), bias
 
 
 def _cached(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,10 +223,12 @@ class LlamaDecoder:
     and per call, the layer's input, its q/k/v and gate/up products and the residual after attention; per
     step, the final hidden state, the tokens fed, log Z and the entropy of the logits at ``temperature`` and (told
     by :meth:`sampled`) the sampled token's logit, and the logits themselves while they fit. It takes ``prefix``,
-    not a transformers cache (every position must be recorded)."""
+    not a transformers cache (every position must be recorded). ``dtype``: the products' (see the module
+    docstring); a recording keeps what they computed, in fp32."""
 
     def __init__(self, model, hf_cache, prompt_mask_BT: torch.Tensor, positions_BS: torch.Tensor, *,
-                 prefix: tuple | None = None, record: bool = False, temperature: float = 1.0):
+                 prefix: tuple | None = None, record: bool = False, temperature: float = 1.0,
+                 dtype: torch.dtype = torch.float32):
         if record and hf_cache is not None:
             raise ValueError("a recording decoder runs the prompt itself: pass prefix=, not a transformers cache")
         base = self.base = _base_model(model)
@@ -233,17 +242,19 @@ class LlamaDecoder:
         pair = torch.stack([torch.arange(D // 2), torch.arange(D // 2) + D // 2], 1).flatten()  # (D,)
         self.q_order = q_order = (torch.arange(self.H)[:, None] * D + pair).flatten()
         self.k_order = k_order = (torch.arange(self.Hkv)[:, None] * D + pair).flatten()
+        self.dtype = dtype
+        merged = functools.partial(_merged, rows=B, dtype=dtype)
         self.layers = []
         for layer in base.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append((
                 layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon,
-                _merged([attn.q_proj, attn.k_proj, attn.v_proj], B, [q_order, k_order, None]), _merged([attn.o_proj], B),
+                merged([attn.q_proj, attn.k_proj, attn.v_proj], orders=[q_order, k_order, None]), merged([attn.o_proj]),
                 layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
-                _merged([mlp.gate_proj, mlp.up_proj], B), _merged([mlp.down_proj], B),
+                merged([mlp.gate_proj, mlp.up_proj]), merged([mlp.down_proj]),
             ))
         self.norm = (base.model.norm.weight.detach(), base.model.norm.variance_epsilon)
-        self.head = _merged([base.get_output_embeddings()], B)
+        self.head = merged([base.get_output_embeddings()])
         self.embed = base.get_input_embeddings().weight.detach()
         self.scale = D ** -0.5
 
@@ -252,7 +263,7 @@ class LlamaDecoder:
         seen = hf_cache.get_seq_length() if hf_cache is not None else prefix[0].shape[1] if prefix is not None else 0
         self.col = seen
         T = seen + S
-        dtype = self.embed.dtype
+        dtype = self.embed.dtype  # fp32: the cache and the records whatever the products' dtype
         self.k = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
         self.v = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
         for i in range(len(self.layers) if hf_cache is not None and seen else 0):
@@ -325,14 +336,16 @@ class LlamaDecoder:
                     buffer[: U * P] = t
             x = out
 
-    @staticmethod
-    def _linear(x, packed):
+    def _linear(self, x, packed):
+        """x Wᵀ + b in fp32, the product in the decoder's dtype (a no-op cast each side in fp32)."""
         weight, bias = packed
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), weight, bias, "none", [], "").float()
 
-    @staticmethod
-    def _linear_add(x, packed, residual):
-        """residual + x Wᵀ + b in one call: oneDNN adds the residual to the product's output as it writes it."""
+    def _linear_add(self, x, packed, residual):
+        """residual + x Wᵀ + b; in fp32 one call, oneDNN adding the residual to the product's output as it writes
+        it. Its fused add takes the residual in the product's dtype, so in bf16 the fp32 residual is added after."""
+        if self.dtype != torch.float32:
+            return residual + self._linear(x, packed)
         weight, bias = packed
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
 

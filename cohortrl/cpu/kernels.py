@@ -52,6 +52,36 @@ def resolve_cpu_linear(setting: str, device: torch.device | str) -> str:
     return setting
 
 
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16), asked at run time: oneDNN
+    also runs bf16 products on CPUs without them, by conversion, and no faster than fp32 there."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)  # PyTorch 2.9+
+    if capabilities is not None:
+        found = capabilities()
+        return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+    try:  # older PyTorch, on Linux: the kernel's list of the CPU's flags
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_decode_dtype(setting: str, linear: str) -> torch.dtype:
+    """``train.cpu_decode_dtype`` made concrete for a run whose linear kernel is ``linear``: the dtype of the lean
+    decoder's products in training rollouts. ``bfloat16`` on a machine that cannot run it fast is an error
+    rather than a silent fallback."""
+    if setting == "float32":
+        return torch.float32
+    if linear != "onednn":
+        raise RuntimeError("train.cpu_decode_dtype=bfloat16 needs the CPU fast path's oneDNN kernel (a CPU, "
+                           "train.cpu_fast_path=auto, train.cpu_linear auto or onednn, a PyTorch build with oneDNN); "
+                           "set train.cpu_decode_dtype=float32.")
+    if not cpu_has_bf16_units():
+        raise RuntimeError("train.cpu_decode_dtype=bfloat16, but this CPU has no bf16 units (neither avx512_bf16 nor "
+                           "amx_bf16), where bf16 products are no faster than fp32; set train.cpu_decode_dtype=float32.")
+    return torch.bfloat16
+
+
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 

@@ -26,7 +26,12 @@ Gradients land in ``.grad`` as ``loss.backward()`` would leave them (LoRA adapte
 head and embedding included), each parameter's through autograd once and without a copy (:class:`_Handover`),
 so its hooks run. The numbers are those
 of autograd through transformers' forward to float rounding: the decoding kernels sum in another order than a
-training forward does (``tests/cpu/test_replay.py`` checks each parameter's gradient). What it saves is the
+training forward does (``tests/cpu/test_replay.py`` checks each parameter's gradient).
+
+A recording of bf16 products (``train.cpu_decode_dtype``) is differentiated as the function decoding computed:
+the log-probabilities are decoding's own (π_old is the sampling probability exactly), and each weight's gradient
+dyᵀ·x takes the product's input x rounded to bf16, as decoding multiplied it. The input gradients dy·W use the
+fp32 weights (the cast's derivative is the identity; bf16 there would round the gradient itself). What it saves is the
 update's forward: about a third of its FLOPs (``docs/performance.md``). :meth:`Recording.logprobs_under`
 scores the same rows under another model of the architecture (the reference) in one pass.
 """
@@ -37,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from cohortrl.cpu import kernels
-from cohortrl.cpu.decoder import _base_model, _linear_parts, _stacked, computes, paired_qkv, rms_norm, rotate
+from cohortrl.cpu.decoder import _base_model, _linear_parts, _stacked, _weight_and_bias, computes, paired_qkv, rms_norm, rotate
 
 # Head gradients of at most this many bytes of logits at once (as ``hf.LOGPROB_CHUNK_BYTES``).
 CHUNK_BYTES = 32 * 2**20
@@ -149,6 +154,7 @@ class Recording:
         self.logits_NV = decoder.logits[:n] if decoder.logits is not None else None  # (S·B, V), or recomputed (_logits)
         self.fed = torch.cat(decoder.fed) if self.S else torch.zeros(0, dtype=torch.long)
         self.temperature = decoder.temperature
+        self.dtype = decoder.dtype  # the products'
         empty = torch.zeros(0, self.B)
         self.logz_SB = torch.stack(decoder.logz) if self.S else empty  # (S, B) at the temperature
         self.entropy_SB = torch.stack(decoder.entropy) if self.S else empty
@@ -175,16 +181,24 @@ class Recording:
             for layer in self.records:
                 layer[1][unwritten] = 0
 
+    def _multiplied(self, x_N: torch.Tensor) -> torch.Tensor:
+        """A product's input as decoding multiplied it: rounded to bf16 in a recording of bf16 products, else x."""
+        return x_N if self.dtype == torch.float32 else x_N.to(self.dtype).float()
+
     # ------------------------------------------------------------------------------------------ log-probs
     def _logits(self, rows) -> torch.Tensor:
         """Decoding's logits (n, V) for step-major rows: kept (the kept tensor itself for a contiguous range of
         rows, which the caller may then overwrite), or recomputed from the final hidden states through the final
-        norm and the head when they did not fit (``RECORD_LOGITS_BYTES``)."""
+        norm and the head when they did not fit (``RECORD_LOGITS_BYTES``), in the products' dtype."""
         if self.logits_NV is not None:
             first, last = int(rows[0]), int(rows[-1]) + 1
             return self.logits_NV[first:last] if last - first == len(rows) else self.logits_NV[rows]
-        norm = self.base.model.norm
-        return self.base.get_output_embeddings()(rms_norm(self.finals_NH[rows], norm.weight, norm.variance_epsilon)).float()
+        norm, head = self.base.model.norm, self.base.get_output_embeddings()
+        h = rms_norm(self.finals_NH[rows], norm.weight, norm.variance_epsilon)
+        if self.dtype == torch.float32:
+            return head(h).float()
+        weight, bias = _weight_and_bias(head)  # as decoding multiplied it: adapters folded in fp32, then cast
+        return F.linear(h.to(self.dtype), weight.to(self.dtype), None if bias is None else bias.to(self.dtype)).float()
 
     def _check(self, response_ids_BT, temperature) -> None:
         if tuple(response_ids_BT.shape) != (self.B, self.S):
@@ -413,7 +427,7 @@ class Recording:
         rows = g_N.nonzero().squeeze(-1)  # the positions the loss reaches
         norm = base.model.norm
         final = self.finals_NH[rows]
-        h = rms_norm(final, norm.weight.detach(), norm.variance_epsilon)
+        h = self._multiplied(rms_norm(final, norm.weight.detach(), norm.variance_epsilon))
         head = base.get_output_embeddings()
         grad_h = torch.empty_like(h)
         chunk = max(1, CHUNK_BYTES // (4 * self.V))
@@ -421,7 +435,10 @@ class Recording:
             r, g = rows[s:s + chunk], g_N[rows[s:s + chunk]]
             z = self._logits(r)  # used up here: p = exp(z − log Z) in place
             z = z / temperature if temperature != 1.0 else z
-            grad_logits = z.sub_(logz_N[r, None]).exp_().mul_(-g[:, None])
+            # bf16 logits recomputed by another kernel than decoding's can differ from them in a last bit, which at
+            # bf16's spacing moves p: their own log Z keeps p a distribution
+            logz = logz_N[r] if self.logits_NV is not None or self.dtype == torch.float32 else z.logsumexp(-1)
+            grad_logits = z.sub_(logz[:, None]).exp_().mul_(-g[:, None])
             grad_logits.scatter_add_(-1, target_N[r, None], g[:, None])
             if temperature != 1.0:
                 grad_logits.div_(temperature)
@@ -438,18 +455,19 @@ class Recording:
             # out = x_mid + down(silu(gate) · up), gate, up = gate_proj(h2), up_proj(h2), h2 = norm(x_mid)
             gate, up = gate_up.chunk(2, dim=-1)
             silu_gate = F.silu(gate)
-            grad_act = linear_backward(mlp.down_proj, silu_gate * up, grad_x, grads)
+            grad_act = linear_backward(mlp.down_proj, self._multiplied(silu_gate * up), grad_x, grads)
             grad_gate, grad_up = silu_mul_backward(gate, up, silu_gate, grad_act)
-            h2 = rms_norm(x_mid, layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
+            h2 = self._multiplied(rms_norm(x_mid, layer.post_attention_layernorm.weight.detach(),
+                                           layer.post_attention_layernorm.variance_epsilon))
             grad_h2 = linear_backward(mlp.gate_proj, h2, grad_gate, grads).add_(linear_backward(mlp.up_proj, h2, grad_up, grads))
             grad_mid = rms_norm_backward(x_mid, layer.post_attention_layernorm, grad_h2, grads).add_(grad_x)
             # x_mid = x_in + o_proj(attention(q, k, v)), q, k, v = projections of h1 = norm(x_in)
             a, kept = self._attention(qkv, keep_for_backward=True)
-            grad_a = linear_backward(attn.o_proj, take(a), grad_mid, grads)
+            grad_a = linear_backward(attn.o_proj, self._multiplied(take(a)), grad_mid, grads)
             if n < N:
                 grad_a = grad_a.new_zeros(N, grad_a.shape[1]).index_copy_(0, reached, grad_a)
             grad_qkv = take(self._attention_backward(qkv, grad_a, kept))
-            h1 = rms_norm(x_in, layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
+            h1 = self._multiplied(rms_norm(x_in, layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon))
             grad_h1 = self._qkv_backward(attn, h1, grad_qkv, grads)
             grad_x = rms_norm_backward(x_in, layer.input_layernorm, grad_h1, grads).add_(grad_mid)
 

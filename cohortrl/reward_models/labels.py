@@ -314,8 +314,8 @@ def policy_completer(model, tokenizer, prompt: str, max_new_tokens: int = 64, te
         generator_seed[0] += 1
         # cohortrl's decoding loop: the prefix is prefilled once for the n continuations
         cache = prefill_cache(model, ids, mask) if ids.shape[1] > 1 else None
-        out, lengths = generate_ids(model, tokenizer, ids, mask, Sampling(temperature=temperature, max_new_tokens=max_new_tokens),
-                                    eos_token_ids(model, tokenizer), cache)
+        out, lengths, _ = generate_ids(model, tokenizer, ids, mask, Sampling(temperature=temperature, max_new_tokens=max_new_tokens),
+                                       eos_token_ids(model, tokenizer), cache)
         return [tokenizer.decode(row[ids.shape[1]:ids.shape[1] + k], skip_special_tokens=True)
                 for row, k in zip(out, lengths.tolist())]
 

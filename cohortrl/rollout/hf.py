@@ -130,6 +130,7 @@ def generate(
     tools: Toolset | None = None,
     fast_path=None,
     seeds: list[int] | None = None,
+    decode_dtype: torch.dtype = torch.float32,
 ) -> tuple[Rollout, int]:
     """Sample ``group_size`` responses for each row's ``prompt``. Returns (rollout, prompts truncated).
 
@@ -140,7 +141,10 @@ def generate(
 
     ``fast_path``: the run's CPU fast path (``cpu.FastPath``), or None: plain transformers throughout. Where it
     runs the lean decoder, ``record`` keeps its forward for the update's backward (``rollout.replay``, a
-    ``cpu/replay.py`` ``Recording``; None where it does not run).
+    ``cpu/replay.py`` ``Recording``; None where it does not run). ``decode_dtype``: the lean decoder's products'
+    (a training rollout's ``FastPath.decode_dtype``; evaluation leaves fp32); with bf16 products and no recording,
+    each sampled token's log-probability under them is in ``rollout.sampling_logp``, for the update's importance
+    weights.
     ``tools``: the model may call them (``rollout/tools.py``), in the protocol ``tool_protocol`` picks: the text
     protocol describes them after the system prompt, the chat protocol hands their schemas to the chat template;
     their results are in the responses as tokens marked by ``rollout.tool_mask``."""
@@ -168,9 +172,9 @@ def generate(
     # decoder runs the prompts itself, also once each
     shared = group_size > 1 and prompt_ids.shape[1] > 1 and not record
     cache = prefill_cache(model, prompt_ids, prompt_mask) if shared else None
-    out, lengths, *recording = generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache,
-                                            record=record, tools=session, fast_path=fast_path,
-                                            generators=group_generators(seeds, model_device(model)))
+    out, lengths, sampling_logp, *recording = generate_ids(
+        model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids, cache, record=record, tools=session,
+        fast_path=fast_path, generators=group_generators(seeds, model_device(model)), decode_dtype=decode_dtype)
     model.train(was_training)
     response_ids = out[:, prompt_ids.shape[1] :]
     tool_mask = session.tool_mask(response_ids.shape[1]) if session is not None else None
@@ -190,6 +194,7 @@ def generate(
         completions=completions,
         group_size=group_size,
         rows=[row for row in rows for _ in range(group_size)],
+        sampling_logp=None if sampling_logp is None else sampling_logp.masked_fill(response_mask == 0, 0.0),
         replay=recording[0] if record else None,
         tool_mask=tool_mask,
         tool_calls=tool_calls,
@@ -208,10 +213,12 @@ def group_generators(seeds: list[int] | None, device: torch.device) -> list[torc
 
 def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, eos_ids: list[int], cache=None,
                  record: bool = False, tools: ToolSession | None = None, fast_path=None,
-                 generators: list[torch.Generator] | None = None):
+                 generators: list[torch.Generator] | None = None, decode_dtype: torch.dtype = torch.float32):
     """Autoregressive sampling with the KV cache, from ``cache`` (``prefill_cache``) if given: ids (B, Tp + T)
-    on the CPU, each row padded after its EOS or stop string, and each row's response length (B,), its ending
-    token included; with ``record`` (the lean decoder only), a third value: its ``Recording``. The loop ends
+    on the CPU, each row padded after its EOS or stop string, each row's response length (B,), its ending
+    token included, and the sampled tokens' log-probabilities (B, T) where the lean decoder's products are not
+    fp32 (``decode_dtype``) and it does not record, else None; with ``record`` (the lean decoder only), a fourth
+    value: its ``Recording``. The loop ends
     when every row has ended. The lengths are recorded, not read back from the
     padding: a model may sample the pad token inside a response (SmolLM2 pads with ``<|endoftext|>``). With
     ``tools``, a row in the middle of a tool result is fed its next token instead of what it sampled (the lean
@@ -227,7 +234,9 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
     B, name = ids.shape[0], cache_argument(model)
     next_position = mask.sum(-1, keepdim=True)  # the first response token's position
     # the run's fast path: the lean decoder (cpu/decoder.py) for a Llama-family fp32 model on oneDNN; else transformers'
-    lean = fast_path.decoder_for(model) if fast_path is not None else None
+    lean = fast_path.decoder_for(model, decode_dtype) if fast_path is not None else None
+    # the sampler's own numerics, for the update's importance weights (a recording holds them itself)
+    own_logp = lean is not None and decode_dtype != torch.float32 and not record
     if record and (lean is None or cache is not None):
         raise ValueError("recording needs the lean decoder (cpu/decoder.py) and no transformers cache")
     prefix = None
@@ -251,6 +260,7 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
     lengths = torch.full((B,), sampling.max_new_tokens, dtype=torch.long, device=device)
     stop_window = max((len(s) for s in sampling.stop), default=0) + 2  # tokens enough to hold any stop string
     tokens: list[torch.Tensor] = []
+    logp: list[torch.Tensor] = []
     # on the fast path's oneDNN kernel, transformers' forward reads the weights laid out for B-row products
     with fast_path.decoding_weights(model, B) if lean is None and fast_path is not None else contextlib.nullcontext():
         for t in range(sampling.max_new_tokens):
@@ -259,6 +269,7 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
             else:
                 logits = model(input_ids=feed, attention_mask=mask, position_ids=positions, use_cache=True,
                                logits_to_keep=1, **{name: cache}).logits[:, -1].float()
+            logz = _scaled(logits, sampling.temperature).logsumexp(-1) if own_logp else None  # before EOS is masked
             if t < sampling.min_new_tokens:
                 logits[:, eos] = float("-inf")
             token = _sample(logits, sampling, None if t == 0 else (~ended).nonzero().squeeze(-1), generators)
@@ -268,6 +279,8 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
             token = token.masked_fill(ended, tokenizer.pad_token_id)
             if record:
                 decoder.sampled(token)
+            if own_logp:  # logits still unmasked where EOS was not (response_logprobs scores what the model gave)
+                logp.append(_scaled(logits, sampling.temperature).gather(-1, token[:, None]).squeeze(-1) - logz)
             tokens.append(token)
             ended |= torch.isin(token, eos) & ~fed
             if sampling.stop and t + 1 >= sampling.min_new_tokens:
@@ -286,9 +299,16 @@ def generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling: Sampling, 
             else:
                 decoder.end_rows(ended)  # ended rows leave its products
     ids_out = torch.cat([prompt_ids, torch.stack(tokens, dim=1).cpu()], dim=1)
+    sampling_logp = torch.stack(logp, dim=1).cpu() if own_logp else None
     if record:
-        return ids_out, lengths.cpu(), fast_path.recording(decoder, prefix, mask)
-    return ids_out, lengths.cpu()
+        return ids_out, lengths.cpu(), sampling_logp, fast_path.recording(decoder, prefix, mask)
+    return ids_out, lengths.cpu(), sampling_logp
+
+
+def _scaled(logits_BV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits at the temperature the update scores tokens with (greedy decoding: 1, as ``response_logprobs``)."""
+    temperature = float(temperature or 1.0)
+    return logits_BV / temperature if temperature != 1.0 else logits_BV
 
 
 def _sample(logits_BV: torch.Tensor, sampling: Sampling, rows: torch.Tensor | None = None,
@@ -349,8 +369,8 @@ def generate_modes(model, tokenizer, prompts: list[str], samplings: dict[str, Sa
     cache = prefill_cache(model, prompt_ids, prompt_mask) if prompt_ids.shape[1] > 1 else None
     out = {}
     for name, sampling in samplings.items():
-        ids, lengths = generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids,
-                                    copy.deepcopy(cache) if cache is not None else None)  # generate appends to its cache
+        ids, lengths, _ = generate_ids(model, tokenizer, prompt_ids, prompt_mask, sampling, eos_ids,
+                                       copy.deepcopy(cache) if cache is not None else None)  # generate appends to its cache
         out[name] = _finish(ids[:, prompt_ids.shape[1] :], lengths, tokenizer, eos_ids, sampling)[2]
     model.train(was_training)
     return out

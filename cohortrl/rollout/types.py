@@ -26,7 +26,9 @@ class Rollout:
     completions: list[str]  # (B,) decoded responses, without special tokens
     group_size: int  # G
     rows: list[dict] = field(default_factory=list)  # (B,) the dataset row each response answers
-    sampling_logp: torch.Tensor | None = None  # (B, T) log-probs under the sampler's own numerics (vLLM); None: HF
+    # (B, T) log-probs under the sampler's own numerics (vLLM; the lean decoder's bf16 products, unrecorded);
+    # None: the trainer's numerics
+    sampling_logp: torch.Tensor | None = None
     # The decoding forward, kept for the update's backward (cpu/replay.py); only for these rows as generated:
     # ``select`` and ``concat`` drop it.
     replay: object | None = field(default=None, repr=False)

@@ -89,7 +89,8 @@ def evaluate(
     correctness function gives it at least 1 (its mean value, for functions that are not 0/1, is logged as
     ``eval/correctness_mean``). With ``tools`` (a ``Toolset``) the model may call them, as in training; the
     built-in ``task`` reward grades the rendered text (``tools.render``). ``fast_path``: the run's CPU fast path
-    (``cpu.FastPath``), handed to generation; None: plain transformers.
+    (``cpu.FastPath``), handed to generation, which decodes in fp32 whatever its ``decode_dtype`` (that is for
+    training rollouts); None: plain transformers.
 
     On gym problems graded by keyed steps, ``eval/error/<category>`` is the fraction of greedy responses whose
     first error is of that category, and ``eval/unsupported_correct`` the fraction right by the outcome with a

@@ -204,11 +204,13 @@ class RLTrainer(Trainer):
         self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or bool(
             getattr(getattr(self.model, "config", None), "attention_dropout", 0))
         self.norm_length = self.cfg.algorithm.norm_length or cfg.sampling.max_new_tokens
-        # Whether step 3 computes log π_old; without it the update is on-policy (ratio 1). A vLLM sampler needs it
-        # for the importance weights (its own log-probs come from other numerics); so may the algorithm.
+        # Whether step 3 computes log π_old; without it the update is on-policy (ratio 1). So may the algorithm
+        # need it; and a sampler of other numerics (vLLM, the lean decoder's bf16 products) for the importance
+        # weights, unless the update differentiates decoding's own recorded forward, whose log-probs are π_old.
         a = cfg.algorithm
-        self.needs_old_logp = a.epochs > 1 or a.minibatches > 1 or self.engine.own_numerics or self.algorithm.needs_old_logp
+        self.needs_old_logp = a.epochs > 1 or a.minibatches > 1 or self.algorithm.needs_old_logp
         self.rollout_forward_reusable = self._reuse_rollout_forward()  # a property of the run: decided once
+        self.needs_old_logp |= self.engine.own_numerics and not self.rollout_forward_reusable
 
     def close(self) -> None:
         """Stop the reward workers (if any), then let the run go (``Trainer.close``: the fast path's allocator
@@ -232,6 +234,8 @@ class RLTrainer(Trainer):
         only while the policy trains."""
         a = self.cfg.algorithm
         if self.fast_path is None or self.fast_path.decoder_for(self.model) is None:  # nothing would record it
+            return False
+        if self.engine.syncs_weights:  # it samples from its own copy of the weights (vLLM), not the policy's forward
             return False
         return (self.cfg.train.reuse_rollout_forward and self.algorithm.reuses_rollout_forward and not self.needs_old_logp
                 and a.epochs == 1 and a.minibatches == 1 and self.dist.world == 1

@@ -56,7 +56,7 @@ def rl_step(t) -> dict:
 
         # 4. targets: where the algorithms differ
         targets = algo.targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
-        if rollout.sampling_logp is not None:  # sampled by vLLM: correct for its numerics
+        if rollout.sampling_logp is not None:  # sampled by other numerics (vLLM, bf16 decoding): correct for them
             targets = with_importance_weights(targets, rollout, old_logp, t.sampling.is_cap)
         if trace is not None:
             trace.scored(batch, rewards_B, keep_B, loss_mask, targets)
@@ -115,8 +115,8 @@ def reference_logprobs(reference, rollout, micro_batch_size: int, temperature: f
 
 
 def with_importance_weights(targets: Targets, rollout, old_logp: torch.Tensor, cap: float) -> Targets:
-    """vLLM sampled the batch: the targets with truncated importance weights w_t = min(π_old / π_vLLM, C) per
-    token, which correct the policy loss for the engine's other numerics."""
+    """vLLM or the lean decoder's bf16 products sampled the batch: the targets with truncated importance weights
+    w_t = min(π_old / π_sampler, C) per token, which correct the policy loss for the sampler's other numerics."""
     w = truncated_importance_weights(old_logp, rollout.sampling_logp, rollout.response_mask, cap)
     metrics = {**targets.metrics, "is_weight_mean": masked_mean(w, rollout.response_mask).item()}
     return dataclasses.replace(targets, is_weights=w, metrics=metrics)
@@ -182,7 +182,7 @@ def micro_batch_loss(t, mb, forward, inputs, targets: Targets, totals: UpdateTot
             logp=logp, old_logp=old, advantages=targets.advantages[mb.rows].to(dev), response_mask=mb.loss_mask,
             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
         )
-        if targets.is_weights is not None:  # vLLM sampled: w_t = min(π_old / π_vLLM, C) per token
+        if targets.is_weights is not None:  # other numerics sampled: w_t = min(π_old / π_sampler, C) per token
             loss_BT = loss_BT * targets.is_weights[mb.rows].to(dev)
         totals.add_policy(mb, loss_BT, entropy, pg_metrics)
     policy_BT = loss_BT

@@ -49,16 +49,17 @@ def with_lora(model, seed: int = 0):
     return model.eval()
 
 
-def _stepwise_logits(model, tok, steps: int = 6):
+def _stepwise_logits(model, tok, steps: int = 6, dtype=torch.float32):
     """Next-token logits of a fixed continuation of three left-padded prompts, from the lean decoder step by
-    step and from one transformers forward over the whole sequences: ((B, steps, V), (B, steps, V))."""
+    step (its products in ``dtype``) and from one transformers forward over the whole sequences: ((B, steps, V),
+    (B, steps, V))."""
     ids, mask, _ = encode_prompts(tok, PROMPTS, None, 512, "reject")
     torch.manual_seed(1)
     cont = torch.randint(5, len(tok) - 5, (ids.shape[0], steps - 1))
     with torch.no_grad(), linear_kernels("onednn"):
         cache = _prefill(model, ids[:, :-1], mask[:, :-1])
         positions = torch.cat([_positions(mask)[:, -1:], mask.sum(-1, keepdim=True) + torch.arange(steps - 1)], 1)
-        dec = LlamaDecoder(model, cache, mask, positions)
+        dec = LlamaDecoder(model, cache, mask, positions, dtype=dtype)
         feed = torch.cat([ids[:, -1:], cont], 1)
         ours = torch.stack([dec.step(feed[:, t]) for t in range(steps)], 1)
     full_ids, full_mask = torch.cat([ids, cont], 1), torch.cat([mask, torch.ones_like(cont)], 1)
