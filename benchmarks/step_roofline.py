@@ -26,6 +26,9 @@ from ``torch.profiler`` (top operators by self CPU time) on one extra step.
     .venv/bin/python benchmarks/step_roofline.py --init RUN/final --baseline /tmp/base --rounds 2
     # decoding's products in bf16 (train.cpu_decode_dtype; the shares stay those of the fp32 peak)
     .venv/bin/python benchmarks/step_roofline.py --init RUN/final --override train.cpu_decode_dtype=bfloat16
+    # ... against fp32 on an earlier checkout, alternating (the setting for the current tree only)
+    .venv/bin/python benchmarks/step_roofline.py --init RUN/final --baseline /tmp/base \
+        --current-override train.cpu_decode_dtype=bfloat16
 """
 
 from __future__ import annotations
@@ -226,8 +229,9 @@ def profile_step(trainer, top: int = 15) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def run_worker(tree: Path, args, profile: bool) -> dict:
-    """``worker`` in a subprocess with ``tree`` first on PYTHONPATH (the current checkout or a baseline)."""
+def run_worker(tree: Path, args, profile: bool, extra_overrides: list[str] = ()) -> dict:
+    """``worker`` in a subprocess with ``tree`` first on PYTHONPATH (the current checkout or a baseline), with
+    ``extra_overrides`` after the run's own."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", str(args.config),
            "--prompts", str(args.prompts), "--group", str(args.group), "--steps", str(args.steps),
            "--threads", str(args.threads), "--seed", str(args.seed)]
@@ -235,7 +239,7 @@ def run_worker(tree: Path, args, profile: bool) -> dict:
         cmd += ["--init", str(args.init)]
     if profile:
         cmd.append("--profile")
-    cmd += [f"--override={o}" for o in args.overrides]
+    cmd += [f"--override={o}" for o in (*args.overrides, *extra_overrides)]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=tree)  # its log and progress: stderr
     if out.returncode != 0:
@@ -304,6 +308,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--override", dest="overrides", action="append", default=[], help="a.b=value, repeatable")
+    parser.add_argument("--current-override", dest="current_overrides", action="append", default=[],
+                        help="a.b=value for the current tree's worker only (e.g. a setting the baseline does not have)")
     parser.add_argument("--baseline", type=Path, help="another checkout to alternate with (A/B), e.g. a git worktree")
     parser.add_argument("--rounds", type=int, default=2, help="baseline, current alternations (with --baseline)")
     parser.add_argument("--profile", action="store_true", help="one extra profiled step (the current tree only)")
@@ -320,7 +326,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name, _ in arms}
     for r in range(args.rounds if args.baseline else 1):
         for name, tree in arms:
-            out = run_worker(tree, args, profile=args.profile and name == "current" and r == 0)
+            out = run_worker(tree, args, profile=args.profile and name == "current" and r == 0,
+                             extra_overrides=args.current_overrides if name == "current" else ())
             results[name].append(out)
             times = lambda get: ", ".join(f"{get(s):.2f}" for s in out["steps"])  # noqa: E731
             print(f"round {r} {name}: steps {times(lambda s: s['step_s'])} s (generate "
