@@ -578,14 +578,15 @@ class TrainConfig:
     cpu_decode_dtype: Literal["float32", "bfloat16"] = "float32"
     """The lean decoder's products (``cpu/decoder.py``) in training rollouts: ``bfloat16`` casts each product's
     input and the laid-out weights (LoRA adapters folded in first, in fp32) to bf16, its output back to fp32,
-    several times faster on a CPU with bf16 units (AVX512-BF16, AMX; ``docs/performance.md``); the residual
+    faster on a CPU with bf16 units (AVX512-BF16, AMX; ``docs/performance.md`` has the measurements); the residual
     stream, norms, rotary, attention, sampling and the KV cache stay fp32, and so do the model's weights, its
     adapters, the optimiser and the update's own forward. The update sees the sampler's numbers: its replayed
     backward (``reuse_rollout_forward``) differentiates the bf16 forward decoding ran, so π_old is the sampling
     probability; where it runs its own fp32 forward instead, the rollout's bf16 log-probs correct the loss with
-    truncated importance weights (``sampling.is_cap``), as for vLLM. Evaluation (during training and ``cohortrl
-    eval``) decodes in fp32 whatever this says. Needs the fast path's oneDNN kernel and a CPU with bf16 units,
-    checked when the run starts (an error, not a fallback)."""
+    truncated importance weights (``sampling.is_cap``), as for vLLM. With β > 0 the KL term compares that bf16
+    policy's log-probs with the fp32 reference's, so it is not 0 at identical weights (its size not measured).
+    Evaluation (during training and ``cohortrl eval``) and SFT decode in fp32 whatever this says. Needs the
+    fast path's oneDNN kernel and a CPU with bf16 units, checked when the run starts (an error, not a fallback)."""
     reuse_rollout_forward: bool = True
     """GRPO with one update per rollout (``algorithm.epochs`` 1, one minibatch, one micro-batch), one process,
     the lean decoder (``cpu/decoder.py``) and no dropout: the policy that sampled is the policy being

@@ -100,11 +100,14 @@ def build(settings, device, model, *, generates: bool = True) -> FastPath | None
         return None
     decode_dtype = torch.float32
     if generates:
-        linear = linear_kernel(settings, device, model)
-        decode_dtype = resolve_decode_dtype(settings.cpu_decode_dtype, linear)
-        if decode_dtype != torch.float32 and decoder.decoder_for(model) is None:
+        # the model first: on one the lean decoder does not compute, cpu_linear auto has already fallen back to
+        # aten, and the kernel's error would send the user to the wrong setting
+        if (settings.cpu_decode_dtype != "float32" and torch.device(device).type == "cpu"
+                and decoder.decoder_for(model) is None):
             raise RuntimeError("train.cpu_decode_dtype=bfloat16 needs the lean decoder, which does not compute this "
                                "model (the reason is logged above); set train.cpu_decode_dtype=float32.")
+        linear = linear_kernel(settings, device, model)
+        decode_dtype = resolve_decode_dtype(settings.cpu_decode_dtype, linear)
     else:
         linear = resolve_cpu_linear(settings.cpu_linear, device)
     allocator = resolve_cpu_allocator(settings.cpu_allocator, device)

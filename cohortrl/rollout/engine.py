@@ -33,7 +33,9 @@ from cohortrl.rollout.types import Rollout
 
 
 class RolloutEngine(Protocol):
-    own_numerics: bool  # rollout.sampling_logp holds its log-probs, from numerics other than the trainer's
+    # It samples with numerics other than the trainer's: rollout.sampling_logp holds its log-probs (None where a
+    # recording of that decoding is kept instead: the update differentiates it, so its log-probs are π_old).
+    own_numerics: bool
     syncs_weights: bool  # it samples from its own copy of the weights: sync_weights after the policy changes
 
     def generate(self, rows: list[dict], group_size: int, sampling: Sampling, *, system_prompt: str | None,

@@ -39,6 +39,9 @@ class Algorithm:
     # actually sampled from).
     loss_temperature: float | None = None
     needs_old_logp = False  # step 3 computes log π_old for the algorithm's own use (besides several updates or vLLM)
+    # The loss has a policy-ratio term that a sampler of other numerics (vLLM, bf16 decoding) must correct with
+    # importance weights; False where no ratio reaches the loss (RFT's supervised loss), so no log π_old for them.
+    corrects_sampler = True
     policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO's critic warm-up)
     progress_metric = "kl"  # the number the progress bar shows beside reward and accuracy
 

@@ -33,6 +33,7 @@ __all__ = ["RFT", "RFTTrainer"]
 class RFT(Algorithm):
     loss_temperature = 1.0  # the SFT loss's distribution, whatever the sampling temperature
     progress_metric = "loss"
+    corrects_sampler = False  # zero advantages: no ratio term to weight, whoever sampled
 
     def __init__(self, cfg, dist, device, policy):
         self.correctness = cfg.reward.correctness

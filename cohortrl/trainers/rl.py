@@ -210,7 +210,8 @@ class RLTrainer(Trainer):
         a = cfg.algorithm
         self.needs_old_logp = a.epochs > 1 or a.minibatches > 1 or self.algorithm.needs_old_logp
         self.rollout_forward_reusable = self._reuse_rollout_forward()  # a property of the run: decided once
-        self.needs_old_logp |= self.engine.own_numerics and not self.rollout_forward_reusable
+        self.needs_old_logp |= (self.engine.own_numerics and self.algorithm.corrects_sampler
+                                and not self.rollout_forward_reusable)
 
     def close(self) -> None:
         """Stop the reward workers (if any), then let the run go (``Trainer.close``: the fast path's allocator

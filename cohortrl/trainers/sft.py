@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -334,7 +334,8 @@ class SFTTrainer(Trainer):
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer,
                                                   activation_checkpointing=cfg.train.activation_checkpointing)
         self.model.to(self.device)
-        self.fast_path = build_fast_path(cfg.train, self.device, self.model)  # every step's and evaluation's kernel
+        # every step's and evaluation's kernel; no training rollouts, so train.cpu_decode_dtype does not apply
+        self.fast_path = build_fast_path(replace(cfg.train, cpu_decode_dtype="float32"), self.device, self.model)
         # The prompt and call form RL and evaluation will use with this tokenizer (rollout/hf.py's generate): in
         # the text protocol the tools' description follows the system prompt, in the chat protocol the template
         # describes their schemas.

@@ -56,7 +56,7 @@ def rl_step(t) -> dict:
 
         # 4. targets: where the algorithms differ
         targets = algo.targets(batch, rewards_B, loss_mask, ref_logp, old_logp, timer)
-        if rollout.sampling_logp is not None:  # sampled by other numerics (vLLM, bf16 decoding): correct for them
+        if rollout.sampling_logp is not None and algo.corrects_sampler:  # sampled by other numerics (vLLM, bf16 decoding)
             targets = with_importance_weights(targets, rollout, old_logp, t.sampling.is_cap)
         if trace is not None:
             trace.scored(batch, rewards_B, keep_B, loss_mask, targets)

@@ -19,8 +19,17 @@ from tests.cpu.test_decoder import PROMPTS, tiny_qwen2, with_lora
 from tests.cpu.test_decoder import _stepwise_logits as stepwise_logits
 from tests.cpu.test_replay import build as build_model, grads
 
-needs_bf16 = pytest.mark.skipif(not (kernels.onednn_available() and kernels.cpu_has_bf16_units()),
-                                reason="no oneDNN linear op or no bf16 units (avx512_bf16, amx_bf16) on this CPU")
+# oneDNN computes bf16 products on any x86 CPU with AVX-512 (converting where the CPU has no bf16 units, no faster
+# than fp32 there): the arithmetic is tested wherever it runs, the run-time refusal apart.
+needs_bf16 = pytest.mark.skipif(
+    not (kernels.onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="this PyTorch build's oneDNN computes no bf16 products on this CPU")
+
+
+@pytest.fixture(autouse=True)
+def bf16_units(monkeypatch):
+    """The tests run as on a CPU with bf16 units (the refusal test says otherwise for itself)."""
+    monkeypatch.setattr(kernels, "cpu_has_bf16_units", lambda: True)
 BF16 = FastPath("onednn", "system", torch.bfloat16)
 
 
@@ -153,6 +162,23 @@ def test_a_grpo_step_samples_with_bf16_products_and_trains(tmp_path, addition_js
     trainer.close()
 
 
+@needs_bf16
+def test_rft_with_bf16_sampling_computes_no_old_log_probs(tmp_path, addition_jsonl):
+    """RFT's loss has no ratio term (zero advantages, the supervised loss): a bf16 sampler needs no importance
+    weights there, so the step runs no forward for log π_old."""
+    from cohortrl.trainers import make_trainer
+    from tests.trainers.test_rft import rft_config
+
+    cfg = rft_config(addition_jsonl)
+    cfg = cfg.with_overrides("train.cpu_decode_dtype=bfloat16", "train.reuse_rollout_forward=false")
+    trainer = make_trainer(cfg, tmp_path)
+    assert trainer.engine.own_numerics and not trainer.rollout_forward_reusable
+    assert not trainer.needs_old_logp
+    row = trainer.step()
+    assert "is_weight_mean" not in row and torch.isfinite(torch.tensor(row["loss"]))
+    trainer.close()
+
+
 def test_evaluation_decodes_in_fp32_whatever_the_runs_setting(monkeypatch):
     """``generate`` without ``decode_dtype`` (what evaluation calls) asks the fast path for an fp32 decoder."""
     asked = []
@@ -172,6 +198,16 @@ def test_bfloat16_decoding_is_refused_on_a_cpu_without_bf16_units(monkeypatch):
     cfg = _config(["train.cpu_decode_dtype=bfloat16"])
     model, _ = load_model("tiny-llama", seed=0)
     with pytest.raises(RuntimeError, match="no bf16 units.*set train.cpu_decode_dtype=float32"):
+        build(cfg.train, "cpu", model)
+
+
+def test_bfloat16_decoding_of_a_model_the_lean_decoder_does_not_compute_names_the_decoder():
+    """Not the oneDNN kernel's message: under cpu_linear auto the kernel has fallen back because of the model."""
+    from tests.trainers.test_other_architectures import tiny_gpt2
+
+    cfg = _config(["train.cpu_decode_dtype=bfloat16"])
+    model, _ = tiny_gpt2()
+    with pytest.raises(RuntimeError, match="needs the lean decoder, which does not compute this model"):
         build(cfg.train, "cpu", model)
 
 
