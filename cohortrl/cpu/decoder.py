@@ -355,8 +355,8 @@ class LlamaDecoder:
         for row in rows[~keep].tolist():
             self.dropped[row] = self.s
         self.rows = rows[keep]
-        self.k = [_kept_rows(k, keep) for k in self.k]
-        self.v = [_kept_rows(v, keep) for v in self.v]
+        self.k = [_kept_rows(k, keep, self.col) for k in self.k]
+        self.v = [_kept_rows(v, keep, self.col) for v in self.v]
         Hkv = self.Hkv
         self.key_bias_groups = self.key_bias_groups.view(len(rows), Hkv, 1, -1)[keep].flatten(0, 1)
 
@@ -426,10 +426,13 @@ class LlamaDecoder:
         self._z = None
 
 
-def _kept_rows(cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``cache[keep]`` (rows of a KV cache), copied into a map of its own like the cache it replaces."""
-    rows = keep.nonzero().squeeze(-1)
-    return torch.index_select(cache, 0, rows, out=mapped_zeros((len(rows), *cache.shape[1:]), cache.dtype))
+def _kept_rows(cache: torch.Tensor, keep: torch.Tensor, written: int) -> torch.Tensor:
+    """``cache[keep]`` (rows of a KV cache, (B, Hkv, T, D)) in a map of its own like the cache it replaces,
+    copying only the ``written`` columns: reading or writing the columns still to come would make their pages
+    resident for the whole budget."""
+    kept = mapped_zeros((int(keep.sum()), *cache.shape[1:]), cache.dtype)
+    kept[:, :, :written] = cache[keep, :, :written]
+    return kept
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -132,11 +132,10 @@ def mapped_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
 
     For the lean decoder's per-call buffers (KV cache, recording), sized for the whole sampling budget and for
     the step's prompt length, so different in size at every step. Out of a heap that is never trimmed, such
-    blocks leave holes the next step's slightly larger ones do not fit, and the heap grew step after step: on
-    ``configs/demo_grpo.yaml`` from 5.1 to 8.6 GB of peak resident memory over 8 steps, where glibc's own
-    allocator stayed at 4.8-6.4 GB (docs/performance.md). A fresh map costs page faults for what a step writes,
-    which the budget-sized allocation mostly does not reach. Blocks under ``MAPPED_MIN_BYTES`` come from
-    ``torch.zeros`` (the kernel zero-fills a fresh map, so both start at zero)."""
+    blocks leave holes the next step's slightly larger ones do not fit, and the heap grew step after step
+    (docs/performance.md, the allocator's row, has the measurement). A fresh map costs page faults for what a
+    step writes, which the budget-sized allocation mostly does not reach. Blocks under ``MAPPED_MIN_BYTES``
+    come from ``torch.zeros`` (the kernel zero-fills a fresh map, so both start at zero)."""
     import torch
 
     numel = math.prod(shape)
@@ -145,4 +144,6 @@ def mapped_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
         return torch.zeros(shape, dtype=dtype)
     # torch.frombuffer keeps the map alive through the tensor's storage (and every view of it); the map is
     # unmapped when the storage is freed
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)
+    # MAP_PRIVATE: a page never written is read as the kernel's shared zero page, not allocated (mmap's default,
+    # MAP_SHARED, allocates a page at its first read), and a forked child copies rather than shares
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel).view(shape)

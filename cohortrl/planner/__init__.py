@@ -372,10 +372,18 @@ LOGPROB_KEEP_BYTES = 128 * 2**20  # = rollout.hf.LOGPROB_KEEP_BYTES
 RECORD_LOGITS_BYTES = 128 * 2**20  # = cpu.decoder.RECORD_LOGITS_BYTES
 
 
-def recording_rows(run: RunSpec, steps: int) -> int:
-    """Rows decoding's recording holds (``cpu/decoder.LlamaDecoder``, ``record=True``) after ``steps`` decoding
-    steps: each distinct prompt's first s_p − 1 columns once (the prefix), then B rows per step."""
-    return run.prompts * (run.prompt_len - 1) + run.sequences * steps
+def recording_rows(run: RunSpec) -> int:
+    """Rows decoding's recording holds (``cpu/decoder.LlamaDecoder``, ``record=True``): each distinct prompt's
+    first s_p − 1 columns once (the prefix), then one row per token fed to a row still computed. Rows leave the
+    products once a quarter of those still computed have ended (``end_rows``), so that is about the response
+    and tool-result tokens: counted as those (B·T where they are not given), slightly under what is written."""
+    return run.prompts * (run.prompt_len - 1) + decoded_rows(run)
+
+
+def decoded_rows(run: RunSpec) -> int:
+    """The decoding rows with a real token: every response and tool-result token (B·T − padding), B·T when the
+    response tokens are not given."""
+    return min(run.sequences * run.response_len, run.scored_tokens + run.tool_tokens)
 
 
 def recording_bytes(m: ModelShape, run: RunSpec) -> float:
@@ -386,12 +394,12 @@ def recording_bytes(m: ModelShape, run: RunSpec) -> float:
 
     The decoder allocates these buffers for the whole sampling budget, each in a memory map of its own
     (``cpu/memory.mapped_zeros``), whose pages become resident only when written: what is resident is the
-    rows of the T steps it ran, counted here (an upper bound: rows that ended early stop being written)."""
+    rows it wrote (:func:`recording_rows`), counted here."""
     h, f, d = m.hidden_size, m.intermediate_size, m.d
     per_row = m.num_layers * (2 * h + (m.num_heads + 2 * m.num_kv_heads) * d + 2 * f)
-    decoded = run.sequences * run.response_len
+    decoded = decoded_rows(run)
     logits_kept = run.sequences * run.budget * m.vocab_size * 4 <= RECORD_LOGITS_BYTES  # decided on the budget
-    return (recording_rows(run, run.response_len) * per_row + decoded * h) * 4 + (decoded * m.vocab_size * 4 if logits_kept else 0)
+    return (recording_rows(run) * per_row + decoded * h) * 4 + (decoded * m.vocab_size * 4 if logits_kept else 0)
 
 
 def replay_temporaries(m: ModelShape, run: RunSpec) -> float:
@@ -400,7 +408,7 @@ def replay_temporaries(m: ModelShape, run: RunSpec) -> float:
     silu(gate), the down projection's input and input gradient and the gate's gradient (4f) with the norm's
     input gradient and output (2h) and the LoRA branch's input gradient (h); plus two chunks of at most
     32 MiB (the head's logits, an attention block's probabilities)."""
-    return recording_rows(run, run.response_len) * (4 * m.intermediate_size + 4 * m.hidden_size) * 4 + 2 * LOGPROB_CHUNK_BYTES
+    return recording_rows(run) * (4 * m.intermediate_size + 4 * m.hidden_size) * 4 + 2 * LOGPROB_CHUNK_BYTES
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,21 @@ def test_buffers_in_maps_of_their_own_decode_and_record_the_same(monkeypatch):
     assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[2**62])
 
 
+def test_a_dropped_rows_cache_copies_only_the_columns_written():
+    """``_kept_rows``: the kept rows' written columns, and nothing read or written beyond them (columns still
+    to come would otherwise become resident for the whole budget): here unwritten columns hold NaN in the
+    source and stay zero in the copy."""
+    from cohortrl.cpu.decoder import _kept_rows
+
+    cache = torch.full((4, 2, 10, 3), float("nan"))
+    cache[:, :, :6] = torch.arange(4 * 2 * 6 * 3, dtype=torch.float32).view(4, 2, 6, 3)
+    keep = torch.tensor([True, False, True, True])
+    kept = _kept_rows(cache, keep, written=6)
+    assert kept.shape == (3, 2, 10, 3)
+    assert torch.equal(kept[:, :, :6], cache[keep, :, :6])
+    assert not kept[:, :, 6:].any()
+
+
 class _NewerLoraLinear(torch.nn.Module):
     """A LoRA layer as a later PEFT might lay it out: a base layer and a delta weight, but none of the
     attributes (``disable_adapters``, ``merged``, ``active_adapters``, ``lora_A``) the fast path reads."""
