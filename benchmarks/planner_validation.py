@@ -1,7 +1,8 @@
 """``cohortrl plan`` against measurement: peak resident memory and step time of real training steps on this CPU
 beside the planner's prediction for the same work, on the configurations the engineering runs use.
 
-Each configuration runs in its own subprocess (so its peak, ru_maxrss, is its own), niced by the caller. The
+Each configuration runs in its own subprocess, niced by the caller; each step's peak resident memory is its own
+(Linux's VmHWM, reset before the step), not the process's peak so far. The
 subprocess reads its baseline (VmRSS after importing torch, transformers, peft and the trainer, before any
 model), measures this CPU's rates at the model's shapes (``planner.measure_cpu_rates``: the
 calibration the planner's times rest on, taken in the same process, at the same moment and with the same
@@ -71,6 +72,24 @@ def vm_rss_bytes() -> float:
         if line.startswith("VmRSS:"):
             return float(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS in /proc/self/status: this benchmark needs Linux")
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak: Linux resets VmHWM (the peak resident set) on writing 5 to /proc/self/clear_refs. False
+    where it cannot (then each step's peak is the process's peak so far)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def step_peak_mib() -> float:
+    """VmHWM: the peak resident memory since the last :func:`reset_peak_rss` (Linux, reported in kB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return float(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status: this benchmark needs Linux")
 
 
 def cpu_seconds() -> float:
@@ -160,10 +179,12 @@ def child(name: str, args) -> None:
         trainer.sampler.sample = timed("sample", sample)  # generation and scoring
         for i in range(args.steps):
             steps.append({})
+            per_step = reset_peak_rss()  # each step's own peak, not the process's so far
             wall, cpu = time.perf_counter(), cpu_seconds()
             with profiled(i + 1 == args.profile_step):
                 metrics = trainer.step()
-            steps[-1].update(wall_s=time.perf_counter() - wall, cpu_s=cpu_seconds() - cpu, peak_rss_mb=peak_rss_mb(),
+            steps[-1].update(wall_s=time.perf_counter() - wall, cpu_s=cpu_seconds() - cpu, peak_rss_mb=step_peak_mib(),
+                             peak_is_the_steps=per_step,
                              phases={k[5:]: v for k, v in metrics.items() if k.startswith("time/")})
             trainer.step_count += 1
         trainer.close()
@@ -250,7 +271,8 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(kept + measurements, indent=1) + "\n")
         measurements = kept + measurements
     text, ok = table([(m, compare(m)) for m in measurements])
-    print(f"fp32, one process; memory: predicted peak vs ru_maxrss (tolerance ±{MEMORY_TOLERANCE:.0%}); time: "
+    print(f"fp32, one process; memory: predicted peak vs the step's peak resident memory (VmHWM reset before the "
+          f"step; tolerance ±{MEMORY_TOLERANCE:.0%}); time: "
           f"predicted compute seconds vs the step's process CPU time at {measurements[0]['threads']} thread(s) "
           f"(tolerance ±{TIME_TOLERANCE:.0%})\n")
     print(text)

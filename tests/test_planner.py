@@ -292,10 +292,14 @@ def test_a_shared_prompt_is_prefilled_and_recorded_once_per_distinct_prompt():
     # (8·50·49,152·4 = 78,643,200 bytes: kept)
     rows = 100 + 8 * 50
     assert recording_bytes(SMOL, one_prompt) == (rows * 30 * 5_184 + 8 * 50 * 576) * 4 + 78_643_200
-    # allocated for the sampling budget, not the steps decoding ran: 8 more rows per step of budget
+    # allocated for the sampling budget, in memory maps resident only where written: the rows of the T steps
+    # decoding ran count, the budget decides only whether the logits are kept
     # (8·90·49,152·4 = 141,557,760 bytes of logits > 128 MiB: not kept)
     budget = replace(one_prompt, max_new_tokens=90)
-    assert recording_bytes(SMOL, budget) == ((100 + 8 * 90) * 30 * 5_184 + 8 * 90 * 576) * 4
+    assert recording_bytes(SMOL, budget) == (rows * 30 * 5_184 + 8 * 50 * 576) * 4
+    # rows that ended leave the products: the rows written are about the real tokens, 300 of B·T = 400 here
+    ended = replace(budget, response_tokens=280, tool_tokens=20)
+    assert recording_bytes(SMOL, ended) == ((100 + 300) * 30 * 5_184 + 300 * 576) * 4
     # identical prompts passed as distinct ones cost their prefix again
     assert plan(SMOL, replace(two_prompts, distinct_prompts=1)).flops.prefill == plan(SMOL, one_prompt).flops.prefill
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cohortrl.cpu import kernels
+from cohortrl.cpu.memory import mapped_zeros
 
 log = logging.getLogger("cohortrl")
 
@@ -264,8 +265,9 @@ class LlamaDecoder:
         self.col = seen
         T = seen + S
         dtype = self.embed.dtype  # fp32: the cache and the records whatever the products' dtype
-        self.k = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
-        self.v = [torch.zeros(B, self.Hkv, T, self.D, dtype=dtype) for _ in self.layers]
+        # the per-call buffers (KV cache, recording) in maps of their own, returned to the OS when freed (memory.py)
+        self.k = [mapped_zeros((B, self.Hkv, T, self.D), dtype) for _ in self.layers]
+        self.v = [mapped_zeros((B, self.Hkv, T, self.D), dtype) for _ in self.layers]
         for i in range(len(self.layers) if hf_cache is not None and seen else 0):
             keys, values = _cached(hf_cache, i)
             self.k[i][:, :, :seen] = keys[..., pair]  # the keys in the paired order, as computed below
@@ -288,9 +290,9 @@ class LlamaDecoder:
         self.n_prefix = prefix[0].numel() if record and prefix is not None else 0
         rows, d = self.n_prefix + S * B, cfg.hidden_size
         widths = (d, (self.H + 2 * self.Hkv) * D, d, 2 * cfg.intermediate_size)  # x_in, qkv, x_mid, gate_up
-        self.records = [[torch.empty(rows, w, dtype=dtype) for w in widths] for _ in self.layers] if record else []
-        self.finals = torch.empty(S * B, d, dtype=dtype) if record else None  # the last layer's output, before the final norm
-        self.logits = torch.empty(S * B, V, dtype=torch.float32) if self.keep_logits else None  # as returned, while they fit
+        self.records = [[mapped_zeros((rows, w), dtype) for w in widths] for _ in self.layers] if record else []
+        self.finals = mapped_zeros((S * B, d), dtype) if record else None  # the last layer's output, before the final norm
+        self.logits = mapped_zeros((S * B, V), torch.float32) if self.keep_logits else None  # as returned, while they fit
         self.fed: list[torch.Tensor] = []  # per step: the tokens fed (B,)
         self.temperature = float(temperature or 1.0)  # greedy decoding is scored at temperature 1, as response_logprobs does
         self.logz: list[torch.Tensor] = []  # per step (B,): log Σ exp(logits / temperature)
@@ -366,8 +368,8 @@ class LlamaDecoder:
         for row in rows[~keep].tolist():
             self.dropped[row] = self.s
         self.rows = rows[keep]
-        self.k = [k[keep] for k in self.k]
-        self.v = [v[keep] for v in self.v]
+        self.k = [_kept_rows(k, keep, self.col) for k in self.k]
+        self.v = [_kept_rows(v, keep, self.col) for v in self.v]
         Hkv = self.Hkv
         self.key_bias_groups = self.key_bias_groups.view(len(rows), Hkv, 1, -1)[keep].flatten(0, 1)
 
@@ -435,6 +437,15 @@ class LlamaDecoder:
         target = self._z.gather(-1, (token_B if rows is None else token_B[rows])[:, None]).squeeze(-1)
         self.target.append(target if rows is None else target.new_zeros(self.B).index_copy_(0, rows, target))
         self._z = None
+
+
+def _kept_rows(cache: torch.Tensor, keep: torch.Tensor, written: int) -> torch.Tensor:
+    """``cache[keep]`` (rows of a KV cache, (B, Hkv, T, D)) in a map of its own like the cache it replaces,
+    copying only the ``written`` columns: reading or writing the columns still to come would make their pages
+    resident for the whole budget."""
+    kept = mapped_zeros((int(keep.sum()), *cache.shape[1:]), cache.dtype)
+    kept[:, :, :written] = cache[keep, :, :written]
+    return kept
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import platform
 
 log = logging.getLogger("cohortrl")
@@ -42,6 +44,9 @@ M_TRIM_THRESHOLD = -1  # <malloc.h>
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+# mapped_zeros maps blocks from this size on: a map costs a system call and its own page faults, worth it for
+# every block big enough to leave a hole in the heap (under the retained allocator glibc maps none itself)
+MAPPED_MIN_BYTES = 2**20
 # glibc's starting values (DEFAULT_MMAP_THRESHOLD_MIN, DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX), put back on release
 GLIBC_DEFAULTS = ((M_MMAP_THRESHOLD, 128 * 1024), (M_TRIM_THRESHOLD, 128 * 1024), (M_MMAP_MAX, 65536))
 
@@ -119,3 +124,26 @@ def apply_cpu_allocator(kind: str) -> bool:
     """Put a resolved ``cpu_allocator`` into effect (``system``: nothing to do). Returns whether the caller now
     holds the retained allocator and must call :func:`release_freed_memory` when its run ends."""
     return kind == "retain" and retain_freed_memory()
+
+
+def mapped_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
+    """A zero tensor of ``shape`` in an anonymous memory map of its own, outside the retained heap: its pages
+    become resident only when written, and all go back to the OS when the last tensor viewing it is freed.
+
+    For the lean decoder's per-call buffers (KV cache, recording), sized for the whole sampling budget and for
+    the step's prompt length, so different in size at every step. Out of a heap that is never trimmed, such
+    blocks leave holes the next step's slightly larger ones do not fit, and the heap grew step after step
+    (docs/performance.md, the allocator's row, has the measurement). A fresh map costs page faults for what a
+    step writes, which the budget-sized allocation mostly does not reach. Blocks under ``MAPPED_MIN_BYTES``
+    come from ``torch.zeros`` (the kernel zero-fills a fresh map, so both start at zero)."""
+    import torch
+
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < MAPPED_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    # torch.frombuffer keeps the map alive through the tensor's storage (and every view of it); the map is
+    # unmapped when the storage is freed
+    # MAP_PRIVATE: a page never written is read as the kernel's shared zero page, not allocated (mmap's default,
+    # MAP_SHARED, allocates a page at its first read), and a forked child copies rather than shares
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel).view(shape)

@@ -192,7 +192,7 @@ class RunSpec:
     lora_rank: int = 0  # 0: full fine-tuning
     prompt_len: int = 512  # s_p, padded
     response_len: int = 1024  # T, padded: the decoding steps, sampled and tool-result tokens alike
-    max_new_tokens: int | None = None  # the sampling budget (≥ T); None: T. The CPU decoder allocates for it
+    max_new_tokens: int | None = None  # the sampling budget (≥ T); None: T. The CPU decoder sizes its buffers by it
     group_size: int = 8  # G
     prompts_per_step: int = 64  # P
     micro_batch_size: int = 0  # b, sequences per forward/backward on one device; 0: all of them at once
@@ -372,10 +372,18 @@ LOGPROB_KEEP_BYTES = 128 * 2**20  # = rollout.hf.LOGPROB_KEEP_BYTES
 RECORD_LOGITS_BYTES = 128 * 2**20  # = cpu.decoder.RECORD_LOGITS_BYTES
 
 
-def recording_rows(run: RunSpec, steps: int) -> int:
-    """Rows decoding's recording holds (``cpu/decoder.LlamaDecoder``, ``record=True``) after ``steps`` decoding
-    steps: each distinct prompt's first s_p − 1 columns once (the prefix), then B rows per step."""
-    return run.prompts * (run.prompt_len - 1) + run.sequences * steps
+def recording_rows(run: RunSpec) -> int:
+    """Rows decoding's recording holds (``cpu/decoder.LlamaDecoder``, ``record=True``): each distinct prompt's
+    first s_p − 1 columns once (the prefix), then one row per token fed to a row still computed. Rows leave the
+    products once a quarter of those still computed have ended (``end_rows``), so that is about the response
+    and tool-result tokens: counted as those (B·T where they are not given), slightly under what is written."""
+    return run.prompts * (run.prompt_len - 1) + decoded_rows(run)
+
+
+def decoded_rows(run: RunSpec) -> int:
+    """The decoding rows with a real token: every response and tool-result token (B·T − padding), B·T when the
+    response tokens are not given."""
+    return min(run.sequences * run.response_len, run.scored_tokens + run.tool_tokens)
 
 
 def recording_bytes(m: ModelShape, run: RunSpec) -> float:
@@ -384,15 +392,14 @@ def recording_bytes(m: ModelShape, run: RunSpec) -> float:
     decoding row the last layer's output (h); and the logits of every decoding row when B·(budget)·V fp32
     fits in RECORD_LOGITS_BYTES (``cpu/decoder.py``).
 
-    Counted as the decoder allocates it (``torch.empty``), for the whole sampling budget, not for the T steps
-    it ran: a page is resident once written, so a fresh process's first step, which writes T steps' rows
-    into new pages, can sit below this; later steps reuse heap pages earlier steps wrote (``train.cpu_allocator``
-    retain keeps them), and their resident peak reaches it."""
+    The decoder allocates these buffers for the whole sampling budget, each in a memory map of its own
+    (``cpu/memory.mapped_zeros``), whose pages become resident only when written: what is resident is the
+    rows it wrote (:func:`recording_rows`), counted here."""
     h, f, d = m.hidden_size, m.intermediate_size, m.d
     per_row = m.num_layers * (2 * h + (m.num_heads + 2 * m.num_kv_heads) * d + 2 * f)
-    decoded = run.sequences * run.budget
-    logits = decoded * m.vocab_size * 4
-    return (recording_rows(run, run.budget) * per_row + decoded * h) * 4 + (logits if logits <= RECORD_LOGITS_BYTES else 0)
+    decoded = decoded_rows(run)
+    logits_kept = run.sequences * run.budget * m.vocab_size * 4 <= RECORD_LOGITS_BYTES  # decided on the budget
+    return (recording_rows(run) * per_row + decoded * h) * 4 + (decoded * m.vocab_size * 4 if logits_kept else 0)
 
 
 def replay_temporaries(m: ModelShape, run: RunSpec) -> float:
@@ -401,7 +408,7 @@ def replay_temporaries(m: ModelShape, run: RunSpec) -> float:
     silu(gate), the down projection's input and input gradient and the gate's gradient (4f) with the norm's
     input gradient and output (2h) and the LoRA branch's input gradient (h); plus two chunks of at most
     32 MiB (the head's logits, an attention block's probabilities)."""
-    return recording_rows(run, run.response_len) * (4 * m.intermediate_size + 4 * m.hidden_size) * 4 + 2 * LOGPROB_CHUNK_BYTES
+    return recording_rows(run) * (4 * m.intermediate_size + 4 * m.hidden_size) * 4 + 2 * LOGPROB_CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -484,10 +491,9 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
         ckpt = (tokens + critic_tokens) * activation_elements_per_token(m, True) * act_bytes
         logits = chunked_logit_bytes(scored_b, m.vocab_size)  # the chunked head (rollout/hf._HeadLogProbs)
         recording = temporaries = 0.0
-    # K and V of every row's whole length. The CPU's lean decoder (fp32) allocates them zeroed, every page
-    # touched, for the whole budget before the first step (cpu/decoder.py); HF generate grows them to T.
-    length = run.prompt_len + (run.budget if run.device == "cpu" and dt == "fp32" else run.response_len)
-    kv = kv_cache_bytes(m, run.sequences // n * length, dt)
+    # K and V of every row's whole length, s_p + T: HF generate grows them to T; the CPU's lean decoder (fp32)
+    # allocates them for the budget in memory maps whose pages become resident as the T steps write them.
+    kv = kv_cache_bytes(m, run.sequences // n * run.seq_len, dt)
     # On a CPU in fp32 (train.cpu_linear auto), decoding holds a second copy of every linear weight, the
     # projections and the LM head, in oneDNN's layout (the lean decoder's merged q/k/v and gate/up copies, or
     # kernels.decoding_weights for transformers' forward: the same bytes); LoRA's small matrices are not counted.

@@ -11,6 +11,7 @@ from cohortrl.cpu import FastPath, kernels
 from cohortrl.cpu.kernels import linear_kernels
 from cohortrl.models import build_tiny_tokenizer, load_model
 from cohortrl.cpu import decoder as decoder_module
+from cohortrl.cpu import memory as cpu_memory
 from cohortrl.cpu.decoder import LlamaDecoder, decoder_for
 from cohortrl.rollout.hf import Sampling, _positions, _prefill, encode_prompts, generate
 from cohortrl.cpu.replay import Recording
@@ -199,6 +200,52 @@ def test_ended_rows_leave_the_products_and_the_others_sample_the_same_tokens(rec
         for got, expected in zip(out[0.0].replay.logprobs(out[0.0].response_ids, out[0.0].response_mask, 1.0),
                                  out[2.0].replay.logprobs(out[2.0].response_ids, out[2.0].response_mask, 1.0)):
             assert torch.equal(got, expected)
+
+
+@needs_onednn
+def test_buffers_in_maps_of_their_own_decode_and_record_the_same(monkeypatch):
+    """The KV cache and the recording in anonymous maps (``memory.mapped_zeros``; the tiny model's buffers are
+    under the size that maps, so the threshold is lowered to map every one): the same tokens, the same
+    recorded log-probs and the same replayed gradients as from the heap, with rows dropped at every end."""
+    model, tok = load_model("tiny-llama-4l", seed=7)
+    model.generation_config.eos_token_id = list(range(10, len(tok), 5))
+    rows = [{"prompt": p} for p in PROMPTS]
+    monkeypatch.setattr(decoder_module, "DROP_SHARE", 0.0)
+    mapped = []
+    real = cpu_memory.mapped_zeros
+    monkeypatch.setattr(decoder_module, "mapped_zeros", lambda *a: mapped.append(1) or real(*a))
+    ids, logps, grads = {}, {}, {}
+    for floor in (2**62, 0):  # from the heap, then every buffer mapped
+        monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", floor)
+        torch.manual_seed(0)
+        with linear_kernels("onednn"):
+            r, _ = generate(model, tok, rows, 4, Sampling(temperature=1.0, max_new_tokens=12), record=True,
+                            fast_path=ONEDNN)
+            ids[floor], logps[floor] = r.response_ids, r.replay.logprobs(r.response_ids, r.response_mask, 1.0)
+            model.zero_grad()
+            weights = torch.linspace(-1, 1, r.response_ids.numel()).view(r.response_ids.shape) * r.response_mask
+            r.replay.backward(weights, r.response_ids, 1.0)
+        grads[floor] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert mapped  # the decoder asked for its buffers through mapped_zeros
+    assert torch.equal(ids[0], ids[2**62])
+    for got, expected in zip(logps[0], logps[2**62]):
+        assert torch.equal(got, expected)
+    assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[2**62])
+
+
+def test_a_dropped_rows_cache_copies_only_the_columns_written():
+    """``_kept_rows``: the kept rows' written columns, and nothing read or written beyond them (columns still
+    to come would otherwise become resident for the whole budget): here unwritten columns hold NaN in the
+    source and stay zero in the copy."""
+    from cohortrl.cpu.decoder import _kept_rows
+
+    cache = torch.full((4, 2, 10, 3), float("nan"))
+    cache[:, :, :6] = torch.arange(4 * 2 * 6 * 3, dtype=torch.float32).view(4, 2, 6, 3)
+    keep = torch.tensor([True, False, True, True])
+    kept = _kept_rows(cache, keep, written=6)
+    assert kept.shape == (3, 2, 10, 3)
+    assert torch.equal(kept[:, :, :6], cache[keep, :, :6])
+    assert not kept[:, :, 6:].any()
 
 
 class _NewerLoraLinear(torch.nn.Module):

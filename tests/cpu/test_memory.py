@@ -129,3 +129,36 @@ def test_config_key_is_validated():
     assert Config.from_dict({"train": {"cpu_allocator": "system"}}).train.cpu_allocator == "system"
     with pytest.raises(ConfigError, match="cpu_allocator"):
         Config.from_dict({"train": {"cpu_allocator": "jemalloc"}})
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
+def test_a_mapped_buffer_is_resident_only_where_written_and_returned_when_freed():
+    """``mapped_zeros`` (the lean decoder's KV cache and recording): 256 MiB of zeros cost nothing until
+    written (reading is free), the 64 MiB written become resident, and all of it goes back when the last view is freed, under
+    the retained allocator too (where a heap block would stay). A small buffer comes from the heap."""
+    import torch
+
+    assert cpu_memory.retain_freed_memory() or cpu_memory._glibc() is None
+    try:
+        before = _rss_mib()
+        buffer = cpu_memory.mapped_zeros((64, 1024, 1024), torch.float32)  # 256 MiB
+        assert buffer.shape == (64, 1024, 1024)
+        assert not buffer[:16].any()  # 64 MiB read, never written: the kernel's zero page, not 64 MiB allocated
+        assert _rss_mib() - before < 32
+        before = _rss_mib()  # (the reduction's own temporaries stay in the retained heap)
+        view = buffer[:16]
+        view.fill_(1.0)  # 64 MiB written
+        assert 60 < _rss_mib() - before < 100
+        del buffer  # the view keeps the map alive
+        assert view.sum() == 16 * 1024 * 1024 and not view[:, :1].sub(1).any()
+        del view
+        assert _rss_mib() - before < 8
+        small = cpu_memory.mapped_zeros((4, 4), torch.float32)
+        assert small.shape == (4, 4) and not small.any()
+    finally:
+        cpu_memory.release_freed_memory()
