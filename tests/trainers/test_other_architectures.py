@@ -50,7 +50,7 @@ def test_grpo_trains_a_gpt2_through_transformers_and_says_once_why(tmp_path, add
     assert sum(p.numel() for p in model.parameters()) < 300_000
     chosen = []  # what generation got from the fast path's decoder_for: None is transformers' forward
     real = FastPath.decoder_for
-    monkeypatch.setattr(FastPath, "decoder_for", lambda self, m: chosen.append(real(self, m)) or chosen[-1])
+    monkeypatch.setattr(FastPath, "decoder_for", lambda self, m, *a: chosen.append(real(self, m, *a)) or chosen[-1])
     one_token_calls = []  # transformers' forward on one token per row: a decoding step of the plain loop
     model.register_forward_pre_hook(
         lambda module, args, kwargs: one_token_calls.append(1) if kwargs.get("input_ids") is not None
