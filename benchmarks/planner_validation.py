@@ -66,12 +66,17 @@ def init_for(name: str, inits: list[str]) -> str | None:
     return named.get(name, plain[0] if plain else None)
 
 
-def vm_rss_bytes() -> float:
-    """The current resident set size (not the peak), from /proc/self/status (Linux, reported in kB)."""
+def status_bytes(key: str) -> float:
+    """A memory figure of /proc/self/status (``VmRSS``, ``VmHWM``; Linux reports them in kB), in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{key}:"):
             return float(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status: this benchmark needs Linux")
+    raise RuntimeError(f"no {key} in /proc/self/status: this benchmark needs Linux")
+
+
+def vm_rss_bytes() -> float:
+    """The current resident set size (not the peak)."""
+    return status_bytes("VmRSS")
 
 
 def reset_peak_rss() -> bool:
@@ -85,11 +90,8 @@ def reset_peak_rss() -> bool:
 
 
 def step_peak_mib() -> float:
-    """VmHWM: the peak resident memory since the last :func:`reset_peak_rss` (Linux, reported in kB)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return float(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status: this benchmark needs Linux")
+    """VmHWM: the peak resident memory since the last :func:`reset_peak_rss`, in MiB."""
+    return status_bytes("VmHWM") / MIB
 
 
 def cpu_seconds() -> float:

@@ -139,7 +139,7 @@ def mapped_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
     import torch
 
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < MAPPED_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype)
     # torch.frombuffer keeps the map alive through the tensor's storage (and every view of it); the map is
