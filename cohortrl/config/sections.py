@@ -575,7 +575,7 @@ class TrainConfig:
     ``system`` leaves glibc's defaults; ``auto`` retains on a CPU under glibc. Process-wide while a run holds it:
     peak memory stays about where it was, but it is not returned to the OS until the run closes, which puts
     glibc's defaults back (``cohortrl/cpu/memory.py``)."""
-    cpu_decode_dtype: Literal["float32", "bfloat16"] = "float32"
+    cpu_decode_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """The lean decoder's products (``cpu/decoder.py``) in training rollouts: ``bfloat16`` casts each product's
     input and the laid-out weights (LoRA adapters folded in first, in fp32) to bf16, its output back to fp32,
     faster on a CPU with bf16 units (AVX512-BF16, AMX; ``docs/performance.md`` has the measurements); the residual
@@ -586,7 +586,10 @@ class TrainConfig:
     truncated importance weights (``sampling.is_cap``), as for vLLM. With β > 0 the KL term compares that bf16
     policy's log-probs with the fp32 reference's, so it is not 0 at identical weights (its size not measured).
     Evaluation (during training and ``cohortrl eval``) and SFT decode in fp32 whatever this says. Needs the
-    fast path's oneDNN kernel and a CPU with bf16 units, checked when the run starts (an error, not a fallback)."""
+    fast path's oneDNN kernel and a CPU with bf16 units, checked when the run starts (an error, not a fallback);
+    ``auto`` takes bfloat16 where both hold and float32 elsewhere (a GPU, the fast path off, another model, a CPU
+    without bf16 units), saying which at INFO. The default stays float32: held-out accuracy under bf16 decoding is
+    measured on one setting only (``docs/engineering/bf16_study.md``); ``make demo``'s GRPO, that setting, uses ``auto``."""
     reuse_rollout_forward: bool = True
     """GRPO with one update per rollout (``algorithm.epochs`` 1, one minibatch, one micro-batch), one process,
     the lean decoder (``cpu/decoder.py``) and no dropout: the policy that sampled is the policy being
@@ -642,7 +645,7 @@ class TrainConfig:
             require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system", "float32"),
                     f"train.{key}", getattr(t, key), "asks for part of the CPU fast path, which train.cpu_fast_path=off "
                     "turns off; drop one of the two")
-        require(t.cpu_decode_dtype == "float32" or t.cpu_linear != "aten", "train.cpu_decode_dtype", t.cpu_decode_dtype,
+        require(t.cpu_decode_dtype != "bfloat16" or t.cpu_linear != "aten", "train.cpu_decode_dtype", t.cpu_decode_dtype,
                 "needs the CPU fast path's oneDNN kernel, which train.cpu_linear=aten turns off; drop one of the two")
         require(
             t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),

@@ -94,7 +94,8 @@ def build(settings, device, model, *, generates: bool = True) -> FastPath | None
     ``train`` section, or ``train-rm``'s config) and its model, or None where no part of it applies (off, a GPU,
     ``cpu_linear: aten`` with the system allocator). ``generates``: the run decodes with the model (the
     trainers), so ``cpu_linear: auto`` falls back on a model the lean decoder does not compute, and
-    ``cpu_decode_dtype: bfloat16`` is checked against the machine and the model (an error where it cannot run);
+    ``cpu_decode_dtype: bfloat16`` is checked against the machine and the model (an error where it cannot run;
+    ``auto`` decodes in fp32 there);
     a run that does not (``train-rm``) takes oneDNN's kernel on any model, the kernel being the same function."""
     if settings.cpu_fast_path == "off":
         return None
@@ -102,12 +103,14 @@ def build(settings, device, model, *, generates: bool = True) -> FastPath | None
     if generates:
         # the model first: on one the lean decoder does not compute, cpu_linear auto has already fallen back to
         # aten, and the kernel's error would send the user to the wrong setting
-        if (settings.cpu_decode_dtype != "float32" and torch.device(device).type == "cpu"
-                and decoder.decoder_for(model) is None):
-            raise RuntimeError("train.cpu_decode_dtype=bfloat16 needs the lean decoder, which does not compute this "
-                               "model (the reason is logged above); set train.cpu_decode_dtype=float32.")
+        wanted = settings.cpu_decode_dtype
+        if wanted != "float32" and torch.device(device).type == "cpu" and decoder.decoder_for(model) is None:
+            if wanted == "bfloat16":
+                raise RuntimeError("train.cpu_decode_dtype=bfloat16 needs the lean decoder, which does not compute "
+                                   "this model (the reason is logged above); set train.cpu_decode_dtype=float32.")
+            wanted = "float32"  # auto: transformers' forward decodes, in the model's dtype (the reason logged above)
         linear = linear_kernel(settings, device, model)
-        decode_dtype = resolve_decode_dtype(settings.cpu_decode_dtype, linear)
+        decode_dtype = resolve_decode_dtype(wanted, linear)
     else:
         linear = resolve_cpu_linear(settings.cpu_linear, device)
     allocator = resolve_cpu_allocator(settings.cpu_allocator, device)

@@ -24,10 +24,13 @@ sampling and the loss do not change, only the last bits of each product.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("cohortrl")
 
 _ATEN_LINEAR = F.linear  # PyTorch's own (never replaced; the name keeps call sites explicit)
 
@@ -69,16 +72,27 @@ def cpu_has_bf16_units() -> bool:
 def resolve_decode_dtype(setting: str, linear: str) -> torch.dtype:
     """``train.cpu_decode_dtype`` made concrete for a run whose linear kernel is ``linear``: the dtype of the lean
     decoder's products in training rollouts. ``bfloat16`` on a machine that cannot run it fast is an error
-    rather than a silent fallback."""
+    rather than a silent fallback; ``auto`` takes bf16 where it would run and fp32 elsewhere, saying which once
+    at INFO on a CPU (a GPU run never decodes on the lean decoder)."""
     if setting == "float32":
         return torch.float32
+    if setting == "auto":
+        if linear != "onednn":
+            return torch.float32  # a GPU, the fast path off, or a model it does not compute (said where decided)
+        if not cpu_has_bf16_units():
+            log.info("train.cpu_decode_dtype=auto: this CPU has no bf16 units (neither avx512_bf16 nor amx_bf16); "
+                     "training rollouts decode in float32")
+            return torch.float32
+        log.info("train.cpu_decode_dtype=auto: this CPU has bf16 units; training rollouts decode with bf16 products")
+        return torch.bfloat16
     if linear != "onednn":
         raise RuntimeError("train.cpu_decode_dtype=bfloat16 needs the CPU fast path's oneDNN kernel (a CPU, "
                            "train.cpu_fast_path=auto, train.cpu_linear auto or onednn, a PyTorch build with oneDNN); "
-                           "set train.cpu_decode_dtype=float32.")
+                           "set train.cpu_decode_dtype=float32 (or auto).")
     if not cpu_has_bf16_units():
         raise RuntimeError("train.cpu_decode_dtype=bfloat16, but this CPU has no bf16 units (neither avx512_bf16 nor "
-                           "amx_bf16), where bf16 products are no faster than fp32; set train.cpu_decode_dtype=float32.")
+                           "amx_bf16), where bf16 products are no faster than fp32; set train.cpu_decode_dtype=float32 "
+                           "(or auto).")
     return torch.bfloat16
 
 

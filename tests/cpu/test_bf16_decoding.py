@@ -216,3 +216,29 @@ def test_bfloat16_decoding_without_the_fast_path_is_a_config_error():
         _config(["train.cpu_fast_path=off", "train.cpu_decode_dtype=bfloat16"])
     with pytest.raises(ConfigError, match="train.cpu_decode_dtype"):
         _config(["train.cpu_linear=aten", "train.cpu_decode_dtype=bfloat16"])
+
+
+@pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch build has no oneDNN linear op")
+@pytest.mark.parametrize("units", [True, False])
+def test_auto_decodes_in_bf16_where_the_cpu_has_bf16_units_and_in_fp32_elsewhere(monkeypatch, caplog, units):
+    monkeypatch.setattr(kernels, "cpu_has_bf16_units", lambda: units)
+    model, _ = load_model("tiny-llama", seed=0)
+    with caplog.at_level("INFO", logger="cohortrl"):
+        fast_path = build(_config(["train.cpu_decode_dtype=auto"]).train, "cpu", model)
+    assert fast_path.decode_dtype == (torch.bfloat16 if units else torch.float32)
+    said = "this CPU has bf16 units; training rollouts decode with bf16" if units else "no bf16 units"
+    assert any(said in r.getMessage() for r in caplog.records)
+
+
+def test_auto_decodes_in_fp32_where_bf16_would_be_refused():
+    """A model the lean decoder does not compute, or no fast path: auto is float32 where bfloat16 is an error."""
+    from tests.trainers.test_other_architectures import tiny_gpt2
+
+    model, _ = tiny_gpt2()
+    fast_path = build(_config(["train.cpu_decode_dtype=auto"]).train, "cpu", model)
+    assert fast_path is None or fast_path.decode_dtype == torch.float32
+    fast_path = build(_config(["train.cpu_decode_dtype=auto", "train.cpu_linear=onednn"]).train, "cpu", model)
+    assert fast_path.decode_dtype == torch.float32
+    for off in (["train.cpu_fast_path=off"], ["train.cpu_linear=aten"]):
+        fast_path = build(_config([*off, "train.cpu_decode_dtype=auto"]).train, "cpu", model)  # valid: nothing asks for bf16
+        assert fast_path is None or fast_path.decode_dtype == torch.float32
