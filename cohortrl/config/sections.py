@@ -587,9 +587,10 @@ class TrainConfig:
     policy's log-probs with the fp32 reference's, so it is not 0 at identical weights (its size not measured).
     Evaluation (during training and ``cohortrl eval``) and SFT decode in fp32 whatever this says. Needs the
     fast path's oneDNN kernel and a CPU with bf16 units, checked when the run starts (an error, not a fallback);
-    ``auto`` takes bfloat16 where both hold and float32 elsewhere (a GPU, the fast path off, another model, a CPU
-    without bf16 units), saying which at INFO. The default stays float32: held-out accuracy under bf16 decoding is
-    measured on one setting only (``docs/engineering/bf16_study.md``); ``make demo``'s GRPO, that setting, uses ``auto``."""
+    ``auto`` takes bfloat16 where both hold and float32 elsewhere (a GPU, the fast path off, a model the lean
+    decoder does not compute, a CPU without bf16 units); where the CPU's units decide, a progress line says which.
+    The default stays float32: held-out accuracy under bf16 decoding is measured on one setting only
+    (``docs/engineering/bf16_study.md``); ``make demo``'s GRPO, that setting, uses ``auto``."""
     reuse_rollout_forward: bool = True
     """GRPO with one update per rollout (``algorithm.epochs`` 1, one minibatch, one micro-batch), one process,
     the lean decoder (``cpu/decoder.py``) and no dropout: the policy that sampled is the policy being

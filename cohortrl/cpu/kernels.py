@@ -30,7 +30,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("cohortrl")
+# the decoding dtype auto chose, said where a run's progress lines go (stderr under the CLI)
+progress = logging.getLogger("cohortrl.progress")
 
 _ATEN_LINEAR = F.linear  # PyTorch's own (never replaced; the name keeps call sites explicit)
 
@@ -72,18 +73,18 @@ def cpu_has_bf16_units() -> bool:
 def resolve_decode_dtype(setting: str, linear: str) -> torch.dtype:
     """``train.cpu_decode_dtype`` made concrete for a run whose linear kernel is ``linear``: the dtype of the lean
     decoder's products in training rollouts. ``bfloat16`` on a machine that cannot run it fast is an error
-    rather than a silent fallback; ``auto`` takes bf16 where it would run and fp32 elsewhere, saying which once
-    at INFO on a CPU (a GPU run never decodes on the lean decoder)."""
+    rather than a silent fallback; ``auto`` takes bf16 where it would run and fp32 elsewhere, saying which on
+    the progress logger when the CPU decides (a GPU run never decodes on the lean decoder)."""
     if setting == "float32":
         return torch.float32
     if setting == "auto":
         if linear != "onednn":
             return torch.float32  # a GPU, the fast path off, or a model it does not compute (said where decided)
         if not cpu_has_bf16_units():
-            log.info("train.cpu_decode_dtype=auto: this CPU has no bf16 units (neither avx512_bf16 nor amx_bf16); "
+            progress.info("train.cpu_decode_dtype=auto: this CPU has no bf16 units (neither avx512_bf16 nor amx_bf16); "
                      "training rollouts decode in float32")
             return torch.float32
-        log.info("train.cpu_decode_dtype=auto: this CPU has bf16 units; training rollouts decode with bf16 products")
+        progress.info("train.cpu_decode_dtype=auto: this CPU has bf16 units; training rollouts decode with bf16 products")
         return torch.bfloat16
     if linear != "onednn":
         raise RuntimeError("train.cpu_decode_dtype=bfloat16 needs the CPU fast path's oneDNN kernel (a CPU, "

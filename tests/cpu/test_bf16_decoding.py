@@ -223,7 +223,7 @@ def test_bfloat16_decoding_without_the_fast_path_is_a_config_error():
 def test_auto_decodes_in_bf16_where_the_cpu_has_bf16_units_and_in_fp32_elsewhere(monkeypatch, caplog, units):
     monkeypatch.setattr(kernels, "cpu_has_bf16_units", lambda: units)
     model, _ = load_model("tiny-llama", seed=0)
-    with caplog.at_level("INFO", logger="cohortrl"):
+    with caplog.at_level("INFO", logger="cohortrl.progress"):
         fast_path = build(_config(["train.cpu_decode_dtype=auto"]).train, "cpu", model)
     assert fast_path.decode_dtype == (torch.bfloat16 if units else torch.float32)
     said = "this CPU has bf16 units; training rollouts decode with bf16" if units else "no bf16 units"
