@@ -1,11 +1,11 @@
 """cohortrl's GRPO against TRL's GRPOTrainer, side by side on identical work (issue #9).
 
-    .venv/bin/python benchmarks/vs_trl.py                    # both models, 2 rounds x 4 steps, the check
+    .venv/bin/python benchmarks/vs_trl.py                    # every workload, 2 rounds x 4 steps, the check
     .venv/bin/python benchmarks/vs_trl.py --quick            # smoke test: tiny model, 1 round x 2 steps
     .venv/bin/python benchmarks/vs_trl.py --models smollm2 --rounds 3 --steps 5
 
 TRL runs in its own virtual environment (``<repo>/.venv-trl`` unless ``--trl-venv PATH``), created on the first
-run with the torch and transformers versions of ours and TRL ``TRL_VERSION``, so neither library's dependencies
+run with the torch, transformers and peft versions of ours and TRL ``TRL_VERSION``, so neither library's dependencies
 leak into the other. Each library's steps run in a worker subprocess of this file (``--worker trl|cohortrl
 --job JOB.json``) under its own venv; the TRL worker imports nothing from cohortrl. The rounds alternate
 TRL, cohortrl, TRL, cohortrl, ... per model; the first step of every worker is a warm-up, reported but left out
@@ -14,16 +14,21 @@ for cohortrl's training throughput, and checks that both libraries compute the s
 from the same weights and the same fixed batch (``SETTINGS`` and ``PHASE_NOTES`` say what is aligned and how
 each phase is timed). The report goes to ``benchmarks/results/vs_trl.md``.
 
-Workloads (the ones TRL was first measured on here): ``tiny``, a random Llama of 15.7M parameters with SmolLM2's
-tokenizer (49,152 vocabulary), 4 prompts x G 8 x 64 tokens; ``smollm2``, SmolLM2-135M-Instruct, 2 prompts x G 4
-x 48 tokens. Completions are forced to that length in both libraries (EOS suppressed), so the work per step is
-fixed. Not part of the test suite: minutes on a CPU, and the timings need a quiet machine.
+Workloads (``WORKLOADS``; each says what it trains and its β): ``tiny``, a random Llama of 15.7M parameters with
+SmolLM2's tokenizer (49,152 vocabulary), 4 prompts x G 8 x 64 tokens, and ``smollm2``, SmolLM2-135M-Instruct, 2
+prompts x G 4 x 48 tokens, both full fine-tuning (the ones TRL was first measured on here); ``smollm2-lora``,
+SmolLM2-135M-Instruct with a LoRA adapter (r 16, alpha 32, dropout 0, on every projection: cohortrl's default
+``model.lora.target_modules``), 4 prompts x G 8 x 32 tokens (issue #51's LoRA case). β is 0.04 in all three; with
+LoRA the KL reference is, in both libraries, the base model with the adapter disabled. Completions are forced to
+that length in both libraries (EOS suppressed), so the work per step is fixed. Not part of the test suite: minutes
+on a CPU, and the timings need a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -47,11 +52,19 @@ RESULT_MARK = "VS_TRL_RESULT "  # prefixes the worker's JSON line, so library ch
 SYSTEM_PROMPT = "Be brief."
 SMOLLM2 = "smollm2-135m-instruct"
 
-# P prompts x G responses x T forced completion tokens per step.
+# cohortrl's default `model.lora.target_modules`: every projection of a Llama-family layer.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# P prompts x G responses x T forced completion tokens per step; the weights (`model`), what is trained (`lora`:
+# None for every weight, else the adapter) and the KL coefficient β (`beta`) of each workload.
 WORKLOADS = {
-    "tiny": {"prompts": 4, "group": 8, "tokens": 64,
+    "tiny": {"model": "tiny", "prompts": 4, "group": 8, "tokens": 64, "lora": None, "beta": 0.04,
              "about": "tiny random Llama (hidden 256, 3 layers, 15.7M params) with SmolLM2's tokenizer"},
-    "smollm2": {"prompts": 2, "group": 4, "tokens": 48, "about": "SmolLM2-135M-Instruct"},
+    "smollm2": {"model": "smollm2", "prompts": 2, "group": 4, "tokens": 48, "lora": None, "beta": 0.04,
+                "about": "SmolLM2-135M-Instruct"},
+    # The LoRA case of issue #51, as an independent harness measured it.
+    "smollm2-lora": {"model": "smollm2", "prompts": 4, "group": 8, "tokens": 32, "beta": 0.04,
+                     "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": LORA_TARGETS},
+                     "about": "SmolLM2-135M-Instruct with a LoRA adapter (r 16, alpha 32) on every projection"},
 }
 # The tiny model: 49,152·256 tied embedding + 3 layers of (4·256² attention + 3·256·1024 MLP) ≈ 15.73M.
 TINY_SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -67,7 +80,7 @@ PHASE_NOTES = """\
 | step | `on_step_begin` → `on_step_end` callbacks: `training_step` (generation included, through `_prepare_inputs`), clipping, `optimizer.step`, LR scheduler, `zero_grad`; not the dataloader fetch or logging | `trainer.step()` wall time (`time/step`); not the metrics log (the worker calls `step()`, not `train()`) |
 | generate | `_generate`: chat template + tokenise, `model.generate`, decode | `time/generate`: chat template + tokenise, prefill, its own decoding loop, decode |
 | score rewards | `_calculate_rewards` | `time/score` |
-| reference log-probs | `_get_per_token_logps_and_entropies` called with the reference model | `time/reference` |
+| reference log-probs | `_get_per_token_logps_and_entropies` called with the reference model (with PEFT: with the policy while its adapter is disabled) | `time/reference` |
 | forward + backward | `compute_loss` + `accelerator.backward` | `time/train` − `time/optimizer` (token weights, forward, loss, backward) |
 | optimiser | `_clip_grad_norm` + `_get_grad_norm` + `on_pre_optimizer_step` → `on_optimizer_step` (`optimizer.step`) | `time/optimizer`: `clip_grad_norm_`, finiteness check, `AdamW.step`, scheduler step |
 | other | step − the phases above (advantages, metrics, Python overhead) | the same |
@@ -101,6 +114,39 @@ def grad_norm(model) -> float:
 
     total = sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None)
     return float(torch.as_tensor(total).sqrt())
+
+
+def lora_config(lora: dict):
+    """PEFT's ``LoraConfig`` for a workload's adapter, as cohortrl builds it from ``model.lora``
+    (``build_policy`` in trainers/setup.py) and as TRL gets it (``peft_config=``)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=list(lora["target_modules"]), task_type="CAUSAL_LM")
+
+
+def adapter_fingerprint(model) -> str:
+    """SHA-256 of a PEFT model's adapter weights (PEFT's own state dict: names without the adapter's name, in
+    sorted order, with their float32 bytes), so two processes can show they hold the same adapter."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model)
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def load_adapter(model, path: str) -> str:
+    """Overwrite a PEFT model's adapter with the check's saved one; returns the loaded adapter's fingerprint."""
+    import torch
+    from peft import set_peft_model_state_dict
+
+    loaded = set_peft_model_state_dict(model, torch.load(path))
+    if loaded.unexpected_keys:
+        raise RuntimeError(f"the check's adapter has weights this model lacks: {loaded.unexpected_keys[:3]}")
+    return adapter_fingerprint(model)
 
 
 def emit(result: dict) -> None:
@@ -160,10 +206,13 @@ def trl_trainer(job: dict, run_dir: str, steps: int):
     )
     rows = [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": r["prompt"]}],
              "answer": r["answer"]} for r in job["rows"]]
-    return GRPOTrainer(model=job["model_dir"], reward_funcs=digit_share, args=args, train_dataset=Dataset.from_list(rows))
+    peft = {"peft_config": lora_config(w["lora"])} if w["lora"] else {}
+    return GRPOTrainer(model=job["model_dir"], reward_funcs=digit_share, args=args, train_dataset=Dataset.from_list(rows),
+                       **peft)
 
 
 def trl_bench(job: dict) -> dict:
+    import peft
     import torch
     import transformers
     import trl
@@ -176,8 +225,15 @@ def trl_bench(job: dict) -> dict:
     clock, steps, tokens = PhaseClock(), [], []
     clock.wrap(trainer, "_generate", "generate")
     clock.wrap(trainer, "_calculate_rewards", "score")
+    # With PEFT, TRL has no reference model: the reference pass is the policy's, run with its adapter disabled.
+    adapter_layer = None
+    if job["workload"]["lora"]:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        adapter_layer = next(m for m in trainer.model.modules() if isinstance(m, BaseTunerLayer))
     clock.wrap(trainer, "_get_per_token_logps_and_entropies", "reference",
-               when=lambda model, *a, **k: model is trainer.ref_model)
+               when=lambda model, *a, **k: model is trainer.ref_model
+               or (adapter_layer is not None and adapter_layer.disable_adapters))
     clock.wrap(trainer, "compute_loss", "fwd_bwd")
     clock.wrap(trainer.accelerator, "backward", "fwd_bwd")
     clock.wrap(trainer, "_clip_grad_norm", "optimizer")
@@ -218,7 +274,8 @@ def trl_bench(job: dict) -> dict:
         "probe_prompt_ids": list(trainer._tokenize_prompts([probe])[0][0]),
         "threads": torch.get_num_threads(), "optimizer": type(trainer.optimizer.optimizer).__name__
         + (" (fused)" if trainer.optimizer.optimizer.defaults.get("fused") else ""),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+                     "peft": peft.__version__},
     }
 
 
@@ -232,6 +289,7 @@ def trl_check(job: dict) -> dict:
     B = len(batch["completion_ids"])
     run_dir = tempfile.mkdtemp(prefix="vs-trl-check-")
     trainer = trl_trainer(job, run_dir, 1)
+    adapter = load_adapter(trainer.model, job["adapter"]) if job["workload"]["lora"] else None
     prompt_ids = [batch["prompt_ids"][i].tolist() for i in range(B)]
     completions = trainer.processing_class.batch_decode(batch["completion_ids"], skip_special_tokens=True)
     trainer._generate = lambda prompts: (prompt_ids, batch["completion_ids"], None,
@@ -246,14 +304,16 @@ def trl_check(job: dict) -> dict:
     loss = trainer.compute_loss(trainer.model, inputs)
     trainer.accelerator.backward(loss)
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"loss": loss.item(), "grad_norm": grad_norm(trainer.model), "advantages": inputs["advantages"].tolist()}
+    return {"loss": loss.item(), "grad_norm": grad_norm(trainer.model), "advantages": inputs["advantages"].tolist(),
+            "adapter": adapter}
 
 
 # ---------------------------------------------------------------------------------------------- cohortrl worker
 def cohortrl_config(job: dict) -> dict:
     w = job["workload"]
     return {
-        "model": {"name": job["model_dir"], "dtype": "float32", "system_prompt": SYSTEM_PROMPT, "lora": {"enabled": False}},
+        "model": {"name": job["model_dir"], "dtype": "float32", "system_prompt": SYSTEM_PROMPT,
+                  "lora": {"enabled": True, **w["lora"]} if w["lora"] else {"enabled": False}},
         "data": {"eval_size": 0, "max_prompt_tokens": 512},
         # EOS suppressed until T tokens: every completion has exactly T tokens, as in TRL below.
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": w["tokens"], "min_new_tokens": w["tokens"]},
@@ -270,6 +330,7 @@ def cohortrl_config(job: dict) -> dict:
 
 
 def cohortrl_bench(job: dict) -> dict:
+    import peft
     import torch
     import transformers
 
@@ -301,7 +362,7 @@ def cohortrl_bench(job: dict) -> dict:
         "optimizer": type(trainer.optimizer).__name__ + (" (fused)" if trainer.optimizer.defaults.get("fused") else ""),
         "params": {"total": sum(p.numel() for p in model.parameters()), "embedding": embedding.numel(),
                    "head": head.numel(), "tied": head.data_ptr() == embedding.data_ptr()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
     }
 
 
@@ -316,12 +377,15 @@ def cohortrl_check(job: dict) -> dict:
     from cohortrl.models import load_model
     from cohortrl.rollout.hf import response_logprobs
     from cohortrl.algorithms import token_weights
+    from cohortrl.trainers.setup import build_policy
 
     torch.set_num_threads(job["threads"])
-    a = Config.from_dict(cohortrl_config(job)).algorithm
+    config = Config.from_dict(cohortrl_config(job))
+    a = config.algorithm
     batch = torch.load(job["batch"])
     model, tokenizer = load_model(job["model_dir"], dtype="float32")
-    model.train()
+    model, _ = build_policy(config.model, job["seed"], model, tokenizer)  # the adapter, if any; training mode
+    adapter = load_adapter(model, job["adapter"]) if job["workload"]["lora"] else None
     lengths = [len(ids) for ids in batch["completion_ids"]]
     T = max(lengths)
     response_mask = torch.tensor([[1] * n + [0] * (T - n) for n in lengths])
@@ -338,7 +402,7 @@ def cohortrl_check(job: dict) -> dict:
     w = token_weights(response_mask, a.aggregation, job["workload"]["tokens"])
     loss = torch.where(w != 0, w * loss_BT, 0.0).sum()
     loss.backward()
-    return {"loss": loss.item(), "grad_norm": grad_norm(model), "advantages": advantages[:, 0].tolist()}
+    return {"loss": loss.item(), "grad_norm": grad_norm(model), "advantages": advantages[:, 0].tolist(), "adapter": adapter}
 
 
 WORKERS = {("trl", "bench"): trl_bench, ("trl", "check"): trl_check,
@@ -347,12 +411,14 @@ WORKERS = {("trl", "bench"): trl_bench, ("trl", "check"): trl_check,
 
 # ---------------------------------------------------------------------------------------------- parent
 def ensure_trl_venv(path: Path) -> Path:
-    """The TRL venv's python; the venv is created (or completed) with our torch and transformers versions."""
+    """The TRL venv's python; the venv is created (or completed) with our torch, transformers and peft versions."""
     from importlib.metadata import version
 
     python = path / "bin" / "python"
-    pins = [f"torch=={version('torch').split('+')[0]}", f"transformers=={version('transformers')}", f"trl=={TRL_VERSION}"]
-    probe = "import torch, transformers, trl; print(torch.__version__.split('+')[0], transformers.__version__, trl.__version__)"
+    pins = [f"torch=={version('torch').split('+')[0]}", f"transformers=={version('transformers')}", f"trl=={TRL_VERSION}",
+            f"peft=={version('peft')}"]  # TRL's LoRA (peft_config=) is PEFT's, the same version as cohortrl's
+    probe = ("import torch, transformers, trl, peft; "
+             "print(torch.__version__.split('+')[0], transformers.__version__, trl.__version__, peft.__version__)")
     if python.exists():
         out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=worker_env(None, 1))
         if out.returncode == 0 and out.stdout.split() == [p.split("==")[1] for p in pins]:
@@ -448,6 +514,27 @@ def check_batch(model_dir: Path, rows: list[dict], group: int, path: Path, seed:
     return {"B": B, "prompt_tokens": len(prompt_ids[0]), "completion_lengths": lengths}
 
 
+def check_adapter(model_dir: Path, lora: dict, path: Path, seed: int) -> str:
+    """The adapter both workers load for the check (saved as PEFT's state dict), so both start from the same
+    weights; returns its fingerprint. ``lora_A`` from PEFT's own initialisation under ``seed``; ``lora_B`` drawn
+    from N(0, 0.02²) instead of PEFT's zeros, so the adapter changes the model's output and ``lora_A``'s gradient
+    is not zero (with ``lora_B`` = 0 the check would compare only ``lora_B``'s gradient, and the base model's
+    loss)."""
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora_config(lora))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(0.02 * torch.randn(param.shape, generator=g))
+    torch.save(get_peft_model_state_dict(model), path)
+    return adapter_fingerprint(model)
+
+
 def matmul_peak_gflops(threads: int, n: int = 2048, repeats: int = 9) -> dict:
     """Median fp32 GFLOP/s of n³ matmuls (2n³ FLOPs each) on ``threads`` threads, in this process."""
     import torch
@@ -535,6 +622,34 @@ def results_table(trl: dict, ours: dict) -> list[str]:
     return lines
 
 
+def workload_settings(models: dict) -> dict[str, str]:
+    """The settings table's rows that differ between workloads (what is trained, β and the reference), one row
+    per distinct setting, naming the workloads it holds for."""
+    rows = {"fine_tuning": defaultdict(list), "kl": defaultdict(list)}
+    for name, m in models.items():
+        lora, beta = m["workload"]["lora"], m["beta"]
+        if lora:
+            targets = ", ".join(lora["target_modules"])
+            trl_ft = (f"LoRA: `peft_config=LoraConfig(r={lora['r']}, lora_alpha={lora['alpha']}, "
+                      f"lora_dropout={lora['dropout']}, target_modules=[{targets}], task_type=\"CAUSAL_LM\")`")
+            ours_ft = (f"LoRA (`model.lora`: enabled, r {lora['r']}, alpha {lora['alpha']}, dropout {lora['dropout']}, "
+                       f"target_modules [{targets}]): the same PEFT `LoraConfig`")
+            # Timed runs start from each library's own PEFT initialisation; the check loads one shared adapter.
+            trl_ft += "; PEFT's initial adapter (B = 0: the model starts as the base)"
+            ours_ft += "; PEFT's initial adapter (B = 0)"
+            reference = "the policy with its adapter disabled (the base weights)"
+        else:
+            trl_ft, ours_ft = "full (no PEFT)", "full (`model.lora.enabled: false`)"
+            reference = "a frozen copy of the initial model"
+        rows["fine_tuning"][trl_ft, ours_ft].append(name)
+        rows["kl"][(f"`beta={beta}`, k3 in the loss, `use_bias_correction_kl=False` (TRL's default multiplies it by "
+                    f"the ratio); reference: {reference}"), f"`beta: {beta}`, `kl_estimator: k3`; reference: {reference}"
+                   ].append(name)
+    label = {"fine_tuning": "fine-tuning", "kl": "KL"}
+    return {key: "\n".join(f"| {label[key]} ({', '.join(names)}) | {trl} | {ours} |" for (trl, ours), names in by.items())
+            for key, by in rows.items()}
+
+
 def write_report(path: Path, args, machine: dict, models: dict, peak: list[dict], check: dict) -> str:
     quick = " — QUICK SMOKE RUN (1 round × 2 steps, tiny model only): not a measurement" if args.quick else ""
     lines = [f"# cohortrl vs TRL: GRPO step time, side by side{quick}", "",
@@ -544,19 +659,20 @@ def write_report(path: Path, args, machine: dict, models: dict, peak: list[dict]
              f"- CPU: {machine['cpu']}, {machine['cores']} cores visible; {machine['threads']} torch thread(s) per worker "
              f"(`torch.set_num_threads`, OMP_NUM_THREADS)",
              f"- {machine['memory']}; Python {platform.python_version()}, {platform.platform()}",
-             f"- cohortrl venv: torch {machine['ours']['torch']}, transformers {machine['ours']['transformers']}; "
-             f"TRL venv ({args.trl_venv}): torch {machine['trl']['torch']}, transformers {machine['trl']['transformers']}, "
-             f"trl {machine['trl']['trl']}",
+             f"- cohortrl venv: torch {machine['ours']['torch']}, transformers {machine['ours']['transformers']}, "
+             f"peft {machine['ours']['peft']}; TRL venv ({args.trl_venv}): torch {machine['trl']['torch']}, "
+             f"transformers {machine['trl']['transformers']}, trl {machine['trl']['trl']}, peft {machine['trl']['peft']}",
              f"- fp32 matmul peak, {peak[0]['n']}³, {args.threads} thread(s) (median of {peak[0]['repeats']}), measured in this "
              f"run: {seconds([p['gflops'] for p in peak], '{:.0f}')} GFLOP/s (before / after the benchmark)", "",
-             "## Settings (identical in both libraries)", "", SETTINGS.format(lr=args.lr, beta=args.beta, seed=args.seed,
-                                                                              threads=args.threads), ""]
+             "## Settings (identical in both libraries)", "",
+             SETTINGS.format(lr=args.lr, seed=args.seed, threads=args.threads, **workload_settings(models)), ""]
     for name, m in models.items():
         w, trl, ours = m["workload"], m["trl"], m["cohortrl"]
         lines += [f"## {name}: {w['about']}", "",
                   f"P = {w['prompts']} prompts × G = {w['group']} = {w['prompts'] * w['group']} completions of exactly "
                   f"{w['tokens']} tokens per step; prompts are {m['prompt_tokens']} tokens after the chat template "
                   f"(identical ids in both libraries: {'yes' if m['same_prompt_ids'] else 'NO'}); "
+                  f"trains {'a LoRA adapter' if w['lora'] else 'every weight'}, β = {m['beta']} (settings above); "
                   f"{args.rounds} round(s) of TRL then cohortrl, {args.steps} steps per worker (the first a warm-up). "
                   f"Optimiser: TRL {m['trl_optimizer']}, cohortrl {m['cohortrl_optimizer']}.", ""]
         lines += results_table(trl, ours)
@@ -576,14 +692,19 @@ def write_report(path: Path, args, machine: dict, models: dict, peak: list[dict]
                       f"of the peak over the training phase (the hardware's utilisation; the model-FLOP figure also credits "
                       f"{credit}).", ""]
     lines += ["## Numeric equivalence (same weights, same fixed batch)", "", CHECK_NOTES, "",
-              "| model | TRL loss | cohortrl loss | rel. diff | TRL grad norm | cohortrl grad norm | rel. diff | max abs diff of advantages | within 1e-4 |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| model | TRL loss | cohortrl loss | rel. diff | TRL grad norm | cohortrl grad norm | rel. diff | max abs diff of advantages | initial LoRA adapter | within 1e-4 |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for name, c in check.items():
+        adapter = "— (full fine-tuning)"
+        if "adapter" in c:
+            adapter = (f"the same in both (sha256 {c['adapter'][:12]})" if c["same_adapter"] else
+                       f"**differs**: saved {c['adapter'][:12]}, TRL {str(c['trl']['adapter'])[:12]}, cohortrl "
+                       f"{str(c['cohortrl']['adapter'])[:12]}")
         lines.append(f"| {name} | {c['trl']['loss']:.8g} | {c['cohortrl']['loss']:.8g} | {c['loss_rel']:.1e} | "
                      f"{c['trl']['grad_norm']:.8g} | {c['cohortrl']['grad_norm']:.8g} | {c['grad_rel']:.1e} | "
-                     f"{c['adv_diff']:.1e} | {'yes' if c['ok'] else '**NO**'} |")
+                     f"{c['adv_diff']:.1e} | {adapter} | {'yes' if c['ok'] else '**NO**'} |")
     if not check:
-        lines.append("| (skipped: --no-check) | | | | | | | | |")
+        lines.append("| (skipped: --no-check) | | | | | | | | | |")
     lines += ["", "## How phases are measured", "", PHASE_NOTES]
     text = "\n".join(lines)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -600,7 +721,7 @@ SETTINGS = """\
 | generation | `model.generate` (no vLLM, no continuous batching), `use_cpu=True` | its own KV-cache decoding loop, each prompt prefilled once per group (`sampling.backend: hf`, docs/performance.md), `train.device: cpu`; the one-token steps through `cpu/decoder.py` (Llama family, fp32, oneDNN) |
 | fp32 linear kernel | PyTorch's default (MKL sgemm) | `train.cpu_linear: auto`: oneDNN (`cohortrl/cpu/kernels.py`); the same function to float rounding |
 | CPU allocator | glibc's defaults | `train.cpu_allocator: auto`: freed memory kept in the process (`cohortrl/cpu/memory.py`) |
-| fine-tuning | full (no PEFT) | full (`model.lora.enabled: false`) |
+{fine_tuning}
 | prompts | 81 × "What is a * b?" (single digits), system prompt "Be brief.", chat template of the model | the same rows, `model.system_prompt: "Be brief."` |
 | sampling | temperature 1.0, top_p 1.0, top_k 0, `generation_kwargs={{"min_new_tokens": T}}` | temperature 1.0, top_p 1.0, top_k 0, `min_new_tokens` = `max_new_tokens` = T |
 | batch | `per_device_train_batch_size` = P·G, `num_generations` = G, `gradient_accumulation_steps=1` | `prompts_per_step` = P, `group_size` = G, one micro-batch |
@@ -608,7 +729,7 @@ SETTINGS = """\
 | advantages | `scale_rewards="group"`: (r − mean_g) / (std_g + 1e-4), Bessel std | estimator `grpo`, `eps: 1e-4` |
 | loss | `loss_type="grpo"`: per-sequence token mean, then mean over sequences | `aggregation: seq-mean-token-mean` |
 | clipping | `epsilon=0.2` (`epsilon_high` = epsilon) | `clip_low = clip_high = 0.2` |
-| KL | `beta={beta}`, k3 in the loss, `use_bias_correction_kl=False` (TRL's default multiplies it by the ratio) | `beta: {beta}`, `kl_estimator: k3` |
+{kl}
 | updates | `num_iterations=1` (μ = 1, on-policy) | `epochs: 1`, `minibatches: 1` |
 | the update's forward | `compute_loss` runs the policy over the batch again | `train.reuse_rollout_forward: true`: the update differentiates the forward decoding ran (`cpu/replay.py`); the same gradient to float rounding |
 | optimiser | AdamW (transformers' default `adamw_torch_fused`), lr {lr}, betas (0.9, 0.999), eps 1e-8, weight decay 0, `lr_scheduler_type="constant"` (TRL's default is linear decay), max grad norm 1.0 | `torch.optim.AdamW` (fused), lr {lr}, betas (0.9, 0.999), eps 1e-8, weight decay 0, constant schedule, max grad norm 1.0 |
@@ -626,10 +747,14 @@ batch (generation and reward functions replaced by the batch's ids and rewards; 
 the batch's reference log-probs, then `compute_loss` + `accelerator.backward`. cohortrl: `response_logprobs`,
 the `grpo` advantage estimator, the `clip` policy loss plus β·k3 `kl_penalty`, weighted by `token_weights` as in
 its update. Gradient norms are total L2 norms over all parameters, accumulated in float64; both before any
-clipping. One update at ratio 1: the policy term of the loss is −mean(A) = 0 in value, so the loss value checks
-the advantages and the KL term, and the gradient norm checks the policy-gradient and KL gradients. The check
-runs cohortrl's own-forward path; the timed steps differentiate decoding's forward instead, which
-`tests/cpu/test_replay.py` checks against that path parameter by parameter."""
+clipping. With LoRA both start from one adapter, made once in the parent (`lora_A` from PEFT's initialisation,
+`lora_B` from N(0, 0.02²) rather than PEFT's zeros, so that the adapter changes the output and `lora_A`'s
+gradient is not zero), saved, and loaded by both workers over their own; each worker reports its adapter's
+SHA-256, which must equal the saved one for the check to pass; the gradient norm is then over the adapter's
+weights (the base is frozen). One update at ratio 1: the policy term of the loss is −mean(A) = 0 in value, so
+the loss value checks the advantages and the KL term, and the gradient norm checks the policy-gradient and KL
+gradients. The check runs cohortrl's own-forward path; the timed steps differentiate decoding's forward
+instead, which `tests/cpu/test_replay.py` checks against that path parameter by parameter."""
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -658,7 +783,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per worker; the first is a warm-up")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every worker")
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--beta", type=float, help="KL coefficient for every workload (default: each workload's own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trl-venv", type=Path, default=REPO / ".venv-trl", help="TRL's venv (created if missing)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "vs_trl.md")
@@ -680,28 +805,39 @@ def main() -> None:
     peak = [matmul_peak_gflops(args.threads)]
     print(f"fp32 matmul peak: {peak[0]['gflops']:.0f} GFLOP/s", flush=True)
     rows = prompt_rows()
-    base = {"threads": args.threads, "seed": args.seed, "lr": args.lr, "beta": args.beta, "rows": rows}
+    base = {"threads": args.threads, "seed": args.seed, "lr": args.lr, "rows": rows}
     models, check = {}, {}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         work = Path(tmp)
         smol = smollm2_dir()
         dirs = {"smollm2": smol}
-        if "tiny" in args.models:
+        if any(WORKLOADS[name]["model"] == "tiny" for name in args.models):
             dirs["tiny"] = build_tiny_model(work / "tiny-llama", smol, args.seed)
         for name in args.models:
-            job = {**base, "model_dir": str(dirs[name]), "workload": WORKLOADS[name], "steps": args.steps}
+            w = WORKLOADS[name]
+            model_dir = dirs[w["model"]]
+            job = {**base, "model_dir": str(model_dir), "workload": w, "steps": args.steps,
+                   "beta": w["beta"] if args.beta is None else args.beta}
             if not args.no_check:
-                info = check_batch(dirs[name], rows, WORKLOADS[name]["group"], work / f"check-{name}.pt", args.seed)
+                info = check_batch(model_dir, rows, w["group"], work / f"check-{name}.pt", args.seed)
                 cjob = {**job, "mode": "check", "batch": str(work / f"check-{name}.pt")}
+                if w["lora"]:
+                    cjob["adapter"] = str(work / f"adapter-{name}.pt")
+                    info["adapter"] = check_adapter(model_dir, w["lora"], Path(cjob["adapter"]), args.seed)
                 got = {lib: run_worker(pythons[lib], lib, cjob, work) for lib in ("trl", "cohortrl")}
                 c = {**got, "loss_rel": rel(got["trl"]["loss"], got["cohortrl"]["loss"]),
                      "grad_rel": rel(got["trl"]["grad_norm"], got["cohortrl"]["grad_norm"]),
                      "adv_diff": max(abs(x - y) for x, y in zip(got["trl"]["advantages"], got["cohortrl"]["advantages"])), **info}
-                c["ok"] = c["loss_rel"] < 1e-4 and c["grad_rel"] < 1e-4
+                # With LoRA, both workers must hold the adapter that was saved, bit for bit.
+                c["same_adapter"] = got["trl"]["adapter"] == got["cohortrl"]["adapter"] == info.get("adapter")
+                c["ok"] = c["loss_rel"] < 1e-4 and c["grad_rel"] < 1e-4 and c["same_adapter"]
                 check[name] = c
+                adapter = (f"; adapter {'identical' if c['same_adapter'] else 'DIFFERS'} in both (sha256 "
+                           f"{str(got['trl']['adapter'])[:12]} / {str(got['cohortrl']['adapter'])[:12]})" if w["lora"] else "")
                 print(f"[{name}] check: loss TRL {got['trl']['loss']:.8g} cohortrl {got['cohortrl']['loss']:.8g} "
                       f"(rel {c['loss_rel']:.1e}); grad norm TRL {got['trl']['grad_norm']:.8g} cohortrl "
-                      f"{got['cohortrl']['grad_norm']:.8g} (rel {c['grad_rel']:.1e}) -> {'ok' if c['ok'] else 'MISMATCH'}", flush=True)
+                      f"{got['cohortrl']['grad_norm']:.8g} (rel {c['grad_rel']:.1e}){adapter} -> "
+                      f"{'ok' if c['ok'] else 'MISMATCH'}", flush=True)
             results = defaultdict(list)
             for r in range(args.rounds):
                 for lib in ("trl", "cohortrl"):
@@ -712,13 +848,13 @@ def main() -> None:
                     print(f"[{name}] round {r + 1} {lib}: steps (s) {seconds([s['step_s'] for s in out['steps']])}; "
                           f"peak RSS {out['peak_rss_mb']:.0f} MB", flush=True)
             trl_runs, our_runs = results["trl"], results["cohortrl"]
-            m = {"workload": WORKLOADS[name], "trl": summarise(trl_runs), "cohortrl": summarise(our_runs),
+            m = {"workload": w, "beta": job["beta"], "trl": summarise(trl_runs), "cohortrl": summarise(our_runs),
                  "prompt_tokens": len(our_runs[0]["probe_prompt_ids"]),
                  "same_prompt_ids": all(r["probe_prompt_ids"] == our_runs[0]["probe_prompt_ids"] for r in trl_runs + our_runs),
                  "trl_optimizer": trl_runs[0]["optimizer"], "cohortrl_optimizer": our_runs[0]["optimizer"]}
             machine["trl"], machine["ours"] = trl_runs[0]["versions"], our_runs[0]["versions"]
-            if name == "smollm2":
-                m["flops_result"] = training_flops(our_runs[0], WORKLOADS[name], m["prompt_tokens"])
+            if name == "smollm2":  # training_flops counts every weight's gradient: full fine-tuning only
+                m["flops_result"] = training_flops(our_runs[0], w, m["prompt_tokens"])
             models[name] = m
     peak.append(matmul_peak_gflops(args.threads))
     best = statistics.median(p["gflops"] for p in peak)
