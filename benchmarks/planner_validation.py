@@ -6,9 +6,11 @@ Each configuration runs in its own subprocess, niced by the caller; each step's 
 subprocess reads its baseline (VmRSS after importing torch, transformers, peft and the trainer, before any
 model), measures this CPU's rates at the model's shapes (``planner.measure_cpu_rates``: the
 calibration the planner's times rest on, taken in the same process, at the same moment and with the same
-threads as the steps it predicts), builds the trainer and runs ``--steps`` steps, recording for each step its
-wall time, the process's CPU time and the shapes it had: prompt columns, distinct prompts, decoding steps,
-response and tool-result tokens, and whether the update ran on decoding's recording. The prediction
+threads as the steps it predicts; decoding's in the dtype of the products the trainer will decode with, as the
+planner resolves ``train.cpu_decode_dtype`` on this machine, checked against the trainer's), builds the trainer
+and runs ``--steps`` steps, recording for each step its wall time, the process's CPU time and the shapes it
+had: prompt columns, distinct prompts, decoding steps, response and tool-result tokens, and whether the update
+ran on decoding's recording. The prediction
 (``planner.plan``) takes those shapes, so the comparison tests the planner's model of the trainer, not a
 guess of how long the model's answers will be.
 
@@ -148,19 +150,26 @@ def child(name: str, args) -> None:
     import transformers  # noqa: F401
 
     from cohortrl.config import Config
-    from cohortrl.planner import resolve_shape
+    from cohortrl.planner import resolve_shape, run_spec_from_config
     from cohortrl.planner.cpu_rates import measure_cpu_rates
     from cohortrl.trainers import make_trainer, step
     from cohortrl.trainers.metrics import peak_rss_mb
+    from cohortrl.trainers.setup import cpu_bf16_products
 
     baseline = vm_rss_bytes()
     cfg = Config.from_yaml(REPO / CONFIGS[name][0], overrides(name, args))
     torch.set_num_threads(args.threads)
+    decode_dtype = run_spec_from_config(cfg, bf16_units=cpu_bf16_products(), device="cpu").decode_dtype
     rates = measure_cpu_rates(resolve_shape(cfg.model.name), threads=args.threads,
-                                rows=cfg.algorithm.prompts_per_step * cfg.algorithm.group_size, rank=cfg.model.lora.r)
+                              rows=cfg.algorithm.prompts_per_step * cfg.algorithm.group_size, rank=cfg.model.lora.r,
+                              decode_dtype=decode_dtype)
     steps = []
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = make_trainer(cfg, run_dir)
+        trained = {torch.float32: "fp32", torch.bfloat16: "bf16"}[getattr(trainer.engine, "decode_dtype", torch.float32)]
+        if trained != decode_dtype:
+            sys.exit(f"{name}: the planner resolves train.cpu_decode_dtype to {decode_dtype}, the trainer decodes in "
+                     f"{trained}: planner.run_spec_from_config no longer follows cpu.build")
         after_setup = peak_rss_mb()
         update, sample = step.update, trainer.sampler.sample
 
@@ -192,7 +201,7 @@ def child(name: str, args) -> None:
         trainer.close()
     print(json.dumps({"name": name, "config": CONFIGS[name][0], "overrides": overrides(name, args),
                       "baseline_bytes": baseline, "peak_after_setup_mb": after_setup, "threads": args.threads,
-                      "cpu_rates": rates, "steps": steps}))
+                      "decode_dtype": decode_dtype, "cpu_rates": rates, "steps": steps}))
 
 
 def run_spec(cfg, measured: dict, step: dict):
@@ -203,6 +212,7 @@ def run_spec(cfg, measured: dict, step: dict):
         cfg, prompt_len=step["prompt_len"], response_len=step["response_len"],
         response_tokens=step["response_tokens"], tool_tokens=step["tool_tokens"],
         distinct_prompts=step["distinct_prompts"], device="cpu", cpu_baseline_bytes=measured["baseline_bytes"], cpu_rates=measured["cpu_rates"],
+        decode_dtype=measured.get("decode_dtype", "fp32"),  # measurements before it was recorded decoded in fp32
     )
 
 
@@ -273,8 +283,9 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(kept + measurements, indent=1) + "\n")
         measurements = kept + measurements
     text, ok = table([(m, compare(m)) for m in measurements])
-    print(f"fp32, one process; memory: predicted peak vs the step's peak resident memory (VmHWM reset before the "
-          f"step; tolerance ±{MEMORY_TOLERANCE:.0%}); time: "
+    decoding = ", ".join(f"{m['name']} {m.get('decode_dtype', 'fp32')}" for m in measurements)
+    print(f"fp32 models, one process, decoding's products: {decoding}; memory: predicted peak vs the step's peak "
+          f"resident memory (VmHWM reset before the step; tolerance ±{MEMORY_TOLERANCE:.0%}); time: "
           f"predicted compute seconds vs the step's process CPU time at {measurements[0]['threads']} thread(s) "
           f"(tolerance ±{TIME_TOLERANCE:.0%})\n")
     print(text)

@@ -360,12 +360,13 @@ def cmd_sweep(args) -> int:
 # cohortrl plan's flags that set a RunSpec field; one left out keeps --config's value, else the RunSpec default
 PLAN_FIELDS = ("algorithm", "gpus", "sharding", "dtype", "lora_rank", "prompt_len", "response_len", "max_new_tokens", "group_size",
                "prompts_per_step", "micro_batch_size", "distinct_prompts", "response_tokens", "tool_tokens",
-               "epochs", "device", "mfu", "generation_mfu")
+               "epochs", "device", "decode_dtype", "mfu", "generation_mfu")
 
 
 def cmd_plan(args) -> int:
     """Memory per device and time per step of a PPO / GRPO / RLOO step (``cohortrl.planner``)."""
-    from cohortrl.planner import GPU_PEAK_FLOPS, PlanError, RunSpec, format_plan, plan, resolve_shape, run_spec_from_config
+    from cohortrl.planner import GPU_PEAK_FLOPS, PlanError, RunSpec, plan, resolve_shape, run_spec_from_config
+    from cohortrl.planner.tables import format_plan
     from cohortrl.planner.cpu_rates import measure_cpu_rates
 
     given = {name: getattr(args, name) for name in PLAN_FIELDS if getattr(args, name) is not None}
@@ -377,7 +378,12 @@ def cmd_plan(args) -> int:
         if args.config:
             cfg = Config.from_yaml(args.config, ["model.init=null"])  # the shapes are model.name's; a warm start need not exist here
             model = args.model or cfg.model.name
-            run = run_spec_from_config(cfg, **given)
+            bf16_units = False
+            if cfg.train.cpu_decode_dtype == "auto":  # decided by this machine, as the trainer decides it
+                from cohortrl.trainers.setup import cpu_bf16_products
+
+                bf16_units = cpu_bf16_products()
+            run = run_spec_from_config(cfg, bf16_units=bf16_units, **given)
         elif args.model is None:
             raise PlanError("give a model (a size preset, a directory with a config.json, a cohortrl alias) or --config")
         else:
@@ -393,7 +399,7 @@ def cmd_plan(args) -> int:
                 import torch
 
                 rates = measure_cpu_rates(shape, args.threads or torch.get_num_threads(), run.sequences // run.gpus,
-                                            rank=run.lora_rank or 16)
+                                          rank=run.lora_rank or 16, decode_dtype=run.decode_dtype)
             run = replace(run, cpu_rates=rates, cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2)
         else:
             run = replace(run, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else GPU_PEAK_FLOPS[args.gpu])
@@ -608,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu: the update runs its own forward (train.reuse_rollout_forward false)")
     p.add_argument("--epochs", type=int, default=None, help="passes over the batch per step (default 1)")
     p.add_argument("--device", default=None, help="gpu or cpu (default gpu; with --config: cpu unless train.device names another)")
+    p.add_argument("--decode-dtype", default=None, choices=["fp32", "bf16"],
+                   help="cpu, fp32 model: the lean decoder's products (default fp32; with --config its "
+                        "train.cpu_decode_dtype, auto resolved on this machine)")
     p.add_argument("--cpu-baseline-mb", type=float, default=350.0,
                    help="cpu: resident MiB of the process before any model (default 350, measured by benchmarks/planner_validation.py)")
     p.add_argument("--peak-gflops", type=float, default=None,

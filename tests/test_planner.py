@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from cohortrl.planner import (
     GIB,
@@ -218,6 +219,7 @@ def test_cli_prints_the_tables():
         (["9b"], "error: unknown model '9b'"),
         (["7b", "-G", "1"], "error: grpo needs a group of at least 2 responses per prompt (G=1)"),
         (["7b", "--sharding", "zero4"], "error: unknown sharding 'zero4'"),
+        (["7b", "--decode-dtype", "bf16"], "error: decode-dtype bf16 is the CPU lean decoder's"),
     ],
 )
 def test_cli_bad_input_exits_1_with_a_message(args, message):
@@ -238,6 +240,62 @@ def test_cpu_fp32_generation_holds_the_linear_weights_in_onednns_layout():
     assert cpu.peak == cpu.persistent + max(cpu.update_phase, cpu.generation_phase)
     assert plan(smol, RunSpec(device="gpu", dtype="fp32")).memory.decode_layout == 0  # GPUs keep PyTorch's kernels
     assert plan(smol, RunSpec(device="cpu", dtype="bf16")).memory.decode_layout == 0
+
+
+def test_bf16_decoding_holds_its_layout_in_half_the_bytes_and_the_rest_in_fp32():
+    # The lean decoder's bf16 products (train.cpu_decode_dtype): its 134,479,872 laid-out weights at 2 bytes =
+    # 268,959,744 bytes; the KV cache and the recording stay fp32.
+    fp32 = plan(SMOL, CPU_GRPO).memory
+    bf16 = plan(SMOL, replace(CPU_GRPO, decode_dtype="bf16")).memory
+    assert bf16.decode_layout == 2 * 134_479_872 == 268_959_744 == fp32.decode_layout / 2
+    assert (bf16.kv_cache, bf16.recording) == (fp32.kv_cache, fp32.recording)
+    assert bf16.generation_phase == fp32.generation_phase - 268_959_744
+
+
+def test_the_decoding_rate_is_measured_in_the_decoders_dtype(monkeypatch):
+    from cohortrl.planner import cpu_rates
+
+    fp32_x, fp32_w = cpu_rates.decode_probe(SMOL, 8, "fp32")
+    x, w = cpu_rates.decode_probe(SMOL, 8, "bf16")
+    assert {t.dtype for t in (x, *w)} == {torch.bfloat16} and {t.dtype for t in (fp32_x, *fp32_w)} == {torch.float32}
+    # SmolLM2's 134,479,872 linear values: in bf16 268,959,744 bytes, under the 512 MiB cap: // (576·1536·2) =
+    # 152 weights of 1,769,472 bytes; in fp32 537,919,488 bytes, capped at 536,870,912: // 3,538,944 = 151
+    assert (len(w), len(fp32_w)) == (152, 151)
+    assert x.shape == fp32_x.shape == (8, 576) and w[0].shape == (1536, 576)
+    # as many weights as the model holds (the cap in bytes of the probe's dtype): a cap of 3 fp32 weights holds 6 bf16
+    monkeypatch.setattr(cpu_rates, "DECODE_PROBE_BYTES", 3 * 576 * 1536 * 4)
+    assert (len(cpu_rates.decode_probe(SMOL, 8, "bf16")[1]), len(cpu_rates.decode_probe(SMOL, 8, "fp32")[1])) == (6, 3)
+
+
+def test_bf16_decoding_is_timed_at_the_rate_measured_in_bf16():
+    rates = {"decode": 5e10, "layer": 2e11, "thin": 7e10}  # decode: the probe in bf16 (measure_cpu_rates)
+    p = plan(SMOL, replace(CPU_GRPO, decode_dtype="bf16", cpu_rates=rates))
+    assert p.run.reuse_rollout_forward
+    # decoding: B·T rows of the layers (3,540,096 weights each) and the head, plus attention:
+    # (2·30·3,540,096 + 2·576·49,152)·8·50 = 107,611,545,600 + 4·30·9·64·8·(50·101 + 50·49/2) = 3,469,824,000
+    # FLOPs, at the bf16 decode rate
+    assert p.flops.decoding == 111_081_369_600
+    assert p.step_seconds["decoding"] == pytest.approx(111_081_369_600 / 5e10)
+    # the recording decoder prefills through the same bf16 products (LlamaDecoder._prefill): at the decode rate
+    assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 5e10)
+    assert p.step_seconds["policy"] == pytest.approx(p.flops.policy / 2e11)
+    assert p.flops.old_logprobs == 0  # the update differentiates decoding's own forward: π_old is decoding's
+
+
+def test_bf16_decoding_without_the_recording_adds_a_forward_for_the_old_log_probs():
+    # RLTrainer.needs_old_logp: the sampler's numerics are not the trainer's, so the update corrects with
+    # importance weights, π_old from its own fp32 forward (a log-prob pass: each distinct prompt once, every
+    # response token scored), and transformers' fp32 prefill runs at the layer rate
+    rates = {"decode": 5e10, "layer": 2e11, "thin": 7e10}
+    fp32 = plan(SMOL, replace(CPU_GRPO, reuse_rollout_forward=False, cpu_rates=rates))
+    bf16 = plan(SMOL, replace(CPU_GRPO, reuse_rollout_forward=False, decode_dtype="bf16", cpu_rates=rates))
+    tokens = 2 * 101 + 8 * 50
+    pairs = 2 * 101 * 102 / 2 + 8 * (50 * 101 + 50 * 51 / 2)
+    forward = 2 * 30 * SMOL.layer_params * tokens + 4 * 30 * 9 * 64 * pairs + 2 * 576 * 49152 * 8 * 50
+    assert fp32.flops.old_logprobs == 0
+    assert bf16.flops.old_logprobs == pytest.approx(forward)
+    assert bf16.flops.adapters - fp32.flops.adapters == 2 * 4_884_480 * tokens  # the adapters in that forward
+    assert bf16.step_seconds["prefill"] == pytest.approx(bf16.flops.prefill / 2e11)
 
 
 # ---------------------------------------------------------------------------------------------- what the trainer does
@@ -360,6 +418,26 @@ def test_run_spec_from_config_takes_the_trainers_settings():
     assert not plan(SMOL, off).run.reuse_rollout_forward
 
 
+def test_run_spec_from_config_resolves_the_decoders_dtype_as_the_trainer(monkeypatch):
+    from cohortrl.config import Config
+    from cohortrl.cpu import kernels
+    from cohortrl.trainers.setup import cpu_bf16_products
+
+    cfg = Config.from_yaml(REPO / "configs" / "demo_grpo.yaml", ["model.init=null"])  # train.cpu_decode_dtype: auto
+    monkeypatch.setattr(kernels, "onednn_available", lambda: True)
+    monkeypatch.setattr(kernels, "cpu_has_bf16_units", lambda: True)
+    assert run_spec_from_config(cfg, bf16_units=cpu_bf16_products()).decode_dtype == "bf16"
+    monkeypatch.setattr(kernels, "cpu_has_bf16_units", lambda: False)
+    assert run_spec_from_config(cfg, bf16_units=cpu_bf16_products()).decode_dtype == "fp32"
+    # auto takes bf16 only where the lean decoder runs: the fast path's oneDNN kernel, an fp32 model, a CPU
+    for override in ("train.cpu_linear=aten", "train.cpu_fast_path=off", "model.dtype=bfloat16", "train.device=cuda"):
+        assert run_spec_from_config(cfg.with_overrides(override), bf16_units=True).decode_dtype == "fp32", override
+    assert run_spec_from_config(cfg, bf16_units=True, device="gpu").decode_dtype == "fp32"
+    # an explicit setting is the setting (the trainer refuses bfloat16 where it cannot run)
+    assert run_spec_from_config(cfg.with_overrides("train.cpu_decode_dtype=bfloat16")).decode_dtype == "bf16"
+    assert run_spec_from_config(cfg.with_overrides("train.cpu_decode_dtype=float32"), bf16_units=True).decode_dtype == "fp32"
+
+
 def test_the_recordings_logit_budget_is_the_decoders():
     from cohortrl import planner
     from cohortrl.cpu import decoder
@@ -375,6 +453,11 @@ def test_cli_labels_gpu_figures_as_predictions_and_shows_no_unmeasured_cpu_time(
     assert cpu.returncode == 0, cpu.stderr
     assert "not shown: no measured CPU rate" in cpu.stdout
     assert "| **total** |" in cpu.stdout and cpu.stdout.rstrip().endswith("| - |")
+    bf16 = cli("tiny-llama", "--device", "cpu", "--dtype", "fp32", "--decode-dtype", "bf16", "-P", "2", "-G", "4",
+               "--peak-gflops", "100")
+    assert bf16.returncode == 0, bf16.stderr
+    assert "GFLOP/s: decoding 100 in bf16 at 8 rows" in bf16.stdout
+    assert "| linear weights in oneDNN's layout (bf16, cpu, generation) |" in bf16.stdout
 
 
 def test_the_update_shares_prompts_under_ddp_but_not_fsdp2_over_several_processes():

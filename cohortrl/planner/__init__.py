@@ -1,8 +1,8 @@
 """Memory and compute model of one RL step: PPO or GRPO (or RLOO), and which G.
 
 ``plan(model, run)`` returns per-device memory by component and FLOPs per step by phase, as dataclasses;
-``cohortrl plan`` only formats them. Every formula cites its source; where cohortrl's own step decides a
-number (what is kept alive, how many logit copies exist), the comment says which code it counts.
+``cohortrl plan`` only formats them (``planner/tables.py``). Every formula cites its source; where cohortrl's own
+step decides a number (what is kept alive, how many logit copies exist), the comment says which code it counts.
 
 Symbols (DESIGN/STYLE table plus the model's): Ψ parameters, h hidden size, f MLP intermediate size,
 L layers, a attention heads, k key/value heads, d head dim, V vocabulary, P prompts per step, G responses
@@ -23,7 +23,8 @@ What the model assumes (each is a choice a reader can check and change):
   the policy's shape, forward only);
 * generation and the update do not overlap: the peak is the persistent states (weights, optimiser states,
   models) plus the larger of the generation phase (KV cache; on a CPU in fp32 also the linear weights in
-  oneDNN's layout, which ``kernels.decoding_weights`` holds while decoding; under zero3 over several devices
+  oneDNN's layout, which the lean decoder or ``kernels.decoding_weights`` holds while decoding, in bf16 where the
+  decoder's products are (``train.cpu_decode_dtype``); under zero3 over several devices
   the whole policy in the compute dtype, which generation gathers from the shards, ``Dist.gathered``, as
   TRL does under ZeRO-3) and the update phase (the
   gradients, which the trainer frees after each optimiser step, and the activations and logits of one
@@ -204,12 +205,17 @@ class RunSpec:
     reward_model: bool = False  # a learned reward model of the policy's shape (forward only)
     epochs: int = 1  # μ: passes over the batch per step (> 1 adds a forward for log π_old)
     reuse_rollout_forward: bool | None = None  # the update on decoding's recording; None: where the trainer does it
+    # cpu, fp32: the lean decoder's products (train.cpu_decode_dtype). bf16: its weight layout in 2 bytes a value,
+    # decoding timed at the bf16 decode rate, and without the recording a forward for log π_old (the sampler's
+    # numerics are not the trainer's)
+    decode_dtype: str = "fp32"
     device: str = "gpu"  # "cpu": add the process baseline (cpu_baseline_bytes)
     cpu_baseline_bytes: float = 0.0  # resident memory of the process before any model is loaded
     peak_flops: float = GPU_PEAK_FLOPS["h100"]  # gpu: per device, a datasheet figure
     mfu: float = 0.4  # gpu: model FLOPs utilisation assumed for forward/backward passes
     generation_mfu: float = 0.1  # gpu: decoding is memory-bandwidth bound: far lower utilisation than training
-    cpu_rates: dict | None = None  # cpu: measured FLOP/s {"decode", "layer", "thin"} (measure_cpu_rates); None: no time
+    # cpu: measured FLOP/s {"decode", "layer", "thin"} (measure_cpu_rates; decode in decode_dtype); None: no time
+    cpu_rates: dict | None = None
 
     @property
     def sequences(self) -> int:
@@ -268,6 +274,11 @@ def validate(run: RunSpec) -> RunSpec:
         raise PlanError(f"unknown dtype '{run.dtype}': use fp32 or bf16")
     if run.device not in ("gpu", "cpu"):
         raise PlanError(f"unknown device '{run.device}': use gpu or cpu")
+    if run.decode_dtype not in DTYPE_BYTES:
+        raise PlanError(f"unknown decode-dtype '{run.decode_dtype}': use fp32 or bf16")
+    if run.decode_dtype == "bf16" and not (run.device == "cpu" and run.dtype == "fp32"):
+        raise PlanError("decode-dtype bf16 is the CPU lean decoder's, which decodes fp32 models only: use device cpu "
+                        "with dtype fp32, or drop decode-dtype")
     for name in ("gpus", "group_size", "prompts_per_step", "prompt_len", "response_len", "epochs"):
         if getattr(run, name) < 1:
             raise PlanError(f"{name.replace('_', '-')} must be >= 1 (got {getattr(run, name)})")
@@ -428,7 +439,8 @@ class Memory:
     logits: float  # fp32 logit copies of one micro-batch during the update
     kv_cache: float  # generation: this device's share of the B sequences, whole length S
     baseline: float  # cpu: the process before any model (imports, allocator); 0 on a GPU
-    decode_layout: float = 0.0  # cpu, fp32: the linear weights' oneDNN layout while decoding (cpu/decoder.py, kernels.decoding_weights)
+    # cpu, fp32: the linear weights' oneDNN layout while decoding, in decode_dtype (cpu/decoder.py, kernels.decoding_weights)
+    decode_layout: float = 0.0
     recording: float = 0.0  # decoding's recorded forward, when the update reuses it (cpu/replay.py)
     replay_temporaries: float = 0.0  # the replayed backward's largest set of temporaries
     gathered_weights: float = 0.0  # zero3 over several devices: the whole policy, gathered for generation
@@ -496,9 +508,12 @@ def plan_memory(m: ModelShape, run: RunSpec) -> Memory:
     kv = kv_cache_bytes(m, run.sequences // n * run.seq_len, dt)
     # On a CPU in fp32 (train.cpu_linear auto), decoding holds a second copy of every linear weight, the
     # projections and the LM head, in oneDNN's layout (the lean decoder's merged q/k/v and gate/up copies, or
-    # kernels.decoding_weights for transformers' forward: the same bytes); LoRA's small matrices are not counted.
+    # kernels.decoding_weights for transformers' forward: the same bytes); LoRA's small matrices are not counted
+    # (the lean decoder folds them in). With bf16 products the copy is bf16. Building it, the decoder folds and
+    # casts one layer's matrices at a time, in fp32 (the head: its bf16 cast): transients freed before the first
+    # step, when the KV cache and the recording, which make the phase's peak, are still empty.
     linear_weights = m.num_layers * m.layer_matrix_params + m.vocab_size * m.hidden_size
-    decode_layout = linear_weights * DTYPE_BYTES[dt] if run.device == "cpu" and dt == "fp32" else 0.0
+    decode_layout = linear_weights * DTYPE_BYTES[run.decode_dtype] if run.device == "cpu" and dt == "fp32" else 0.0
     # Sharded over several devices, generation gathers every layer of the policy at once and keeps it until
     # decoding ends (distributed.Dist.gathered: the ranks decode different numbers of steps, so per-layer
     # gathers could not be matched), into buffers of its own beside the shards, in the compute dtype.
@@ -592,13 +607,21 @@ def adapter_flops(m: ModelShape, run: RunSpec, tokens: int) -> float:
     counted apart from the frozen weights' because they run at another rate: rank-r products are thin.
     The update (its own forward and backward, or the replayed backward, which runs each adapter forward again
     under autograd: ``cpu/replay.linear_backward``) costs 3 × that on its ``tokens``; an old-log-prob pass 1 ×;
-    generation 1 × unless the CPU decoder folds the adapter into its weight copy (fp32, ``cpu/decoder.py``).
-    The reference is the base with the adapter off: none."""
+    generation 1 × unless the CPU decoder folds the adapter into its weight copy (an fp32 model,
+    ``cpu/decoder.py``: folded in fp32 whatever its products' dtype). The reference is the base with the
+    adapter off: none."""
     if not run.lora_rank:
         return 0.0
     forward = 2 * m.lora_params(run.lora_rank) * tokens
     folded = run.device == "cpu" and run.dtype == "fp32"
-    return forward * (3 * run.epochs + (1 if run.epochs > 1 else 0) + (0 if folded else 1))
+    return forward * (3 * run.epochs + (1 if computes_old_logprobs(run) else 0) + (0 if folded else 1))
+
+
+def computes_old_logprobs(run: RunSpec) -> bool:
+    """Whether the step runs a forward for log π_old (``RLTrainer.needs_old_logp``): several epochs, or decoding's
+    bf16 products without the update on their recording (the sampler's numerics are not the trainer's: the update
+    corrects for them with importance weights, π_old from the trainer's own forward)."""
+    return run.epochs > 1 or (run.decode_dtype == "bf16" and not run.reuse_rollout_forward)
 
 
 def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
@@ -631,7 +654,7 @@ def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
         adapters=adapter_flops(m, run, U * sp + B * T),
         reference=score.total if run.reference else 0.0,
         reward_model=batch_pass(m, run, False, B, vocab_head=False).total if run.reward_model else 0.0,
-        old_logprobs=score.total if run.epochs > 1 else 0.0,
+        old_logprobs=score.total if computes_old_logprobs(run) else 0.0,
         critic=critic,
         policy=policy,
     )
@@ -654,14 +677,19 @@ class Plan:
 def step_seconds(flops: Flops, run: RunSpec) -> dict[str, float]:
     """Seconds per phase on one device (the N devices split the step's sequences evenly).
     GPU: FLOPs / (datasheet peak · an assumed MFU): a model prediction. CPU: FLOPs / the matrix-product rate
-    measured on the machine (``measure_cpu_rates``): decoding at its B-row rate, LoRA's products at the
-    thin (rank-r) rate, every other phase at the rate of a training pass through real layers; {} when no rate was measured or given: no time is better than an invented one."""
+    measured on the machine (``measure_cpu_rates``): decoding at its B-row rate (measured in the decoder's
+    products' dtype), LoRA's products at the thin (rank-r) rate, every other phase at the rate of a training
+    pass through real layers, except a recording decoder's prefill in bf16, whose products are decoding's, on
+    more rows (``LlamaDecoder._prefill``): at the decode rate, which more rows would not lower; {} when no rate
+    was measured or given: no time is better than an invented one."""
     per_device = {k: getattr(flops, k) / run.gpus for k in PHASES}
     if run.device == "cpu":
         if not run.cpu_rates:
             return {}
         rates = run.cpu_rates
         rate = {"decoding": rates["decode"], "adapters": rates["thin"]}
+        if run.decode_dtype == "bf16" and run.reuse_rollout_forward:
+            rate["prefill"] = rates["decode"]
         return {k: v / rate.get(k, rates["layer"]) for k, v in per_device.items()}
     train_rate = run.peak_flops * run.mfu
     gen_rate = run.peak_flops * run.generation_mfu
@@ -677,11 +705,13 @@ def plan(model: ModelShape | str, run: RunSpec) -> Plan:
     return Plan(shape, run, plan_memory(shape, run), flops, step_seconds(flops, run))
 
 
-def run_spec_from_config(cfg, **sizes) -> RunSpec:
+def run_spec_from_config(cfg, *, bf16_units: bool = False, **sizes) -> RunSpec:
     """The RunSpec of a cohortrl ``Config`` (its algorithm, P, G, β, LoRA, micro-batches, dtype, the update on
-    decoding's recording), with ``sizes`` (prompt_len, response_len, response_tokens, tool_tokens,
-    distinct_prompts, device, cpu_rates, cpu_baseline_bytes, ...) for what a config does not fix. Without
-    ``response_len``: the sampling budget, the longest a step can be."""
+    decoding's recording, the decoder's products' dtype), with ``sizes`` (prompt_len, response_len,
+    response_tokens, tool_tokens, distinct_prompts, device, cpu_rates, cpu_baseline_bytes, ...) for what a config
+    does not fix. Without ``response_len``: the sampling budget, the longest a step can be. ``bf16_units``: the
+    machine the run trains on multiplies bf16 in hardware, with oneDNN (``trainers.setup.cpu_bf16_products``
+    asks this one), where ``train.cpu_decode_dtype: auto`` decodes with bf16 products."""
     a, t = cfg.algorithm, cfg.train
     algorithm = a.name if a.name == "ppo" else ("rloo" if a.estimator == "rloo" else "grpo")
     device = sizes.pop("device", "cpu" if t.device in ("auto", "cpu") else "gpu")
@@ -698,85 +728,11 @@ def run_spec_from_config(cfg, **sizes) -> RunSpec:
     reusable = (t.reuse_rollout_forward and t.cpu_fast_path == "auto" and a.minibatches == 1 and not a.kl_in_reward
                 and a.zero_variance != "resample")
     spec.update(sizes)
+    # train.cpu_decode_dtype as the trainer resolves it (cpu.build, kernels.resolve_decode_dtype): bf16 products
+    # are the lean decoder's, which runs an fp32 model on a CPU on the fast path's oneDNN kernel; auto takes them
+    # where the machine has bf16 units, bfloat16 wherever asked (where it cannot run, the trainer refuses to start)
+    lean = spec["device"] == "cpu" and spec["dtype"] == "fp32" and t.cpu_fast_path == "auto" and t.cpu_linear != "aten"
+    wanted = t.cpu_decode_dtype == "bfloat16" or (t.cpu_decode_dtype == "auto" and bf16_units)
+    spec.setdefault("decode_dtype", "bf16" if lean and wanted else "fp32")
     run = RunSpec(**spec)
     return run if reusable else replace(run, reuse_rollout_forward=False)
-
-
-def memory_rows(p: Plan) -> list[tuple[str, float]]:
-    """(component, bytes per device) in table order; the CLI and the docs print these."""
-    mem, rows = p.memory, []
-    if mem.baseline:
-        rows.append(("process baseline (cpu)", mem.baseline))
-    rows += [("policy weights", mem.policy.weights), ("policy gradients", mem.policy.gradients),
-             ("policy optimizer states", mem.policy.optimizer)]
-    if mem.critic:
-        rows += [("critic weights", mem.critic.weights), ("critic gradients", mem.critic.gradients),
-                 ("critic optimizer states", mem.critic.optimizer)]
-    rows += [("reference model", mem.reference), ("reward model", mem.reward_model)]
-    if p.run.reuse_rollout_forward:
-        rows += [("decoding's recording (update on it, generation through update)", mem.recording),
-                 ("replayed backward's temporaries (update)", mem.replay_temporaries)]
-    else:
-        rows += [("activations, no checkpointing", mem.activations_no_ckpt),
-                 ("activations, checkpointing", mem.activations_ckpt),
-                 ("logits (fp32, update micro-batch)", mem.logits)]
-    rows.append(("KV cache (generation)", mem.kv_cache))
-    if mem.decode_layout:
-        rows.append(("linear weights in oneDNN's layout (cpu, generation)", mem.decode_layout))
-    if mem.gathered_weights:
-        rows.append(("policy weights gathered whole (zero3, generation)", mem.gathered_weights))
-    return rows
-
-
-def time_heading(r: RunSpec) -> str:
-    """What the time column is: a CPU calibration measured on this machine, or a GPU model prediction."""
-    if r.device == "cpu":
-        if not r.cpu_rates:
-            return "s (not shown: no measured CPU rate)"
-        rates = r.cpu_rates
-        return (f"s, calibrated (measured here, GFLOP/s: decoding {rates['decode'] / 1e9:.0f} at {r.sequences} rows, "
-                f"layers {rates['layer'] / 1e9:.0f}, rank-r {rates['thin'] / 1e9:.0f})")
-    return (f"s, model prediction, not measured ({r.peak_flops / 1e12:g} TFLOP/s datasheet peak, "
-            f"MFU {r.mfu:g}, decoding {r.generation_mfu:g})")
-
-
-def format_plan(p: Plan) -> str:
-    """The plan as two markdown tables (memory per device, FLOPs and time per step)."""
-    r, m = p.run, p.model
-    lora = f"LoRA r={r.lora_rank}" if r.lora_rank else "full fine-tuning"
-    tokens = f"; {r.prompts} distinct prompts" if r.prompts != r.prompts_per_step else ""
-    if r.tool_tokens or r.response_tokens is not None:
-        tokens += f"; {r.scored_tokens} scored response tokens, {r.tool_tokens} tool-result tokens"
-    lines = [
-        f"{m.name}: {m.params / 1e9:.3f}B parameters (h={m.hidden_size}, L={m.num_layers}, heads={m.num_heads}, "
-        f"kv heads={m.num_kv_heads}, f={m.intermediate_size}, V={m.vocab_size})",
-        f"{r.algorithm}, {r.gpus} {r.device}(s), sharding {r.sharding}, {r.dtype}, {lora}; P={r.prompts_per_step} x "
-        f"G={r.group_size} = {r.sequences} sequences of {r.prompt_len}+{r.response_len} tokens{tokens}; micro-batch "
-        f"{r.micro_batch}; activation checkpointing {'on' if r.checkpointing else 'off'}; update "
-        f"{'on decoding' + chr(39) + 's recording' if r.reuse_rollout_forward else 'with its own forward'}",
-        "",
-        f"| memory per device{'' if r.device == 'cpu' else ' (model prediction, not measured)'} | GiB |",
-        "|---|---:|",
-    ]
-    lines += [f"| {name} | {value / GIB:.3f} |" for name, value in memory_rows(p)]
-    mem = p.memory
-    lines += [
-        f"| **persistent (weights, optimizer states, models{' + baseline' if mem.baseline else ''})** | {mem.persistent / GIB:.3f} |",
-        f"| **update phase** | {mem.update_phase / GIB:.3f} |",
-        f"| **generation phase** | {mem.generation_phase / GIB:.3f} |",
-        f"| **peak = persistent + max(update phase, generation phase)** | {mem.peak / GIB:.3f} |",
-        "",
-        f"| FLOPs per step (all devices) | TFLOP | {time_heading(r)} |",
-        "|---|---:|---:|",
-    ]
-    names = {"prefill": "generation: prefill", "decoding": "generation: decoding", "reference": "reference forward",
-             "reward_model": "reward model forward", "old_logprobs": "old log-probs forward",
-             "critic": "critic forward/backward",
-             "policy": "policy backward on the recording" if r.reuse_rollout_forward else "policy forward/backward",
-             "adapters": "LoRA adapters' products (all passes)"}
-    for key, label in names.items():
-        seconds = f"{p.step_seconds[key]:.2f}" if p.step_seconds else "-"
-        lines.append(f"| {label} | {getattr(p.flops, key) / 1e12:.3f} | {seconds} |")
-    total = f"{p.step_time:.2f}" if p.step_seconds else "-"
-    lines.append(f"| **total** | {p.flops.total / 1e12:.3f} | {total} |")
-    return "\n".join(lines)

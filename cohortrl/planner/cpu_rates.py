@@ -5,16 +5,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cohortrl.planner import ModelShape, Pass, attention_flops, backward_flops
+from cohortrl.planner import DTYPE_BYTES, ModelShape, Pass, attention_flops, backward_flops
 
-def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, repeats: int = 3) -> dict[str, float]:
-    """This CPU's fp32 rates (FLOP/s, as the planner counts FLOPs) for the three kinds of work a step does,
-    on ``threads`` torch threads:
+
+def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, repeats: int = 3,
+                      decode_dtype: str = "fp32") -> dict[str, float]:
+    """This CPU's rates (FLOP/s, as the planner counts FLOPs) for the three kinds of work a step does, on
+    ``threads`` torch threads, in fp32 but for decoding's products, which are in ``decode_dtype`` (the lean
+    decoder's, ``RunSpec.decode_dtype``):
 
     - ``decode``: ``rows`` × h by h × f products (one row per sequence) over as many distinct h × f weights as
-      the model's linear layers hold (at most DECODE_PROBE_BYTES): a decoding step reads every weight once for
-      a few rows, so its rate is set by how fast the weights stream from memory, not by the arithmetic, and a
-      probe on one cache-resident weight overstates it several times;
+      the model's linear layers hold (at most DECODE_PROBE_BYTES of them; :func:`decode_probe`): a decoding step
+      reads every weight once for a few rows, so its rate is set by how fast the weights stream from memory, not
+      by the arithmetic, and a probe on one cache-resident weight overstates it several times;
     - ``layer``: forward and backward, under autograd, of two transformers Llama layers of the model's shape
       (full fine-tuning, 2 sequences of 256 tokens): prefill, scoring and the update, where the products run
       on many rows and beside them the norms, rotary embedding, attention's softmax, SwiGLU and autograd's
@@ -32,13 +35,10 @@ def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, re
 
     F = torch.nn.functional
     h, f = m.hidden_size, m.intermediate_size
-    linear_bytes = (m.num_layers * m.layer_matrix_params + m.vocab_size * h) * 4
-    n_weights = max(1, int(min(linear_bytes, DECODE_PROBE_BYTES) // (h * f * 4)))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        weights = [torch.randn(f, h) for _ in range(n_weights)]
-        x = torch.randn(rows, h)
+        x, weights = decode_probe(m, rows, decode_dtype)
         dy, down, up, a = torch.randn(2048, f), torch.randn(rank, f), torch.randn(f, rank), torch.randn(2048, rank)
         probe = replace(m, num_layers=2, vocab_size=256)  # two layers, a token vocabulary too small to matter
         block = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -51,7 +51,7 @@ def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, re
             block(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.sum().backward()
 
         products = {  # name: (FLOPs as the planner counts them, the work)
-            "decode": (2 * rows * h * f * n_weights, lambda: [F.linear(x, w) for w in weights]),
+            "decode": (2 * rows * h * f * len(weights), lambda: [F.linear(x, w) for w in weights]),
             "layer": (training_flops(probe, *ids.shape), train_block),
             "thin": (2 * 2 * 2048 * f * rank, lambda: (F.linear(dy, down), F.linear(a, up))),
         }
@@ -69,6 +69,19 @@ def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, re
         return rates
     finally:
         torch.set_num_threads(previous)
+
+
+def decode_probe(m: ModelShape, rows: int, dtype: str = "fp32") -> tuple:
+    """The decoding probe's operands in ``dtype`` (fp32 or bf16): ``rows`` × h inputs and as many distinct f × h
+    weights as the model's linear layers hold, at most DECODE_PROBE_BYTES of them in that dtype (bf16 weights
+    stream at half fp32's bytes)."""
+    import torch
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    size, h, f = DTYPE_BYTES[dtype], m.hidden_size, m.intermediate_size
+    linear_bytes = (m.num_layers * m.layer_matrix_params + m.vocab_size * h) * size
+    n_weights = max(1, int(min(linear_bytes, DECODE_PROBE_BYTES) // (h * f * size)))
+    return torch.randn(rows, h).to(torch_dtype), [torch.randn(f, h).to(torch_dtype) for _ in range(n_weights)]
 
 
 def training_flops(m: ModelShape, sequences: int, seq_len: int) -> float:

@@ -240,6 +240,15 @@ def build_fast_path(train_cfg, device, model):
     return cpu.build(train_cfg, device, model)
 
 
+def cpu_bf16_products() -> bool:
+    """Whether this machine runs ``train.cpu_decode_dtype``'s bf16 products fast (a CPU with bf16 units, a PyTorch
+    build with oneDNN's linear op): what ``auto`` asks of the machine, for ``cohortrl plan``, which plans a run
+    before there is a model to build its fast path for (``planner.run_spec_from_config``'s ``bf16_units``)."""
+    from cohortrl.cpu import kernels
+
+    return kernels.onednn_available() and kernels.cpu_has_bf16_units()
+
+
 def fast_kernels(fast_path, *models):
     """A context for one phase of work (a step, an evaluation): ``models`` on the fast path's linear kernel, or
     nothing without a fast path."""
