@@ -273,6 +273,8 @@ def test_the_decoding_rate_is_measured_in_the_decoders_dtype_on_its_layout(monke
     # SmolLM2's 134,479,872 linear values: in bf16 268,959,744 bytes, under the 512 MiB cap: // (576·1536·2) =
     # 152 weights of 1,769,472 bytes; in fp32 537,919,488 bytes, capped at 536,870,912: // 3,538,944 = 151
     assert (len(w), len(fp32_w)) == (152, 151)
+    # distinct weights, though laid out from one refilled source (laid-out tensors have no storage to compare)
+    assert not torch.equal(*(ops.product(fp32_x, w, None, torch.float32) for w in fp32_w[:2]))
     assert ops.product(x, w[0], None, torch.bfloat16).shape == (8, 1536)  # f × h weights
     # as many weights as the model holds (the cap in bytes of the probe's dtype): a cap of 3 fp32 weights holds 6 bf16
     monkeypatch.setattr(cpu_rates, "DECODE_PROBE_BYTES", 3 * 576 * 1536 * 4)
@@ -319,16 +321,18 @@ def test_one_given_flop_rate_times_decodings_attention_by_its_flops():
 
 def test_the_attention_probe_holds_a_decoding_steps_kv_cache(monkeypatch):
     from cohortrl.planner import cpu_rates
+    from cohortrl.trainers.setup import decoding_step_ops
 
-    q, keys, values, key_bias, length = cpu_rates.attention_probe(SMOL, rows=2, context=10)
+    ops = decoding_step_ops()
+    q, keys, values, key_bias, length = cpu_rates.attention_probe(SMOL, rows=2, context=10, ops=ops)
     # one column of one layer for 2 rows: 2·3·64·4·2 = 3,072 bytes; 10 columns = 30,720 bytes a layer, 30 layers
     assert (len(keys), len(values), length) == (30, 30, 10)
     assert q.shape == (2, 9, 64) and keys[0].shape == values[0].shape == (2, 3, 10, 64) and key_bias.shape == (6, 1, 10)
     assert sum(t.nbytes for t in (*keys, *values)) == 30 * 30_720
     # capped: as many layers as fit; a single layer that would not fit gets fewer columns
     monkeypatch.setattr(cpu_rates, "ATTENTION_PROBE_BYTES", 4 * 30_720)
-    assert (len(cpu_rates.attention_probe(SMOL, 2, 10)[1]), cpu_rates.attention_probe(SMOL, 2, 10)[4]) == (4, 10)
-    assert (len(cpu_rates.attention_probe(SMOL, 2, 1000)[1]), cpu_rates.attention_probe(SMOL, 2, 1000)[4]) == (1, 40)
+    assert (len(cpu_rates.attention_probe(SMOL, 2, 10, ops)[1]), cpu_rates.attention_probe(SMOL, 2, 10, ops)[4]) == (4, 10)
+    assert (len(cpu_rates.attention_probe(SMOL, 2, 1000, ops)[1]), cpu_rates.attention_probe(SMOL, 2, 1000, ops)[4]) == (1, 40)
 
 
 def test_the_cpu_rates_time_the_decoders_own_step(monkeypatch):

@@ -155,9 +155,10 @@ class StepOps(NamedTuple):
     """What a decoding step of the lean decoder runs, for code that times it without importing this package
     (``planner.cpu_rates.measure_cpu_rates``, handed it by ``trainers.setup.decoding_step_ops``)."""
 
-    laid_out: Callable  # (fp32 weight (out, in), rows, dtype) -> the weight as the products read it
+    laid_out: Callable  # (weight (out, in), rows, dtype) -> the weight as the products read it
     product: Callable  # (x fp32, that weight, bias, dtype) -> x Wᵀ + b in fp32
     attention: Callable  # grouped_attention
+    cache_zeros: Callable  # (shape, dtype) -> a zero tensor where the decoder keeps its KV cache (mapped_zeros)
 
 
 def step_ops() -> StepOps:
@@ -167,8 +168,8 @@ def step_ops() -> StepOps:
     try:
         check_build()
     except Unsupported:
-        return StepOps(_plain_weight, _plain_product, grouped_attention)
-    return StepOps(laid_out, product, grouped_attention)
+        return StepOps(_plain_weight, _plain_product, grouped_attention, mapped_zeros)
+    return StepOps(laid_out, product, grouped_attention, mapped_zeros)
 
 
 def _plain_weight(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:

@@ -46,7 +46,7 @@ def measure_cpu_rates(m: ModelShape, threads: int, rows: int, *, ops, context: i
     try:
         x, weights = decode_probe(m, rows, decode_dtype, ops)
         dtype = torch_dtype(decode_dtype)
-        q, keys, values, key_bias, length = attention_probe(m, rows, context)
+        q, keys, values, key_bias, length = attention_probe(m, rows, context, ops)
         scale = m.d ** -0.5
         dy, down, up, a = torch.randn(2048, f), torch.randn(rank, f), torch.randn(f, rank), torch.randn(2048, rank)
         probe = replace(m, num_layers=2, vocab_size=256)  # two layers, a token vocabulary too small to matter
@@ -92,12 +92,16 @@ def decode_probe(m: ModelShape, rows: int, dtype: str, ops) -> tuple:
     size, h, f = DTYPE_BYTES[dtype], m.hidden_size, m.intermediate_size
     linear_bytes = (m.num_layers * m.layer_matrix_params + m.vocab_size * h) * size
     n_weights = max(1, int(min(linear_bytes, DECODE_PROBE_BYTES) // (h * f * size)))
-    return torch.randn(rows, h), [ops.laid_out(torch.randn(f, h), rows, torch_dtype(dtype)) for _ in range(n_weights)]
+    # one source in the weights' dtype, refilled for each weight: no temporary (a cast) freed between the laid-out
+    # weights, which would leave heap holes that keep the probe resident after it returns
+    source = torch.empty(f, h, dtype=torch_dtype(dtype))
+    return torch.randn(rows, h), [ops.laid_out(source.normal_(), rows, source.dtype) for _ in range(n_weights)]
 
 
-def attention_probe(m: ModelShape, rows: int, context: int) -> tuple:
+def attention_probe(m: ModelShape, rows: int, context: int, ops) -> tuple:
     """The attention probe's operands, as a decoding step holds them (``cpu/decoder.LlamaDecoder``): ``rows`` rows'
-    queries (rows, a, d), per layer their keys and values (rows, k, context, d) in fp32, no key masked (bias 0),
+    queries (rows, a, d), per layer their keys and values (rows, k, context, d) in fp32 where the decoder keeps its
+    cache (``ops.cache_zeros``: maps of their own, returned to the OS when freed), no key masked (bias 0),
     and the columns attended to. As many layers as the model has while they fit in ATTENTION_PROBE_BYTES (a step
     reads every layer's cache once, so from far more bytes than the last-level cache holds), and fewer columns
     than ``context`` when a single layer would not."""
@@ -107,8 +111,8 @@ def attention_probe(m: ModelShape, rows: int, context: int) -> tuple:
     column = kv_cache_bytes(replace(m, num_layers=1), rows, "fp32")  # one column of one layer, every row
     length = max(1, min(context, ATTENTION_PROBE_BYTES // column))
     layers = max(1, min(m.num_layers, ATTENTION_PROBE_BYTES // (column * length)))
-    keys = [torch.randn(rows, k, length, d) for _ in range(layers)]
-    values = [torch.randn(rows, k, length, d) for _ in range(layers)]
+    keys = [ops.cache_zeros((rows, k, length, d), torch.float32).normal_() for _ in range(layers)]
+    values = [ops.cache_zeros((rows, k, length, d), torch.float32).normal_() for _ in range(layers)]
     return torch.randn(rows, m.num_heads, d), keys, values, torch.zeros(rows * k, 1, length), length
 
 
