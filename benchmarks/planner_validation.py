@@ -154,15 +154,17 @@ def child(name: str, args) -> None:
     from cohortrl.planner.cpu_rates import measure_cpu_rates
     from cohortrl.trainers import make_trainer, step
     from cohortrl.trainers.metrics import peak_rss_mb
-    from cohortrl.trainers.setup import cpu_bf16_products
+    from cohortrl.trainers.setup import cpu_bf16_products, decoding_step_ops
 
     baseline = vm_rss_bytes()
     cfg = Config.from_yaml(REPO / CONFIGS[name][0], overrides(name, args))
     torch.set_num_threads(args.threads)
     decode_dtype = run_spec_from_config(cfg, bf16_units=cpu_bf16_products(), device="cpu").decode_dtype
+    # the attention probe's cache: the config's mean context (the longest prompt, half the budget)
     rates = measure_cpu_rates(resolve_shape(cfg.model.name), threads=args.threads,
                               rows=cfg.algorithm.prompts_per_step * cfg.algorithm.group_size, rank=cfg.model.lora.r,
-                              decode_dtype=decode_dtype)
+                              decode_dtype=decode_dtype, ops=decoding_step_ops(),
+                              context=cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens // 2)
     steps = []
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = make_trainer(cfg, run_dir)
@@ -282,7 +284,12 @@ def main() -> None:
             if args.json:  # this run's configurations replace their entries; the file's others are kept
                 Path(args.json).write_text(json.dumps(kept + measurements, indent=1) + "\n")
         measurements = kept + measurements
-    text, ok = table([(m, compare(m)) for m in measurements])
+    from cohortrl.planner import PlanError
+
+    try:
+        text, ok = table([(m, compare(m)) for m in measurements])
+    except PlanError as e:  # measurements from an older version (--from-json), without a rate the planner needs
+        sys.exit(f"error: {e}")
     decoding = ", ".join(f"{m['name']} {m.get('decode_dtype', 'fp32')}" for m in measurements)
     print(f"fp32 models, one process, decoding's products: {decoding}; memory: predicted peak vs the step's peak "
           f"resident memory (VmHWM reset before the step; tolerance ±{MEMORY_TOLERANCE:.0%}); time: "

@@ -365,7 +365,8 @@ PLAN_FIELDS = ("algorithm", "gpus", "sharding", "dtype", "lora_rank", "prompt_le
 
 def cmd_plan(args) -> int:
     """Memory per device and time per step of a PPO / GRPO / RLOO step (``cohortrl.planner``)."""
-    from cohortrl.planner import GPU_PEAK_FLOPS, PlanError, RunSpec, plan, resolve_shape, run_spec_from_config
+    from cohortrl.planner import (GPU_PEAK_FLOPS, PlanError, RunSpec, plan, resolve_shape, run_spec_from_config,
+                                  uniform_cpu_rates)
     from cohortrl.planner.tables import format_plan
     from cohortrl.planner.cpu_rates import measure_cpu_rates
 
@@ -390,15 +391,18 @@ def cmd_plan(args) -> int:
             model, run = args.model, RunSpec(**given)
         shape = resolve_shape(model)
         if run.device == "cpu":  # a rate given, measured now (seconds), or none: then no time is shown
-            rate = args.peak_gflops * 1e9 if args.peak_gflops else None
-            if rate:
-                rates = {"decode": rate, "layer": rate, "thin": rate}
+            if args.peak_gflops:
+                rates = uniform_cpu_rates(shape, args.peak_gflops * 1e9, run.dtype)
             elif args.no_measure:
                 rates = None
             else:
                 import torch
 
+                from cohortrl.trainers.setup import decoding_step_ops
+
+                # the attention probe's cache: decoding's mean context, s_p + T/2 columns
                 rates = measure_cpu_rates(shape, args.threads or torch.get_num_threads(), run.sequences // run.gpus,
+                                          ops=decoding_step_ops(), context=run.prompt_len + run.response_len // 2,
                                           rank=run.lora_rank or 16, decode_dtype=run.decode_dtype)
             run = replace(run, cpu_rates=rates, cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2)
         else:
@@ -620,7 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-baseline-mb", type=float, default=350.0,
                    help="cpu: resident MiB of the process before any model (default 350, measured by benchmarks/planner_validation.py)")
     p.add_argument("--peak-gflops", type=float, default=None,
-                   help="cpu: matrix-product GFLOP/s to time the step with (default: measured on this machine now)")
+                   help="cpu: GFLOP/s to time the step with, every product and decoding's attention (default: "
+                        "measured on this machine now)")
     p.add_argument("--threads", type=int, default=0, help="cpu: torch threads to measure with (default torch's)")
     p.add_argument("--no-measure", action="store_true", help="cpu: no measurement and no time column")
     p.add_argument("--gpu", default="h100", choices=["a100", "h100", "h200"], help="gpu: datasheet peak FLOP/s to assume (default h100)")

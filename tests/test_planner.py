@@ -161,11 +161,16 @@ def test_gpu_step_time_follows_flops_peak_and_mfu():
     assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 8 / (1e15 * 0.1))
 
 
+RATES = {"decode": 2e10, "attention_bytes": 5e9, "layer": 2e11, "thin": 5e10}
+
+
 def test_cpu_time_is_shown_only_from_a_measured_rate():
     run = RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, prompt_len=100, response_len=50)
     assert plan(SMOL, run).step_time is None  # no rate: no time, not a datasheet guess
-    p = plan(SMOL, replace(run, cpu_rates={"decode": 2e10, "layer": 2e11, "thin": 5e10}))
-    assert p.step_seconds["decoding"] == pytest.approx(p.flops.decoding / 2e10)  # B-row products: the decode rate
+    p = plan(SMOL, replace(run, cpu_rates=RATES))
+    # decoding: the products (B·T = 400 rows through 2·30·3,540,096 + 2·576·49,152 = 269,028,864 FLOPs a row) at the
+    # decode rate, the attention by the KV cache it reads at the attention rate (test_decodings_attention_...)
+    assert p.step_seconds["decoding"] == pytest.approx(107_611_545_600 / 2e10 + 2_294_784_000 / 5e9)
     assert p.step_seconds["policy"] == pytest.approx(p.flops.policy / 2e11)  # through whole layers: the layer rate
     assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 2e11)
     assert p.step_seconds["adapters"] == pytest.approx(p.flops.adapters / 5e10)  # LoRA's rank-r products
@@ -252,30 +257,109 @@ def test_bf16_decoding_holds_its_layout_in_half_the_bytes_and_the_rest_in_fp32()
     assert bf16.generation_phase == fp32.generation_phase - 268_959_744
 
 
-def test_the_decoding_rate_is_measured_in_the_decoders_dtype(monkeypatch):
+def test_the_decoding_rate_is_measured_in_the_decoders_dtype_on_its_layout(monkeypatch):
     from cohortrl.planner import cpu_rates
+    from cohortrl.trainers.setup import decoding_step_ops
 
-    fp32_x, fp32_w = cpu_rates.decode_probe(SMOL, 8, "fp32")
-    x, w = cpu_rates.decode_probe(SMOL, 8, "bf16")
-    assert {t.dtype for t in (x, *w)} == {torch.bfloat16} and {t.dtype for t in (fp32_x, *fp32_w)} == {torch.float32}
+    ops = decoding_step_ops()
+    laid_out = []  # (rows, dtype) of every weight the probe lays out
+    spy = ops._replace(laid_out=lambda w, rows, dtype: laid_out.append((rows, dtype)) or ops.laid_out(w, rows, dtype))
+    fp32_x, fp32_w = cpu_rates.decode_probe(SMOL, 8, "fp32", spy)
+    x, w = cpu_rates.decode_probe(SMOL, 8, "bf16", spy)
+    # the inputs fp32, as the decoder's (its products cast them); the weights laid out for 8-row products
+    assert x.dtype == fp32_x.dtype == torch.float32 and x.shape == fp32_x.shape == (8, 576)
+    assert {t.dtype for t in w} == {torch.bfloat16} and {t.dtype for t in fp32_w} == {torch.float32}
+    assert set(laid_out) == {(8, torch.float32), (8, torch.bfloat16)}
     # SmolLM2's 134,479,872 linear values: in bf16 268,959,744 bytes, under the 512 MiB cap: // (576·1536·2) =
     # 152 weights of 1,769,472 bytes; in fp32 537,919,488 bytes, capped at 536,870,912: // 3,538,944 = 151
     assert (len(w), len(fp32_w)) == (152, 151)
-    assert x.shape == fp32_x.shape == (8, 576) and w[0].shape == (1536, 576)
+    # distinct weights, though laid out from one refilled source (laid-out tensors have no storage to compare)
+    assert not torch.equal(*(ops.product(fp32_x, w, None, torch.float32) for w in fp32_w[:2]))
+    assert ops.product(x, w[0], None, torch.bfloat16).shape == (8, 1536)  # f × h weights
     # as many weights as the model holds (the cap in bytes of the probe's dtype): a cap of 3 fp32 weights holds 6 bf16
     monkeypatch.setattr(cpu_rates, "DECODE_PROBE_BYTES", 3 * 576 * 1536 * 4)
-    assert (len(cpu_rates.decode_probe(SMOL, 8, "bf16")[1]), len(cpu_rates.decode_probe(SMOL, 8, "fp32")[1])) == (6, 3)
+    assert (len(cpu_rates.decode_probe(SMOL, 8, "bf16", ops)[1]), len(cpu_rates.decode_probe(SMOL, 8, "fp32", ops)[1])) == (6, 3)
+
+
+def test_decodings_attention_is_timed_by_the_kv_cache_it_reads():
+    from cohortrl.planner import decoding_kv_read_bytes
+
+    run = RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, prompt_len=100, response_len=50)
+    # step t (from 0) attends to 100 + t columns: 8 rows · (50·100 + 50·49/2) = 49,800 columns; a column of every
+    # layer is K and V of 3 kv heads of 64 values in fp32: 2·30·3·64·4 = 46,080 bytes → 2,294,784,000 bytes
+    assert decoding_kv_read_bytes(SMOL, run) == 49_800 * 46_080 == 2_294_784_000
+    p = plan(SMOL, replace(run, cpu_rates=RATES))
+    # its FLOPs stay in the decoding phase: 4·30·9·64 per (query, key) pair = 69,120 · 49,800
+    assert p.flops.decoding == 107_611_545_600 + 69_120 * 49_800
+    # rows leave the computation after their end: the rows with a real token, 300 response + 20 tool-result
+    # tokens, each at the mean context 100 + 49/2: 320 · 124.5 = 39,840 columns
+    short = replace(run, response_tokens=300, tool_tokens=20)
+    assert decoding_kv_read_bytes(SMOL, short) == 39_840 * 46_080 == 1_835_827_200
+    assert plan(SMOL, replace(short, cpu_rates=RATES)).flops.decoding == p.flops.decoding  # the FLOPs count every row
+    # split over 2 devices: each reads half at its own rate
+    two = plan(SMOL, replace(run, gpus=2, cpu_rates=RATES))
+    assert two.step_seconds["decoding"] == pytest.approx((107_611_545_600 / 2e10 + 2_294_784_000 / 5e9) / 2)
+
+
+def test_rates_measured_before_the_attention_rate_are_refused_with_the_fix():
+    run = RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, prompt_len=100, response_len=50,
+                  cpu_rates={"decode": 2e10, "layer": 2e11, "thin": 5e10})  # a --json file of the benchmark's before it
+    with pytest.raises(PlanError, match=r"the CPU rates lack attention_bytes .*: measure them again"):
+        plan(SMOL, run)
+
+
+def test_one_given_flop_rate_times_decodings_attention_by_its_flops():
+    from cohortrl.planner import uniform_cpu_rates
+
+    rates = uniform_cpu_rates(SMOL, 1e11)
+    # a column's 2·3·64 values of 4 bytes per 4·9·64 FLOPs: 1,536 / 2,304 = 2/3 bytes per FLOP
+    assert rates == {"decode": 1e11, "attention_bytes": pytest.approx(1e11 * 2 / 3), "layer": 1e11, "thin": 1e11}
+    p = plan(SMOL, RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, prompt_len=100,
+                           response_len=50, cpu_rates=rates))
+    assert p.step_seconds["decoding"] == pytest.approx(p.flops.decoding / 1e11)  # every row runs T steps
+
+
+def test_the_attention_probe_holds_a_decoding_steps_kv_cache(monkeypatch):
+    from cohortrl.planner import cpu_rates
+    from cohortrl.trainers.setup import decoding_step_ops
+
+    ops = decoding_step_ops()
+    q, keys, values, key_bias, length = cpu_rates.attention_probe(SMOL, rows=2, context=10, ops=ops)
+    # one column of one layer for 2 rows: 2·3·64·4·2 = 3,072 bytes; 10 columns = 30,720 bytes a layer, 30 layers
+    assert (len(keys), len(values), length) == (30, 30, 10)
+    assert q.shape == (2, 9, 64) and keys[0].shape == values[0].shape == (2, 3, 10, 64) and key_bias.shape == (6, 1, 10)
+    assert sum(t.nbytes for t in (*keys, *values)) == 30 * 30_720
+    # capped: as many layers as fit; a single layer that would not fit gets fewer columns
+    monkeypatch.setattr(cpu_rates, "ATTENTION_PROBE_BYTES", 4 * 30_720)
+    assert (len(cpu_rates.attention_probe(SMOL, 2, 10, ops)[1]), cpu_rates.attention_probe(SMOL, 2, 10, ops)[4]) == (4, 10)
+    assert (len(cpu_rates.attention_probe(SMOL, 2, 1000, ops)[1]), cpu_rates.attention_probe(SMOL, 2, 1000, ops)[4]) == (1, 40)
+
+
+def test_the_cpu_rates_time_the_decoders_own_step(monkeypatch):
+    from cohortrl.planner import CPU_RATES, cpu_rates
+    from cohortrl.trainers.setup import decoding_step_ops
+
+    ops, called = decoding_step_ops(), set()
+    spy = ops._replace(product=lambda *a: called.add("product") or ops.product(*a),
+                       attention=lambda *a: called.add("attention") or ops.attention(*a))
+    monkeypatch.setattr(cpu_rates, "TIMED_AMOUNT", 1)  # one repetition per timing
+    tiny = ModelShape("tiny", 64, 2, 4, 2, 128, 256, True)
+    rates = cpu_rates.measure_cpu_rates(tiny, threads=1, rows=2, ops=spy, context=16, repeats=1)
+    assert rates.keys() == CPU_RATES.keys() and min(rates.values()) > 0
+    assert called == {"product", "attention"}
 
 
 def test_bf16_decoding_is_timed_at_the_rate_measured_in_bf16():
-    rates = {"decode": 5e10, "layer": 2e11, "thin": 7e10}  # decode: the probe in bf16 (measure_cpu_rates)
+    # decode: the probe in bf16 (measure_cpu_rates); attention_bytes: the fp32 KV cache, whatever the products' dtype
+    rates = {"decode": 5e10, "attention_bytes": 4e9, "layer": 2e11, "thin": 7e10}
     p = plan(SMOL, replace(CPU_GRPO, decode_dtype="bf16", cpu_rates=rates))
     assert p.run.reuse_rollout_forward
     # decoding: B·T rows of the layers (3,540,096 weights each) and the head, plus attention:
     # (2·30·3,540,096 + 2·576·49,152)·8·50 = 107,611,545,600 + 4·30·9·64·8·(50·101 + 50·49/2) = 3,469,824,000
-    # FLOPs, at the bf16 decode rate
+    # FLOPs; the products at the bf16 decode rate, the attention by its 8·6,275 columns · 46,080 bytes =
+    # 2,313,216,000 bytes of fp32 KV cache at the attention rate
     assert p.flops.decoding == 111_081_369_600
-    assert p.step_seconds["decoding"] == pytest.approx(111_081_369_600 / 5e10)
+    assert p.step_seconds["decoding"] == pytest.approx(107_611_545_600 / 5e10 + 2_313_216_000 / 4e9)
     # the recording decoder prefills through the same bf16 products (LlamaDecoder._prefill): at the decode rate
     assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 5e10)
     assert p.step_seconds["policy"] == pytest.approx(p.flops.policy / 2e11)
@@ -286,7 +370,7 @@ def test_bf16_decoding_without_the_recording_adds_a_forward_for_the_old_log_prob
     # RLTrainer.needs_old_logp: the sampler's numerics are not the trainer's, so the update corrects with
     # importance weights, π_old from its own fp32 forward (a log-prob pass: each distinct prompt once, every
     # response token scored), and transformers' fp32 prefill runs at the layer rate
-    rates = {"decode": 5e10, "layer": 2e11, "thin": 7e10}
+    rates = {"decode": 5e10, "attention_bytes": 4e9, "layer": 2e11, "thin": 7e10}
     fp32 = plan(SMOL, replace(CPU_GRPO, reuse_rollout_forward=False, cpu_rates=rates))
     bf16 = plan(SMOL, replace(CPU_GRPO, reuse_rollout_forward=False, decode_dtype="bf16", cpu_rates=rates))
     tokens = 2 * 101 + 8 * 50
@@ -457,6 +541,9 @@ def test_cli_labels_gpu_figures_as_predictions_and_shows_no_unmeasured_cpu_time(
                "--peak-gflops", "100")
     assert bf16.returncode == 0, bf16.stderr
     assert "GFLOP/s: decoding 100 in bf16 at 8 rows" in bf16.stdout
+    # tiny-llama's column of K and V, 2·2·16 values of 4 bytes, per 4·4·16 FLOPs: 1 byte per FLOP
+    assert "decoding's attention 100.0 GB/s of KV cache" in bf16.stdout
+    assert "| (of which attention: " in bf16.stdout
     assert "| linear weights in oneDNN's layout (bf16, cpu, generation) |" in bf16.stdout
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +123,61 @@ def _merged(modules, rows: int, orders=None, dtype=torch.float32) -> tuple[torch
     """:func:`_stacked` (adapters folded in fp32), the weight cast to ``dtype`` in oneDNN's layout for ``rows``-row
     products."""
     weight, bias = _stacked(modules, orders)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows), bias
+    return laid_out(weight, rows, dtype), bias
+
+
+def laid_out(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """An fp32 weight (out, in) cast to ``dtype`` in oneDNN's blocked layout for ``rows``-row products: how the
+    decoder holds every linear weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x Wᵀ + b in fp32 through a :func:`laid_out` weight of ``dtype``: x cast to it, oneDNN's product in it, its
+    output cast back (no-op casts in fp32)."""
+    return torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, bias, "none", [], "").float()
+
+
+def grouped_attention(q_nHD: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor,
+                      scale: float, length: int) -> torch.Tensor:
+    """One layer's attention for one decoding step: n rows' queries (n, H, D) against the first ``length`` columns
+    of their keys and values (n, Hkv, T, D); each KV head serves its H / Hkv query heads as one batched product,
+    (n·Hkv, g, D) @ (n·Hkv, D, length), scaled, plus ``key_bias`` (n·Hkv, 1, length), the key mask. Returns
+    (n, H·D). Each call reads every row's keys and values up to ``length`` for a few FLOPs per value read."""
+    n, H, D = q_nHD.shape
+    Hkv = keys.shape[1]
+    scores = torch.baddbmm(key_bias, q_nHD.reshape(n * Hkv, H // Hkv, D),
+                           keys[:, :, :length].flatten(0, 1).transpose(1, 2), alpha=scale)
+    return torch.bmm(scores.softmax(-1), values[:, :, :length].flatten(0, 1)).view(n, H * D)
+
+
+class StepOps(NamedTuple):
+    """What a decoding step of the lean decoder runs, for code that times it without importing this package
+    (``planner.cpu_rates.measure_cpu_rates``, handed it by ``trainers.setup.decoding_step_ops``)."""
+
+    laid_out: Callable  # (weight (out, in), rows, dtype) -> the weight as the products read it
+    product: Callable  # (x fp32, that weight, bias, dtype) -> x Wᵀ + b in fp32
+    attention: Callable  # grouped_attention
+    cache_zeros: Callable  # (shape, dtype) -> a zero tensor where the decoder keeps its KV cache (mapped_zeros)
+
+
+def step_ops() -> StepOps:
+    """The decoding step's operations on this build: the lean decoder's (oneDNN's layout and product, its
+    attention) where the build has oneDNN's linear and layout ops; else, where transformers' forward decodes,
+    PyTorch's own ``F.linear`` on plain weights beside the same attention."""
+    try:
+        check_build()
+    except Unsupported:
+        return StepOps(_plain_weight, _plain_product, grouped_attention, mapped_zeros)
+    return StepOps(laid_out, product, grouped_attention, mapped_zeros)
+
+
+def _plain_weight(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    return weight.to(dtype)
+
+
+def _plain_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return F.linear(x.to(dtype), weight, bias).float()
 
 
 def _cached(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,6 +243,11 @@ def check_supported(model) -> None:
     :func:`check_architecture`, on a build with oneDNN's linear op and layout op. Whether a run decodes on
     oneDNN at all is its fast path's decision (``cpu.FastPath.decoder_for``), not this function's."""
     check_architecture(model)
+    check_build()
+
+
+def check_build() -> None:
+    """Raise :class:`Unsupported` unless this PyTorch build has the oneDNN ops the lean decoder multiplies with."""
     if not kernels.onednn_available():
         raise Unsupported("this PyTorch build has no oneDNN linear op")
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or "binary" not in torch.ops.mkldnn._linear_pointwise.overloads():
@@ -340,8 +400,7 @@ class LlamaDecoder:
 
     def _linear(self, x, packed):
         """x Wᵀ + b in fp32, the product in the decoder's dtype (a no-op cast each side in fp32)."""
-        weight, bias = packed
-        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), weight, bias, "none", [], "").float()
+        return product(x, *packed, self.dtype)
 
     def _linear_add(self, x, packed, residual):
         """residual + x Wᵀ + b; in fp32 one call, oneDNN adding the residual to the product's output as it writes
@@ -395,10 +454,7 @@ class LlamaDecoder:
             keys, values = self.k[i], self.v[i]
             keys[:, :, c] = q_k[:, H:]
             values[:, :, c] = y_qkv[:, qk:].view(n, Hkv, D)
-            # each KV head serves H / Hkv query heads: (n·Hkv, g, D) @ (n·Hkv, D, c+1), scaled, plus the key mask
-            scores = torch.baddbmm(bias, q_k[:, :H].reshape(n * Hkv, H // Hkv, D),
-                                   keys[:, :, : c + 1].flatten(0, 1).transpose(1, 2), alpha=self.scale)
-            attn = torch.bmm(scores.softmax(-1), values[:, :, : c + 1].flatten(0, 1)).view(n, H * D)
+            attn = grouped_attention(q_k[:, :H], keys, values, bias, self.scale, c + 1)
             x_mid = self._linear_add(attn, o, x)  # x + o_proj(attn), the add inside the product
             y_gu = self._linear(rms_norm(x_mid, w_post, eps_post), gate_up)
             half = y_gu.shape[1] // 2

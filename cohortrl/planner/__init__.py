@@ -37,7 +37,7 @@ What the model assumes (each is a choice a reader can check and change):
 * attention runs in a fused kernel (SDPA / FlashAttention) that does not keep the S×S score matrix.
 
 Times: on a GPU a model prediction (datasheet peak × an assumed MFU); on a CPU FLOPs divided by rates
-measured on the machine (``measure_cpu_rates``), or none.
+measured on the machine (``measure_cpu_rates``), decoding's attention by the bytes of KV cache it reads, or none.
 """
 
 from __future__ import annotations
@@ -179,6 +179,13 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # A GPU step time is a model prediction from these and an assumed MFU, never a measurement. A CPU has no
 # entry: its rates are measured on the machine (``measure_cpu_rates``) or given, else no time is shown.
 GPU_PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12}
+# A CPU's rates (``RunSpec.cpu_rates``, measured by ``cpu_rates.measure_cpu_rates``) and their units.
+CPU_RATES = {
+    "decode": "FLOP/s of decoding's products, B rows through every weight, in decode_dtype",
+    "attention_bytes": "bytes/s of fp32 KV cache read by decoding's attention, B rows",
+    "layer": "FLOP/s of forward and backward through transformers layers",
+    "thin": "FLOP/s of LoRA's rank-r products",
+}
 
 
 @dataclass(frozen=True)
@@ -214,7 +221,7 @@ class RunSpec:
     peak_flops: float = GPU_PEAK_FLOPS["h100"]  # gpu: per device, a datasheet figure
     mfu: float = 0.4  # gpu: model FLOPs utilisation assumed for forward/backward passes
     generation_mfu: float = 0.1  # gpu: decoding is memory-bandwidth bound: far lower utilisation than training
-    # cpu: measured FLOP/s {"decode", "layer", "thin"} (measure_cpu_rates; decode in decode_dtype); None: no time
+    # cpu: measured rates (measure_cpu_rates; CPU_RATES says what each is); None: no time
     cpu_rates: dict | None = None
 
     @property
@@ -300,6 +307,11 @@ def validate(run: RunSpec) -> RunSpec:
     if not 0 < run.scored_tokens <= run.sequences * run.response_len - run.tool_tokens:
         raise PlanError(f"response-tokens must be between 1 and B·T − tool tokens = "
                         f"{run.sequences * run.response_len - run.tool_tokens} (got {run.scored_tokens})")
+    missing = [k for k in CPU_RATES if k not in (run.cpu_rates or {})]
+    if run.device == "cpu" and run.cpu_rates and missing:
+        raise PlanError(f"the CPU rates lack {', '.join(missing)} (rates measured before the planner used them): "
+                        "measure them again with this version (cohortrl plan measures them; "
+                        "benchmarks/planner_validation.py without --from-json)")
     replay = replay_possible(run)
     if run.reuse_rollout_forward and not replay:
         raise PlanError("the update reuses decoding's forward only on a CPU in fp32, for grpo or rloo, with one epoch, "
@@ -617,6 +629,37 @@ def adapter_flops(m: ModelShape, run: RunSpec, tokens: int) -> float:
     return forward * (3 * run.epochs + (1 if computes_old_logprobs(run) else 0) + (0 if folded else 1))
 
 
+def decoding_product_flops(m: ModelShape, run: RunSpec) -> float:
+    """Decoding's weight products: B rows at each of T steps through the layers and the head."""
+    return (2 * m.num_layers * m.layer_params + 2 * m.hidden_size * m.vocab_size) * run.sequences * run.response_len
+
+
+def decoding_attention_flops(m: ModelShape, run: RunSpec) -> float:
+    """Decoding's attention: B rows at each of T steps; step t (from 0) attends to s_p + t columns (the padded
+    prompt and the steps so far): B·(T·s_p + T(T − 1)/2) (query, key) pairs."""
+    B, T, sp = run.sequences, run.response_len, run.prompt_len
+    return attention_flops(m, B * (T * sp + T * (T - 1) / 2))
+
+
+def decoding_kv_read_bytes(m: ModelShape, run: RunSpec) -> float:
+    """Bytes of KV cache decoding's attention reads, all devices: at each step every row computed reads its keys
+    and values (2·L·k·d values a column, in the model's dtype: fp32 on the CPU decoder) for each of the s_p + t
+    columns it attends to (``cpu/decoder.grouped_attention``). Rows leave the computation after their end
+    (``LlamaDecoder.end_rows``), so the rows are those with a real token (:func:`decoded_rows`), each at the mean
+    context s_p + (T − 1)/2: exact when every row runs T steps (B·(T·s_p + T(T − 1)/2) columns, the pairs of
+    :func:`decoding_attention_flops`); with shorter rows it overcounts their contexts and misses the ended rows
+    still computed until a quarter have ended."""
+    return kv_cache_bytes(m, decoded_rows(run) * (run.prompt_len + (run.response_len - 1) / 2), run.dtype)
+
+
+def uniform_cpu_rates(m: ModelShape, flops_per_s: float, dtype: str = "fp32") -> dict[str, float]:
+    """One given FLOP rate for every kind of work (``cohortrl plan --peak-gflops``), decoding's attention included:
+    its KV-cache rate is the bytes that rate reads at attention's 4·a·d FLOPs per 2·k·d values of a column."""
+    kv_bytes_per_flop = 2 * m.num_kv_heads * m.d * DTYPE_BYTES[dtype] / (4 * m.num_heads * m.d)
+    return {"decode": flops_per_s, "attention_bytes": flops_per_s * kv_bytes_per_flop, "layer": flops_per_s,
+            "thin": flops_per_s}
+
+
 def computes_old_logprobs(run: RunSpec) -> bool:
     """Whether the step runs a forward for log π_old (``RLTrainer.needs_old_logp``): several epochs, or decoding's
     bf16 products without the update on their recording (the sampler's numerics are not the trainer's: the update
@@ -631,8 +674,7 @@ def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
     # the layers and the head on every row (finished rows and tool-result tokens included: the batch steps
     # together), attention over the prompt and the steps so far.
     prefill = 2 * m.num_layers * m.layer_params * U * (sp - 1) + attention_flops(m, U * (sp - 1) * sp / 2)
-    decoding = (2 * m.num_layers * m.layer_params + 2 * m.hidden_size * m.vocab_size) * B * T \
-        + attention_flops(m, B * (T * sp + T * (T - 1) / 2))
+    decoding = decoding_product_flops(m, run) + decoding_attention_flops(m, run)
     shared = shares_prompts(run)  # a group's prompt runs once in the log-prob passes
     score = batch_pass(m, run, shared, run.scored_tokens)
     recompute = score.layers + score.attention if run.checkpointing else 0.0  # Korthikanti §5: one more forward
@@ -674,26 +716,38 @@ class Plan:
         return sum(self.step_seconds.values()) if self.step_seconds else None
 
 
-def step_seconds(flops: Flops, run: RunSpec) -> dict[str, float]:
+def step_seconds(m: ModelShape, flops: Flops, run: RunSpec) -> dict[str, float]:
     """Seconds per phase on one device (the N devices split the step's sequences evenly).
-    GPU: FLOPs / (datasheet peak · an assumed MFU): a model prediction. CPU: FLOPs / the matrix-product rate
-    measured on the machine (``measure_cpu_rates``): decoding at its B-row rate (measured in the decoder's
-    products' dtype), LoRA's products at the thin (rank-r) rate, every other phase at the rate of a training
-    pass through real layers, except a recording decoder's prefill in bf16, whose products are decoding's, on
-    more rows (``LlamaDecoder._prefill``): at the decode rate, which more rows would not lower; {} when no rate
-    was measured or given: no time is better than an invented one."""
+    GPU: FLOPs / (datasheet peak · an assumed MFU): a model prediction. CPU: rates measured on the machine
+    (``measure_cpu_rates``): decoding's products at their B-row rate (measured in the decoder's products' dtype)
+    and its attention by the KV cache it reads (:func:`decoding_attention_seconds`), LoRA's products at the thin
+    (rank-r) rate, every other phase at the rate of a training pass through real layers, except a recording
+    decoder's prefill in bf16, whose products are decoding's, on more rows (``LlamaDecoder._prefill``): at the
+    decode rate, which more rows would not lower; {} when no rate was measured or given: no time is better than
+    an invented one."""
     per_device = {k: getattr(flops, k) / run.gpus for k in PHASES}
     if run.device == "cpu":
         if not run.cpu_rates:
             return {}
         rates = run.cpu_rates
-        rate = {"decoding": rates["decode"], "adapters": rates["thin"]}
+        rate = {"adapters": rates["thin"]}
         if run.decode_dtype == "bf16" and run.reuse_rollout_forward:
             rate["prefill"] = rates["decode"]
-        return {k: v / rate.get(k, rates["layer"]) for k, v in per_device.items()}
+        seconds = {k: v / rate.get(k, rates["layer"]) for k, v in per_device.items()}
+        seconds["decoding"] = (decoding_product_flops(m, run) / run.gpus / rates["decode"]
+                               + decoding_attention_seconds(m, run))
+        return seconds
     train_rate = run.peak_flops * run.mfu
     gen_rate = run.peak_flops * run.generation_mfu
     return {k: v / (gen_rate if k in ("prefill", "decoding") else train_rate) for k, v in per_device.items()}
+
+
+def decoding_attention_seconds(m: ModelShape, run: RunSpec) -> float:
+    """CPU seconds on one device of decoding's attention: the KV cache it reads (:func:`decoding_kv_read_bytes`)
+    at the rate measured over a cache of the model's shape (``measure_cpu_rates``' ``attention_bytes``). A step
+    reads every row's keys and values for a few FLOPs a value, so memory bandwidth, not arithmetic, sets its
+    time: at the products' FLOP rate it would be counted several times too fast."""
+    return decoding_kv_read_bytes(m, run) / run.gpus / run.cpu_rates["attention_bytes"]
 
 
 def plan(model: ModelShape | str, run: RunSpec) -> Plan:
@@ -702,7 +756,7 @@ def plan(model: ModelShape | str, run: RunSpec) -> Plan:
     shape = resolve_shape(model) if isinstance(model, str) else model
     run = validate(run)
     flops = plan_flops(shape, run)
-    return Plan(shape, run, plan_memory(shape, run), flops, step_seconds(flops, run))
+    return Plan(shape, run, plan_memory(shape, run), flops, step_seconds(shape, flops, run))
 
 
 def run_spec_from_config(cfg, *, bf16_units: bool = False, **sizes) -> RunSpec:

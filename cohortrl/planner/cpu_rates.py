@@ -1,28 +1,34 @@
-"""This CPU's rates for the planner's CPU time (``cohortrl plan`` measures them at plan time): the three kinds of
-work a step does, timed at the model's shapes."""
+"""This CPU's rates for the planner's CPU time (``cohortrl plan`` measures them at plan time): the kinds of work a
+step does, timed at the model's shapes, decoding's with the decoder's own operations."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from cohortrl.planner import DTYPE_BYTES, ModelShape, Pass, attention_flops, backward_flops
+from cohortrl.planner import DTYPE_BYTES, ModelShape, Pass, attention_flops, backward_flops, kv_cache_bytes
 
 
-def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, repeats: int = 3,
-                      decode_dtype: str = "fp32") -> dict[str, float]:
-    """This CPU's rates (FLOP/s, as the planner counts FLOPs) for the three kinds of work a step does, on
-    ``threads`` torch threads, in fp32 but for decoding's products, which are in ``decode_dtype`` (the lean
-    decoder's, ``RunSpec.decode_dtype``):
+def measure_cpu_rates(m: ModelShape, threads: int, rows: int, *, ops, context: int, rank: int = 16,
+                      repeats: int = 3, decode_dtype: str = "fp32") -> dict[str, float]:
+    """This CPU's rates (``planner.CPU_RATES``) for the kinds of work a step does, on ``threads``
+    torch threads, in fp32 but for decoding's products, which are in ``decode_dtype`` (the lean decoder's,
+    ``RunSpec.decode_dtype``). ``ops``: what a decoding step runs (``trainers.setup.decoding_step_ops``: the
+    decoder's laid-out products and its attention), so that decoding's probes time the decoder's own kernels.
 
-    - ``decode``: ``rows`` × h by h × f products (one row per sequence) over as many distinct h × f weights as
-      the model's linear layers hold (at most DECODE_PROBE_BYTES of them; :func:`decode_probe`): a decoding step
-      reads every weight once for a few rows, so its rate is set by how fast the weights stream from memory, not
-      by the arithmetic, and a probe on one cache-resident weight overstates it several times;
-    - ``layer``: forward and backward, under autograd, of two transformers Llama layers of the model's shape
-      (full fine-tuning, 2 sequences of 256 tokens): prefill, scoring and the update, where the products run
+    - ``decode`` (FLOP/s): ``rows`` × h by h × f products (one row per sequence) over as many distinct h × f
+      weights as the model's linear layers hold (at most DECODE_PROBE_BYTES of them; :func:`decode_probe`), each
+      laid out and multiplied as the decoder does (``ops``): a decoding step reads every weight once for a few
+      rows, so its rate is set by how fast the weights stream from memory, not by the arithmetic, and a probe on
+      one cache-resident weight overstates it several times;
+    - ``attention_bytes`` (bytes/s): decoding's attention (``ops.attention``) for ``rows`` rows over a KV cache of
+      ``context`` columns per layer, as many layers as the model has (at most ATTENTION_PROBE_BYTES;
+      :func:`attention_probe`), as the KV-cache bytes read per second: each step reads every row's keys and values
+      for a few FLOPs per value, so bandwidth sets its rate, far below the products';
+    - ``layer`` (FLOP/s): forward and backward, under autograd, of two transformers Llama layers of the model's
+      shape (full fine-tuning, 2 sequences of 256 tokens): prefill, scoring and the update, where the products run
       on many rows and beside them the norms, rotary embedding, attention's softmax, SwiGLU and autograd's
       bookkeeping, which a bare product leaves out (a bare 2048-row product runs about 1.6 × faster here);
-    - ``thin``: 2048 rows through a rank-``rank`` pair of products (f → r, r → f), LoRA's adapters' shapes.
+    - ``thin`` (FLOP/s): 2048 rows through a rank-``rank`` pair of products (f → r, r → f), LoRA's adapters' shapes.
 
     Timed in the process's CPU time (``time.process_time``), not wall time: on a shared machine the wall clock
     also counts the time other processes held the cores; × ``threads`` gives the rate of undisturbed threads
@@ -38,7 +44,10 @@ def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, re
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x, weights = decode_probe(m, rows, decode_dtype)
+        x, weights = decode_probe(m, rows, decode_dtype, ops)
+        dtype = torch_dtype(decode_dtype)
+        q, keys, values, key_bias, length = attention_probe(m, rows, context, ops)
+        scale = m.d ** -0.5
         dy, down, up, a = torch.randn(2048, f), torch.randn(rank, f), torch.randn(f, rank), torch.randn(2048, rank)
         probe = replace(m, num_layers=2, vocab_size=256)  # two layers, a token vocabulary too small to matter
         block = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -50,38 +59,68 @@ def measure_cpu_rates(m: ModelShape, threads: int, rows: int, rank: int = 16, re
         def train_block():
             block(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.sum().backward()
 
-        products = {  # name: (FLOPs as the planner counts them, the work)
-            "decode": (2 * rows * h * f * len(weights), lambda: [F.linear(x, w) for w in weights]),
+        work = {  # name: (the amount its rate counts, FLOPs or bytes; the work)
+            "decode": (2 * rows * h * f * len(weights), lambda: [ops.product(x, w, None, dtype) for w in weights]),
+            "attention_bytes": (sum(t.nbytes for t in (*keys, *values)),
+                                lambda: [ops.attention(q, k, v, key_bias, scale, length) for k, v in zip(keys, values)]),
             "layer": (training_flops(probe, *ids.shape), train_block),
             "thin": (2 * 2 * 2048 * f * rank, lambda: (F.linear(dy, down), F.linear(a, up))),
         }
         rates = {}
-        for name, (flops, work) in products.items():
-            work()  # first touch: allocation and kernel selection
-            reps = max(1, int(2e9 // flops))  # ~2 GFLOP, or one pass over the weights, per timing
+        for name, (amount, job) in work.items():
+            job()  # first touch: allocation and kernel selection
+            reps = max(1, int(TIMED_AMOUNT // amount))  # or one pass over the probe's data, per timing
             best = float("inf")
             for _ in range(repeats):
                 start = time.process_time()
                 for _ in range(reps):
-                    work()
+                    job()
                 best = min(best, (time.process_time() - start) / reps)
-            rates[name] = flops / best * threads
+            rates[name] = amount / best * threads
         return rates
     finally:
         torch.set_num_threads(previous)
 
 
-def decode_probe(m: ModelShape, rows: int, dtype: str = "fp32") -> tuple:
-    """The decoding probe's operands in ``dtype`` (fp32 or bf16): ``rows`` × h inputs and as many distinct f × h
-    weights as the model's linear layers hold, at most DECODE_PROBE_BYTES of them in that dtype (bf16 weights
-    stream at half fp32's bytes)."""
+def decode_probe(m: ModelShape, rows: int, dtype: str, ops) -> tuple:
+    """The decoding probe's operands: ``rows`` × h fp32 inputs (the decoder's products cast them to their dtype) and
+    as many distinct f × h weights as the model's linear layers hold, at most DECODE_PROBE_BYTES of them in
+    ``dtype`` (fp32 or bf16: bf16 weights stream at half fp32's bytes), each as the decoder holds it
+    (``ops.laid_out``: oneDNN's layout for ``rows``-row products)."""
     import torch
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     size, h, f = DTYPE_BYTES[dtype], m.hidden_size, m.intermediate_size
     linear_bytes = (m.num_layers * m.layer_matrix_params + m.vocab_size * h) * size
     n_weights = max(1, int(min(linear_bytes, DECODE_PROBE_BYTES) // (h * f * size)))
-    return torch.randn(rows, h).to(torch_dtype), [torch.randn(f, h).to(torch_dtype) for _ in range(n_weights)]
+    # one source in the weights' dtype, refilled for each weight: no temporary (a cast) freed between the laid-out
+    # weights, which would leave heap holes that keep the probe resident after it returns
+    source = torch.empty(f, h, dtype=torch_dtype(dtype))
+    return torch.randn(rows, h), [ops.laid_out(source.normal_(), rows, source.dtype) for _ in range(n_weights)]
+
+
+def attention_probe(m: ModelShape, rows: int, context: int, ops) -> tuple:
+    """The attention probe's operands, as a decoding step holds them (``cpu/decoder.LlamaDecoder``): ``rows`` rows'
+    queries (rows, a, d), per layer their keys and values (rows, k, context, d) in fp32 where the decoder keeps its
+    cache (``ops.cache_zeros``: maps of their own, returned to the OS when freed), no key masked (bias 0),
+    and the columns attended to. As many layers as the model has while they fit in ATTENTION_PROBE_BYTES (a step
+    reads every layer's cache once, so from far more bytes than the last-level cache holds), and fewer columns
+    than ``context`` when a single layer would not."""
+    import torch
+
+    k, d = m.num_kv_heads, m.d
+    column = kv_cache_bytes(replace(m, num_layers=1), rows, "fp32")  # one column of one layer, every row
+    length = max(1, min(context, ATTENTION_PROBE_BYTES // column))
+    layers = max(1, min(m.num_layers, ATTENTION_PROBE_BYTES // (column * length)))
+    keys = [ops.cache_zeros((rows, k, length, d), torch.float32).normal_() for _ in range(layers)]
+    values = [ops.cache_zeros((rows, k, length, d), torch.float32).normal_() for _ in range(layers)]
+    return torch.randn(rows, m.num_heads, d), keys, values, torch.zeros(rows * k, 1, length), length
+
+
+def torch_dtype(dtype: str):
+    """The planner's dtype name (``fp32``, ``bf16``) as torch's (this module imports torch only when it measures)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 
 
 def training_flops(m: ModelShape, sequences: int, seq_len: int) -> float:
@@ -92,6 +131,11 @@ def training_flops(m: ModelShape, sequences: int, seq_len: int) -> float:
     return p.total + backward_flops(p, lora=False, head_trained=True)
 
 
+# What one timing of a probe repeats its work for: about 2 GFLOP, or 2 GB read.
+TIMED_AMOUNT = 2e9
 # The decoding probe's weights: the model's own size up to this (the size of a 135M-parameter model in fp32);
 # past the last-level cache the rate no longer depends on it.
 DECODE_PROBE_BYTES = 2**29
+# The attention probe's KV cache: the model's layers up to this; past the last-level cache the rate per byte no
+# longer depends on it.
+ATTENTION_PROBE_BYTES = 2**28

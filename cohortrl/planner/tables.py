@@ -3,7 +3,8 @@ FLOPs and time per step."""
 
 from __future__ import annotations
 
-from cohortrl.planner import GIB, Plan, RunSpec
+from cohortrl.planner import (GIB, Plan, RunSpec, decoding_attention_flops, decoding_attention_seconds,
+                              decoding_kv_read_bytes)
 
 
 def memory_rows(p: Plan) -> list[tuple[str, float]]:
@@ -39,7 +40,8 @@ def time_heading(r: RunSpec) -> str:
             return "s (not shown: no measured CPU rate)"
         rates = r.cpu_rates
         return (f"s, calibrated (measured here, GFLOP/s: decoding {rates['decode'] / 1e9:.0f} in {r.decode_dtype} at "
-                f"{r.sequences} rows, layers {rates['layer'] / 1e9:.0f}, rank-r {rates['thin'] / 1e9:.0f})")
+                f"{r.sequences // r.gpus} rows, layers {rates['layer'] / 1e9:.0f}, rank-r {rates['thin'] / 1e9:.0f}; "
+                f"decoding's attention {rates['attention_bytes'] / 1e9:.1f} GB/s of KV cache)")
     return (f"s, model prediction, not measured ({r.peak_flops / 1e12:g} TFLOP/s datasheet peak, "
             f"MFU {r.mfu:g}, decoding {r.generation_mfu:g})")
 
@@ -82,6 +84,10 @@ def format_plan(p: Plan) -> str:
     for key, label in names.items():
         seconds = f"{p.step_seconds[key]:.2f}" if p.step_seconds else "-"
         lines.append(f"| {label} | {getattr(p.flops, key) / 1e12:.3f} | {seconds} |")
+        if key == "decoding" and r.device == "cpu":  # timed by the bytes it reads, not its FLOPs
+            seconds = f"{decoding_attention_seconds(m, r):.2f}" if p.step_seconds else "-"
+            lines.append(f"| (of which attention: {decoding_kv_read_bytes(m, r) / GIB:.2f} GiB of KV cache read) | "
+                         f"{decoding_attention_flops(m, r) / 1e12:.3f} | {seconds} |")
     total = f"{p.step_time:.2f}" if p.step_seconds else "-"
     lines.append(f"| **total** | {p.flops.total / 1e12:.3f} | {total} |")
     return "\n".join(lines)

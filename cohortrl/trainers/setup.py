@@ -249,6 +249,15 @@ def cpu_bf16_products() -> bool:
     return kernels.onednn_available() and kernels.cpu_has_bf16_units()
 
 
+def decoding_step_ops():
+    """The operations a decoding step runs on this build (``cpu.decoder.step_ops``: the lean decoder's laid-out
+    products and attention), for ``planner.cpu_rates.measure_cpu_rates``'s probes, so that they time what decoding
+    runs; the planner, below this package, is handed them (``cohortrl plan``, ``benchmarks/planner_validation.py``)."""
+    from cohortrl.cpu import decoder
+
+    return decoder.step_ops()
+
+
 def fast_kernels(fast_path, *models):
     """A context for one phase of work (a step, an evaluation): ``models`` on the fast path's linear kernel, or
     nothing without a fast path."""
