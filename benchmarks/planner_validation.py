@@ -150,7 +150,7 @@ def child(name: str, args) -> None:
     import transformers  # noqa: F401
 
     from cohortrl.config import Config
-    from cohortrl.planner import resolve_shape, run_spec_from_config
+    from cohortrl.planner import resolve_shape, run_spec_from_config, validate
     from cohortrl.planner.cpu_rates import measure_cpu_rates
     from cohortrl.trainers import make_trainer, step
     from cohortrl.trainers.metrics import peak_rss_mb
@@ -159,12 +159,15 @@ def child(name: str, args) -> None:
     baseline = vm_rss_bytes()
     cfg = Config.from_yaml(REPO / CONFIGS[name][0], overrides(name, args))
     torch.set_num_threads(args.threads)
-    decode_dtype = run_spec_from_config(cfg, bf16_units=cpu_bf16_products(), device="cpu").decode_dtype
-    # the attention probe's cache: the config's mean context (the longest prompt, half the budget)
+    planned = validate(run_spec_from_config(cfg, bf16_units=cpu_bf16_products(), device="cpu"))
+    decode_dtype = planned.decode_dtype
+    # the attention probe's cache: the config's mean context (the longest prompt, half the budget); the step
+    # overhead's probe: the config's sampler, recording where the update runs on decoding's recording
     rates = measure_cpu_rates(resolve_shape(cfg.model.name), threads=args.threads,
                               rows=cfg.algorithm.prompts_per_step * cfg.algorithm.group_size, rank=cfg.model.lora.r,
-                              decode_dtype=decode_dtype, ops=decoding_step_ops(),
-                              context=cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens // 2)
+                              decode_dtype=decode_dtype, ops=decoding_step_ops(cfg.sampling),
+                              context=cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens // 2,
+                              record=planned.reuse_rollout_forward)
     steps = []
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = make_trainer(cfg, run_dir)

@@ -366,7 +366,7 @@ PLAN_FIELDS = ("algorithm", "gpus", "sharding", "dtype", "lora_rank", "prompt_le
 def cmd_plan(args) -> int:
     """Memory per device and time per step of a PPO / GRPO / RLOO step (``cohortrl.planner``)."""
     from cohortrl.planner import (GPU_PEAK_FLOPS, PlanError, RunSpec, plan, resolve_shape, run_spec_from_config,
-                                  uniform_cpu_rates)
+                                  uniform_cpu_rates, validate)
     from cohortrl.planner.tables import format_plan
     from cohortrl.planner.cpu_rates import measure_cpu_rates
 
@@ -400,10 +400,13 @@ def cmd_plan(args) -> int:
 
                 from cohortrl.trainers.setup import decoding_step_ops
 
-                # the attention probe's cache: decoding's mean context, s_p + T/2 columns
+                # the attention probe's cache: decoding's mean context, s_p + T/2 columns; the step overhead's probe:
+                # the config's sampler and whether decoding records for the update
                 rates = measure_cpu_rates(shape, args.threads or torch.get_num_threads(), run.sequences // run.gpus,
-                                          ops=decoding_step_ops(), context=run.prompt_len + run.response_len // 2,
-                                          rank=run.lora_rank or 16, decode_dtype=run.decode_dtype)
+                                          ops=decoding_step_ops(cfg.sampling if args.config else None),
+                                          context=run.prompt_len + run.response_len // 2,
+                                          rank=run.lora_rank or 16, decode_dtype=run.decode_dtype,
+                                          record=validate(run).reuse_rollout_forward)
             run = replace(run, cpu_rates=rates, cpu_baseline_bytes=args.cpu_baseline_mb * 1024**2)
         else:
             run = replace(run, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else GPU_PEAK_FLOPS[args.gpu])

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -161,7 +162,7 @@ def test_gpu_step_time_follows_flops_peak_and_mfu():
     assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 8 / (1e15 * 0.1))
 
 
-RATES = {"decode": 2e10, "attention_bytes": 5e9, "layer": 2e11, "thin": 5e10}
+RATES = {"decode": 2e10, "attention_bytes": 5e9, "layer": 2e11, "thin": 5e10, "step_s": 2e-3, "layer_step_s": 1e-4}
 
 
 def test_cpu_time_is_shown_only_from_a_measured_rate():
@@ -169,8 +170,9 @@ def test_cpu_time_is_shown_only_from_a_measured_rate():
     assert plan(SMOL, run).step_time is None  # no rate: no time, not a datasheet guess
     p = plan(SMOL, replace(run, cpu_rates=RATES))
     # decoding: the products (B·T = 400 rows through 2·30·3,540,096 + 2·576·49,152 = 269,028,864 FLOPs a row) at the
-    # decode rate, the attention by the KV cache it reads at the attention rate (test_decodings_attention_...)
-    assert p.step_seconds["decoding"] == pytest.approx(107_611_545_600 / 2e10 + 2_294_784_000 / 5e9)
+    # decode rate, the attention by the KV cache it reads at the attention rate (test_decodings_attention_...), and
+    # T = 50 steps of 2 ms + 30 layers · 0.1 ms = 5 ms around them: 0.25 s
+    assert p.step_seconds["decoding"] == pytest.approx(107_611_545_600 / 2e10 + 2_294_784_000 / 5e9 + 0.25)
     assert p.step_seconds["policy"] == pytest.approx(p.flops.policy / 2e11)  # through whole layers: the layer rate
     assert p.step_seconds["prefill"] == pytest.approx(p.flops.prefill / 2e11)
     assert p.step_seconds["adapters"] == pytest.approx(p.flops.adapters / 5e10)  # LoRA's rank-r products
@@ -296,16 +298,44 @@ def test_decodings_attention_is_timed_by_the_kv_cache_it_reads():
     short = replace(run, response_tokens=300, tool_tokens=20)
     assert decoding_kv_read_bytes(SMOL, short) == 39_840 * 46_080 == 1_835_827_200
     assert plan(SMOL, replace(short, cpu_rates=RATES)).flops.decoding == p.flops.decoding  # the FLOPs count every row
-    # split over 2 devices: each reads half at its own rate
+    # split over 2 devices: each reads half at its own rate, and runs all 50 steps for its own rows
     two = plan(SMOL, replace(run, gpus=2, cpu_rates=RATES))
-    assert two.step_seconds["decoding"] == pytest.approx((107_611_545_600 / 2e10 + 2_294_784_000 / 5e9) / 2)
+    assert two.step_seconds["decoding"] == pytest.approx((107_611_545_600 / 2e10 + 2_294_784_000 / 5e9) / 2 + 0.25)
 
 
 def test_rates_measured_before_the_attention_rate_are_refused_with_the_fix():
     run = RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, prompt_len=100, response_len=50,
                   cpu_rates={"decode": 2e10, "layer": 2e11, "thin": 5e10})  # a --json file of the benchmark's before it
-    with pytest.raises(PlanError, match=r"the CPU rates lack attention_bytes .*: measure them again"):
+    with pytest.raises(PlanError, match=r"the CPU rates lack attention_bytes, step_s, layer_step_s .*: measure them again"):
         plan(SMOL, run)
+
+
+def test_rates_measured_before_the_step_overhead_are_refused_with_the_fix():
+    old = {k: v for k, v in RATES.items() if k not in ("step_s", "layer_step_s")}  # wt72's validation JSON, say
+    with pytest.raises(PlanError, match=r"the CPU rates lack step_s, layer_step_s .*: measure them again"):
+        plan(SMOL, RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, response_len=50, cpu_rates=old))
+
+
+def test_the_step_overhead_probe_differences_two_lengths_and_two_depths(monkeypatch):
+    from cohortrl.planner import cpu_rates
+
+    # a fake generation loop that costs, per call, 1 s once + per step 0.01 s + 0.002 s a layer + the step's products
+    # and attention as the planner counts them: the probe recovers 0.01 s and 0.002 s
+    tiny = ModelShape("tiny", 64, 2, 4, 2, 128, 256, True)
+    rates = {"decode": 1e9, "attention_bytes": 1e9}
+    clock = [0.0]
+
+    def generate(model, rows, steps, dtype, record):
+        layers = len(model.model.layers)
+        modelled = (2 * layers * tiny.layer_params + 2 * 64 * 256) * rows / 1e9
+        kv = 2 * layers * 2 * 16 * 4 * rows  # a column: K and V of 2 kv heads of 16 values in fp32, every layer
+        clock[0] += 1 + steps * (0.01 + 0.002 * layers + modelled) + kv * steps * (steps + 1) / 2 / 1e9
+
+    monkeypatch.setattr("time.process_time", lambda: clock[0])
+    ops = SimpleNamespace(generate=generate)
+    step, layer = cpu_rates.step_overhead(tiny, rows=2, dtype="fp32", ops=ops, record=False, repeats=2, threads=1,
+                                          rates=rates)
+    assert (step, layer) == (pytest.approx(0.01), pytest.approx(0.002))
 
 
 def test_one_given_flop_rate_times_decodings_attention_by_its_flops():
@@ -313,7 +343,8 @@ def test_one_given_flop_rate_times_decodings_attention_by_its_flops():
 
     rates = uniform_cpu_rates(SMOL, 1e11)
     # a column's 2·3·64 values of 4 bytes per 4·9·64 FLOPs: 1,536 / 2,304 = 2/3 bytes per FLOP
-    assert rates == {"decode": 1e11, "attention_bytes": pytest.approx(1e11 * 2 / 3), "layer": 1e11, "thin": 1e11}
+    assert rates == {"decode": 1e11, "attention_bytes": pytest.approx(1e11 * 2 / 3), "layer": 1e11, "thin": 1e11,
+                     "step_s": 0.0, "layer_step_s": 0.0}  # a FLOP rate times FLOPs only
     p = plan(SMOL, RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, prompt_len=100,
                            response_len=50, cpu_rates=rates))
     assert p.step_seconds["decoding"] == pytest.approx(p.flops.decoding / 1e11)  # every row runs T steps
@@ -341,17 +372,20 @@ def test_the_cpu_rates_time_the_decoders_own_step(monkeypatch):
 
     ops, called = decoding_step_ops(), set()
     spy = ops._replace(product=lambda *a: called.add("product") or ops.product(*a),
-                       attention=lambda *a: called.add("attention") or ops.attention(*a))
+                       attention=lambda *a: called.add("attention") or ops.attention(*a),
+                       generate=lambda *a: called.add("generate") or ops.generate(*a))
     monkeypatch.setattr(cpu_rates, "TIMED_AMOUNT", 1)  # one repetition per timing
     tiny = ModelShape("tiny", 64, 2, 4, 2, 128, 256, True)
-    rates = cpu_rates.measure_cpu_rates(tiny, threads=1, rows=2, ops=spy, context=16, repeats=1)
-    assert rates.keys() == CPU_RATES.keys() and min(rates.values()) > 0
-    assert called == {"product", "attention"}
+    rates = cpu_rates.measure_cpu_rates(tiny, threads=1, rows=2, ops=spy, context=16, repeats=1, record=True)
+    assert rates.keys() == CPU_RATES.keys()
+    assert min(rates[k] for k in ("decode", "attention_bytes", "layer", "thin")) > 0
+    assert rates["step_s"] >= 0 and rates["layer_step_s"] >= 0  # what is left after the modelled products and attention
+    assert called == {"product", "attention", "generate"}
 
 
 def test_bf16_decoding_is_timed_at_the_rate_measured_in_bf16():
     # decode: the probe in bf16 (measure_cpu_rates); attention_bytes: the fp32 KV cache, whatever the products' dtype
-    rates = {"decode": 5e10, "attention_bytes": 4e9, "layer": 2e11, "thin": 7e10}
+    rates = {"decode": 5e10, "attention_bytes": 4e9, "layer": 2e11, "thin": 7e10, "step_s": 0.0, "layer_step_s": 0.0}
     p = plan(SMOL, replace(CPU_GRPO, decode_dtype="bf16", cpu_rates=rates))
     assert p.run.reuse_rollout_forward
     # decoding: B·T rows of the layers (3,540,096 weights each) and the head, plus attention:
@@ -370,7 +404,7 @@ def test_bf16_decoding_without_the_recording_adds_a_forward_for_the_old_log_prob
     # RLTrainer.needs_old_logp: the sampler's numerics are not the trainer's, so the update corrects with
     # importance weights, π_old from its own fp32 forward (a log-prob pass: each distinct prompt once, every
     # response token scored), and transformers' fp32 prefill runs at the layer rate
-    rates = {"decode": 5e10, "attention_bytes": 4e9, "layer": 2e11, "thin": 7e10}
+    rates = {"decode": 5e10, "attention_bytes": 4e9, "layer": 2e11, "thin": 7e10, "step_s": 0.0, "layer_step_s": 0.0}
     fp32 = plan(SMOL, replace(CPU_GRPO, reuse_rollout_forward=False, cpu_rates=rates))
     bf16 = plan(SMOL, replace(CPU_GRPO, reuse_rollout_forward=False, decode_dtype="bf16", cpu_rates=rates))
     tokens = 2 * 101 + 8 * 50

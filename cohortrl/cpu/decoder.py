@@ -159,6 +159,9 @@ class StepOps(NamedTuple):
     product: Callable  # (x fp32, that weight, bias, dtype) -> x Wᵀ + b in fp32
     attention: Callable  # grouped_attention
     cache_zeros: Callable  # (shape, dtype) -> a zero tensor where the decoder keeps its KV cache (mapped_zeros)
+    # (model, rows, steps, dtype, record) -> None: generation's loop for ``steps`` tokens, the lean decoder's step
+    # and the sampler; the sampler lives above this package, so ``trainers.setup.decoding_step_ops`` supplies it
+    generate: Callable | None = None
 
 
 def step_ops() -> StepOps:

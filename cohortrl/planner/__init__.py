@@ -37,7 +37,7 @@ What the model assumes (each is a choice a reader can check and change):
 * attention runs in a fused kernel (SDPA / FlashAttention) that does not keep the S×S score matrix.
 
 Times: on a GPU a model prediction (datasheet peak × an assumed MFU); on a CPU FLOPs divided by rates
-measured on the machine (``measure_cpu_rates``), decoding's attention by the bytes of KV cache it reads, or none.
+measured on the machine (``measure_cpu_rates``; decoding's attention by KV bytes read, plus a time per step), or none.
 """
 
 from __future__ import annotations
@@ -185,6 +185,8 @@ CPU_RATES = {
     "attention_bytes": "bytes/s of fp32 KV cache read by decoding's attention, B rows",
     "layer": "FLOP/s of forward and backward through transformers layers",
     "thin": "FLOP/s of LoRA's rank-r products",
+    "step_s": "seconds per decoding step outside the layers, the head's product aside: sampler, recording, loop",
+    "layer_step_s": "seconds per layer and decoding step besides its products and attention: norms, rotary, casts",
 }
 
 
@@ -654,10 +656,10 @@ def decoding_kv_read_bytes(m: ModelShape, run: RunSpec) -> float:
 
 def uniform_cpu_rates(m: ModelShape, flops_per_s: float, dtype: str = "fp32") -> dict[str, float]:
     """One given FLOP rate for every kind of work (``cohortrl plan --peak-gflops``), decoding's attention included:
-    its KV-cache rate is the bytes that rate reads at attention's 4·a·d FLOPs per 2·k·d values of a column."""
+    its KV-cache rate is the bytes that rate reads at attention's 4·a·d FLOPs per 2·k·d values of a column; no time per step."""
     kv_bytes_per_flop = 2 * m.num_kv_heads * m.d * DTYPE_BYTES[dtype] / (4 * m.num_heads * m.d)
     return {"decode": flops_per_s, "attention_bytes": flops_per_s * kv_bytes_per_flop, "layer": flops_per_s,
-            "thin": flops_per_s}
+            "thin": flops_per_s, "step_s": 0.0, "layer_step_s": 0.0}
 
 
 def computes_old_logprobs(run: RunSpec) -> bool:
@@ -720,11 +722,11 @@ def step_seconds(m: ModelShape, flops: Flops, run: RunSpec) -> dict[str, float]:
     """Seconds per phase on one device (the N devices split the step's sequences evenly).
     GPU: FLOPs / (datasheet peak · an assumed MFU): a model prediction. CPU: rates measured on the machine
     (``measure_cpu_rates``): decoding's products at their B-row rate (measured in the decoder's products' dtype)
-    and its attention by the KV cache it reads (:func:`decoding_attention_seconds`), LoRA's products at the thin
-    (rank-r) rate, every other phase at the rate of a training pass through real layers, except a recording
-    decoder's prefill in bf16, whose products are decoding's, on more rows (``LlamaDecoder._prefill``): at the
-    decode rate, which more rows would not lower; {} when no rate was measured or given: no time is better than
-    an invented one."""
+    and its attention by the KV cache it reads (:func:`decoding_attention_seconds`), plus a measured time per step
+    (:func:`decoding_step_overhead_seconds`), LoRA's products at the thin (rank-r) rate, every other phase at
+    the rate of a training pass through real layers, except a recording decoder's prefill in bf16, whose products
+    are decoding's, on more rows (``LlamaDecoder._prefill``): at the decode rate, which more rows would not lower;
+    {} when no rate was measured or given: no time is better than an invented one."""
     per_device = {k: getattr(flops, k) / run.gpus for k in PHASES}
     if run.device == "cpu":
         if not run.cpu_rates:
@@ -735,7 +737,7 @@ def step_seconds(m: ModelShape, flops: Flops, run: RunSpec) -> dict[str, float]:
             rate["prefill"] = rates["decode"]
         seconds = {k: v / rate.get(k, rates["layer"]) for k, v in per_device.items()}
         seconds["decoding"] = (decoding_product_flops(m, run) / run.gpus / rates["decode"]
-                               + decoding_attention_seconds(m, run))
+                               + decoding_attention_seconds(m, run) + decoding_step_overhead_seconds(m, run))
         return seconds
     train_rate = run.peak_flops * run.mfu
     gen_rate = run.peak_flops * run.generation_mfu
@@ -748,6 +750,12 @@ def decoding_attention_seconds(m: ModelShape, run: RunSpec) -> float:
     reads every row's keys and values for a few FLOPs a value, so memory bandwidth, not arithmetic, sets its
     time: at the products' FLOP rate it would be counted several times too fast."""
     return decoding_kv_read_bytes(m, run) / run.gpus / run.cpu_rates["attention_bytes"]
+
+
+def decoding_step_overhead_seconds(m: ModelShape, run: RunSpec) -> float:
+    """CPU seconds on one device of decoding's work around its products and attention, which no FLOP rate times:
+    T steps (until the longest response ends; each device runs all) of ``step_s`` + L · ``layer_step_s``."""
+    return run.response_len * (run.cpu_rates["step_s"] + m.num_layers * run.cpu_rates["layer_step_s"])
 
 
 def plan(model: ModelShape | str, run: RunSpec) -> Plan:

@@ -9,11 +9,12 @@ from cohortrl.planner import DTYPE_BYTES, ModelShape, Pass, attention_flops, bac
 
 
 def measure_cpu_rates(m: ModelShape, threads: int, rows: int, *, ops, context: int, rank: int = 16,
-                      repeats: int = 3, decode_dtype: str = "fp32") -> dict[str, float]:
+                      repeats: int = 3, decode_dtype: str = "fp32", record: bool = False) -> dict[str, float]:
     """This CPU's rates (``planner.CPU_RATES``) for the kinds of work a step does, on ``threads``
     torch threads, in fp32 but for decoding's products, which are in ``decode_dtype`` (the lean decoder's,
     ``RunSpec.decode_dtype``). ``ops``: what a decoding step runs (``trainers.setup.decoding_step_ops``: the
-    decoder's laid-out products and its attention), so that decoding's probes time the decoder's own kernels.
+    decoder's laid-out products and its attention, and generation's loop), so that decoding's probes time the
+    decoder's own kernels. ``record``: decoding records for the update (``RunSpec.reuse_rollout_forward``).
 
     - ``decode`` (FLOP/s): ``rows`` × h by h × f products (one row per sequence) over as many distinct h × f
       weights as the model's linear layers hold (at most DECODE_PROBE_BYTES of them; :func:`decode_probe`), each
@@ -28,7 +29,9 @@ def measure_cpu_rates(m: ModelShape, threads: int, rows: int, *, ops, context: i
       shape (full fine-tuning, 2 sequences of 256 tokens): prefill, scoring and the update, where the products run
       on many rows and beside them the norms, rotary embedding, attention's softmax, SwiGLU and autograd's
       bookkeeping, which a bare product leaves out (a bare 2048-row product runs about 1.6 × faster here);
-    - ``thin`` (FLOP/s): 2048 rows through a rank-``rank`` pair of products (f → r, r → f), LoRA's adapters' shapes.
+    - ``thin`` (FLOP/s): 2048 rows through a rank-``rank`` pair of products (f → r, r → f), LoRA's adapters' shapes;
+    - ``step_s`` and ``layer_step_s`` (seconds per decoding step, and per layer and decoding step): what
+      generation spends on a step besides its products and its attention (:func:`step_overhead`).
 
     Timed in the process's CPU time (``time.process_time``), not wall time: on a shared machine the wall clock
     also counts the time other processes held the cores; × ``threads`` gives the rate of undisturbed threads
@@ -77,9 +80,66 @@ def measure_cpu_rates(m: ModelShape, threads: int, rows: int, *, ops, context: i
                     job()
                 best = min(best, (time.process_time() - start) / reps)
             rates[name] = amount / best * threads
+        rates["step_s"], rates["layer_step_s"] = step_overhead(m, rows, decode_dtype, ops, record, repeats, threads,
+                                                               rates)
         return rates
     finally:
         torch.set_num_threads(previous)
+
+
+def step_overhead(m: ModelShape, rows: int, dtype: str, ops, record: bool, repeats: int, threads: int,
+                  rates: dict[str, float]) -> tuple[float, float]:
+    """(step_s, layer_step_s): the CPU seconds a decoding step spends besides its products and its attention, as
+    a part per step (the embedding, the final norm, the sampler over the vocabulary, the recording's per-step
+    work, the loop's own tensor ops and Python) and a part per layer (RMSNorms, rotary embedding, KV-cache
+    writes, casts, SiLU, the records' writes, each op's dispatch), for ``rows`` rows.
+
+    Timed through generation's own loop (``ops.generate``: ``rollout.hf.generate_ids`` on the lean decoder, its
+    products in ``dtype``, recording where ``record``, the run's sampler) on a random model of the shape with
+    1 + PROBE_LAYERS layers, then with its first layer only: per step, the difference of a call of MANY_STEPS
+    steps and one of FEW_STEPS (what a call does once, laying out the weights and building the decoder,
+    cancels), less the products at ``rates["decode"]`` and the attention at ``rates["attention_bytes"]`` as the
+    planner counts them; the layers' part is the difference of the two models per layer. The head's
+    V × h weight, read after the layers at every step, keeps the layers' weights from staying in the cache
+    between steps, as in the full model. Not included: the tools' per-step work and stop strings' decoding
+    (the probe has neither), prefill, and ended rows leaving the products (no row ends). Seconds are CPU time
+    / ``threads``, like the rates; with more than one thread that understates the single-threaded parts.
+    Each part is at least 0."""
+    import time
+
+    import torch
+    import transformers
+
+    h, V = m.hidden_size, m.vocab_size
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=h, intermediate_size=m.intermediate_size, num_hidden_layers=1 + PROBE_LAYERS,
+        num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.d,
+        tie_word_embeddings=m.tie_embeddings)).eval()
+    torch_type = torch_dtype(dtype)
+
+    def seconds(steps: int) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.process_time()
+            ops.generate(model, rows, steps, torch_type, record)
+            best = min(best, time.process_time() - start)
+        return best / threads
+
+    def modelled(layers: int) -> float:
+        """The seconds of one step's products and attention (step t from 0 attends t + 1 columns), as planned."""
+        products = (2 * layers * m.layer_params + 2 * h * V) * rows / rates["decode"]
+        columns = rows * (FEW_STEPS + MANY_STEPS + 1) / 2
+        return products + kv_cache_bytes(replace(m, num_layers=layers), columns, "fp32") / rates["attention_bytes"]
+
+    def per_step(layers: int) -> float:
+        ops.generate(model, rows, FEW_STEPS, torch_type, record)  # first touch: allocation, kernel selection
+        return (seconds(MANY_STEPS) - seconds(FEW_STEPS)) / (MANY_STEPS - FEW_STEPS) - modelled(layers)
+
+    deep = per_step(1 + PROBE_LAYERS)
+    del model.model.layers[1:]  # the same weights, one layer: the step's fixed part
+    shallow = per_step(1)
+    layer = max(0.0, (deep - shallow) / PROBE_LAYERS)
+    return max(0.0, shallow - layer), layer
 
 
 def decode_probe(m: ModelShape, rows: int, dtype: str, ops) -> tuple:
@@ -136,6 +196,10 @@ TIMED_AMOUNT = 2e9
 # The decoding probe's weights: the model's own size up to this (the size of a 135M-parameter model in fp32);
 # past the last-level cache the rate no longer depends on it.
 DECODE_PROBE_BYTES = 2**29
+# The step overhead's probe (step_overhead): its model's layers beyond the first, and the two lengths of generation
+# whose difference is timed (short: the attention stays a small part of it).
+PROBE_LAYERS = 3
+FEW_STEPS, MANY_STEPS = 4, 20
 # The attention probe's KV cache: the model's layers up to this; past the last-level cache the rate per byte no
 # longer depends on it.
 ATTENTION_PROBE_BYTES = 2**28

@@ -41,7 +41,8 @@ def time_heading(r: RunSpec) -> str:
         rates = r.cpu_rates
         return (f"s, calibrated (measured here, GFLOP/s: decoding {rates['decode'] / 1e9:.0f} in {r.decode_dtype} at "
                 f"{r.sequences // r.gpus} rows, layers {rates['layer'] / 1e9:.0f}, rank-r {rates['thin'] / 1e9:.0f}; "
-                f"decoding's attention {rates['attention_bytes'] / 1e9:.1f} GB/s of KV cache)")
+                f"decoding's attention {rates['attention_bytes'] / 1e9:.1f} GB/s of KV cache; per decoding step "
+                f"{rates['step_s'] * 1e3:.2f} ms + {rates['layer_step_s'] * 1e3:.2f} ms a layer besides them)")
     return (f"s, model prediction, not measured ({r.peak_flops / 1e12:g} TFLOP/s datasheet peak, "
             f"MFU {r.mfu:g}, decoding {r.generation_mfu:g})")
 

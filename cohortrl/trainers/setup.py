@@ -4,9 +4,11 @@ optimiser and the learning-rate schedule; and the optimiser step. Shared by ever
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 
@@ -249,13 +251,32 @@ def cpu_bf16_products() -> bool:
     return kernels.onednn_available() and kernels.cpu_has_bf16_units()
 
 
-def decoding_step_ops():
+def decoding_step_ops(sampling=None):
     """The operations a decoding step runs on this build (``cpu.decoder.step_ops``: the lean decoder's laid-out
-    products and attention), for ``planner.cpu_rates.measure_cpu_rates``'s probes, so that they time what decoding
-    runs; the planner, below this package, is handed them (``cohortrl plan``, ``benchmarks/planner_validation.py``)."""
+    products and attention) and generation's loop around them (:func:`generate_steps`, with ``sampling``: a run's
+    ``sampling`` section, None for its defaults), for ``planner.cpu_rates.measure_cpu_rates``'s probes, so that
+    they time what decoding runs; the planner, below this package, is handed them (``cohortrl plan``,
+    ``benchmarks/planner_validation.py``)."""
+    from cohortrl.config import SamplingConfig
     from cohortrl.cpu import decoder
 
-    return decoder.step_ops()
+    return decoder.step_ops()._replace(generate=functools.partial(generate_steps, sampling or SamplingConfig()))
+
+
+def generate_steps(sampling, model, rows: int, steps: int, dtype: torch.dtype, record: bool) -> None:
+    """``steps`` decoding steps of ``model`` for ``rows`` rows from a one-column prompt, as a training rollout runs
+    them (``rollout.hf.generate_ids`` on a fast path of oneDNN's kernel, where the build has it: the lean decoder,
+    its products in ``dtype``, recording where ``record`` and it can, and ``sampling``'s sampler; no stop string,
+    no tool). No row ends: no token is EOS."""
+    from cohortrl import cpu
+    from cohortrl.cpu import kernels
+    from cohortrl.rollout.hf import generate_ids
+
+    fast_path = cpu.FastPath("onednn" if kernels.onednn_available() else "aten", "system", dtype)
+    ids = torch.zeros(rows, 1, dtype=torch.long)
+    sampling = replace(sampling, max_new_tokens=steps, min_new_tokens=0, stop=[])
+    generate_ids(model, SimpleNamespace(pad_token_id=0), ids, torch.ones_like(ids), sampling, eos_ids=[-1],
+                 record=record and fast_path.decoder_for(model) is not None, fast_path=fast_path, decode_dtype=dtype)
 
 
 def fast_kernels(fast_path, *models):
