@@ -82,7 +82,7 @@ def resolve_decode_dtype(setting: str, linear: str) -> torch.dtype:
             return torch.float32  # a GPU, the fast path off, or a model it does not compute (said where decided)
         if not cpu_has_bf16_units():
             progress.info("train.cpu_decode_dtype=auto: this CPU has no bf16 units (neither avx512_bf16 nor amx_bf16); "
-                     "training rollouts decode in float32")
+                          "training rollouts decode in float32")
             return torch.float32
         progress.info("train.cpu_decode_dtype=auto: this CPU has bf16 units; training rollouts decode with bf16 products")
         return torch.bfloat16

@@ -735,10 +735,9 @@ def step_seconds(m: ModelShape, flops: Flops, run: RunSpec) -> dict[str, float]:
         rate = {"adapters": rates["thin"]}
         if run.decode_dtype == "bf16" and run.reuse_rollout_forward:
             rate["prefill"] = rates["decode"]
-        seconds = {k: v / rate.get(k, rates["layer"]) for k, v in per_device.items()}
-        seconds["decoding"] = (decoding_product_flops(m, run) / run.gpus / rates["decode"]
-                               + decoding_attention_seconds(m, run) + decoding_step_overhead_seconds(m, run))
-        return seconds
+        decoding = (decoding_product_flops(m, run) / run.gpus / rates["decode"]
+                    + decoding_attention_seconds(m, run) + decoding_step_overhead_seconds(m, run))
+        return {k: decoding if k == "decoding" else v / rate.get(k, rates["layer"]) for k, v in per_device.items()}
     train_rate = run.peak_flops * run.mfu
     gen_rate = run.peak_flops * run.generation_mfu
     return {k: v / (gen_rate if k in ("prefill", "decoding") else train_rate) for k, v in per_device.items()}
