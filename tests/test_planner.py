@@ -588,3 +588,18 @@ def test_the_update_shares_prompts_under_ddp_but_not_fsdp2_over_several_processe
     assert update_tokens(fsdp) == 4 * fsdp.seq_len  # every row runs its own prompt
     # a micro-batch of 4 rows of groups of G ≥ 4 holds one distinct prompt: s_p + 4·T
     assert update_tokens(ddp) == ddp.prompt_len + 4 * ddp.response_len
+
+
+def test_the_committed_validation_table_regenerates_from_its_measurements_on_a_clean_checkout():
+    """docs/planner.md's validation table is the planner run over docs/planner_validation.json: re-planned here,
+    where the warm-start directories its configurations named are not, it gives the same rows and verdict."""
+    from benchmarks.planner_validation import compare, table
+
+    repo = Path(__file__).resolve().parent.parent
+    measurements = json.loads((repo / "docs" / "planner_validation.json").read_text())
+    text, ok = table([(m, compare(m)) for m in measurements])
+    doc = (repo / "docs" / "planner.md").read_text()
+    rows = [line for line in text.splitlines()[2:]]
+    assert len(rows) == sum(len(m["steps"]) for m in measurements)
+    assert all(row in doc for row in rows), [row for row in rows if row not in doc]
+    assert ok
