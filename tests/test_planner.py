@@ -594,7 +594,10 @@ def test_the_committed_validation_table_regenerates_from_its_measurements_on_a_c
     """docs/planner.md's validation table is the planner run over docs/planner_validation.json: re-planned here,
     where the warm-start directories its configurations named are not, it gives the same rows and verdict."""
     from benchmarks.planner_validation import compare, table
+    from cohortrl.models import cohortrl_home, load_model
 
+    if not (cohortrl_home() / "models" / "smollm2-135m-instruct" / "config.json").is_file():
+        load_model("smollm2-135m-instruct")  # the planner reads the converted model's shape (converted once, cached)
     repo = Path(__file__).resolve().parent.parent
     measurements = json.loads((repo / "docs" / "planner_validation.json").read_text())
     text, ok = table([(m, compare(m)) for m in measurements])
