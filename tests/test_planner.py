@@ -311,7 +311,7 @@ def test_rates_measured_before_the_attention_rate_are_refused_with_the_fix():
 
 
 def test_rates_measured_before_the_step_overhead_are_refused_with_the_fix():
-    old = {k: v for k, v in RATES.items() if k not in ("step_s", "layer_step_s")}  # wt72's validation JSON, say
+    old = {k: v for k, v in RATES.items() if k not in ("step_s", "layer_step_s")}  # a validation JSON measured before them, say
     with pytest.raises(PlanError, match=r"the CPU rates lack step_s, layer_step_s .*: measure them again"):
         plan(SMOL, RunSpec(device="cpu", dtype="fp32", prompts_per_step=2, group_size=4, response_len=50, cpu_rates=old))
 
@@ -594,15 +594,15 @@ def test_the_committed_validation_table_regenerates_from_its_measurements_on_a_c
     """docs/planner.md's validation table is the planner run over docs/planner_validation.json: re-planned here,
     where the warm-start directories its configurations named are not, it gives the same rows and verdict."""
     from benchmarks.planner_validation import compare, table
-    from cohortrl.models import cohortrl_home, load_model
+    from cohortrl.models import cached_models, load_model
 
-    if not (cohortrl_home() / "models" / "smollm2-135m-instruct" / "config.json").is_file():
+    if "smollm2-135m-instruct" not in cached_models():
         load_model("smollm2-135m-instruct")  # the planner reads the converted model's shape (converted once, cached)
     repo = Path(__file__).resolve().parent.parent
     measurements = json.loads((repo / "docs" / "planner_validation.json").read_text())
     text, ok = table([(m, compare(m)) for m in measurements])
     doc = (repo / "docs" / "planner.md").read_text()
-    rows = [line for line in text.splitlines()[2:]]
+    rows = text.splitlines()[2:]  # below the header and its rule
     assert len(rows) == sum(len(m["steps"]) for m in measurements)
     assert all(row in doc for row in rows), [row for row in rows if row not in doc]
     assert ok
