@@ -5,7 +5,8 @@ Per arm: every seed's final held-out accuracy with its Wilson 95% interval, the 
 seeds, any logged step metric (``--metrics``: each seed's mean over its last K training steps, then mean and sd
 over seeds), and the runs' summed wall and CPU time (``sweep.jsonl``). Per arm against the baseline: for each
 seed present in both, the problems only one of the two got right and the exact McNemar p-value; over all seed
-pairs, the mean paired difference with a two-level bootstrap interval (seeds, then problems: ``stats``).
+pairs, the mean paired difference with a two-level bootstrap interval (seeds, then problems: ``stats``). Within
+each arm, every pair of its seeds the same way (exact McNemar), and how many problems every seed got right.
 Problems are matched by id (``data.problem_id``): only those both runs answered count, and the table says how
 many. ``NAME.md`` holds the tables, ``NAME.png`` the curves (one thin line per seed, the arm's mean bold and its
 min-max band shaded).
@@ -191,6 +192,24 @@ def paired(base: Arm, other: Arm, resamples: int = 10_000, part: str | None = No
     return {"per_seed": per_seed, "bootstrap": paired_bootstrap(diffs, resamples) if diffs else None}
 
 
+def seed_agreement(arm: Arm) -> dict:
+    """An arm's seeds against each other on the problems each pair answered: per pair (seed a, seed b, n, only a
+    right, only b right, McNemar p), and over the problems every seed answered (n, right at every seed, right at
+    one or more). A recipe whose seeds agree has pairs that differ by no more than chance."""
+    runs = [r for r in arm.runs if r.answers]
+    pairs = []
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            common = sorted(set(a.answers) & set(b.answers))
+            if common:
+                only_a = sum(a.answers[k] and not b.answers[k] for k in common)
+                only_b = sum(b.answers[k] and not a.answers[k] for k in common)
+                pairs.append((a.seed, b.seed, len(common), only_a, only_b, mcnemar_exact(only_a, only_b)))
+    shared = set.intersection(*(set(r.answers) for r in runs)) if runs else set()
+    return {"pairs": pairs, "n": len(shared), "all": sum(all(r.answers[k] for r in runs) for k in shared),
+            "any": sum(any(r.answers[k] for r in runs) for k in shared)}
+
+
 # ------------------------------------------------------------------------------------------ the files
 def _f(x, fmt=".3f") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
@@ -215,6 +234,14 @@ def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, c
                  _f(s["wall_s"], ".0f"), _f(s["cpu_s"], ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines)
+    agreement = [(a.name, seed_agreement(a)) for a in arms_]
+    agreement = [(name, g) for name, g in agreement if g["pairs"]]
+    if agreement:
+        text += ("\n\nSeeds of an arm against each other on the same held-out problems (final evaluations):\n\n"
+                 "| arm | per seed pair: only the first right / only the second right of n shared, exact McNemar p | "
+                 "right at every seed / at one or more, of n |\n|---|---|---|\n"
+                 + "\n".join(f"| {name} | " + "; ".join(f"s{a} v s{b}: {oa}/{ob} of {n}, p={_p(p)}" for a, b, n, oa, ob, p in g["pairs"])
+                              + f" | {g['all']} / {g['any']} of {g['n']} |" for name, g in agreement))
     base = next(a for a in arms_ if a.name == baseline)
     rows = _paired_rows(arms_, base, None)
     if rows:

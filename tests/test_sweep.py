@@ -150,7 +150,7 @@ def hand_made_sweep(root: Path, right: dict, unseen: set | None = None) -> Path:
 
 
 def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
-    from cohortrl.study import load_sweep, paired, write_study_report
+    from cohortrl.study import load_sweep, paired, seed_agreement, write_study_report
 
     root = hand_made_sweep(tmp_path / "sweep", {
         ("A", 0): {0, 1, 2, 3, 4, 5}, ("B", 0): {0, 1, 2, 3, 6, 7, 8, 9},  # only A: p4 p5; only B: p6-p9
@@ -165,10 +165,14 @@ def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
     mean, low, high = c["bootstrap"]
     assert mean == pytest.approx((4 - 2 + 8) / 20)  # B − A over the 20 seed × problem pairs
     assert low < mean < high
+    # an arm's seeds against each other: A's seed 0 alone right on p2-p5 (p = 2·C(4,0)/2^4 = 0.125), both on p0 p1
+    assert seed_agreement(a) == {"pairs": [(0, 1, 10, 4, 0, 0.125)], "n": 10, "all": 2, "any": 6}
 
     md, png = write_study_report([root], tmp_path / "report", metrics=["loss"])
     text = md.read_text()
     assert "s0: 2/4 of 10, p=0.688; s1: 0/8 of 10, p=0.008" in text
+    assert "| x=A | s0 v s1: 4/0 of 10, p=0.125 | 2 / 6 of 10 |" in text
+    assert "| x=B | s0 v s1: 0/2 of 10, p=0.500 | 8 / 10 of 10 |" in text  # B's seed 1 alone right on p4 p5
     assert "| x=A | 2 | s0 0.600 (0.313-0.832, n=10, step 5); s1 0.200 (0.057-0.510, n=10, step 5) | 0.400 | 0.283 |" in text
     assert "0.15 ± 0.071" in text  # loss: seeds 0.1 and 0.2
     assert "| 20 | 30 |" in text  # wall and CPU s summed over the arm's finished runs
