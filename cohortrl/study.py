@@ -169,6 +169,11 @@ def arm_summary(arm: Arm, metrics: list[str], last_k: int) -> dict:
     return out
 
 
+def _discordant(a: dict[str, bool], b: dict[str, bool], ids) -> tuple[int, int]:
+    """Of the problems ``ids``: how many only ``a`` got right, and how many only ``b`` (McNemar's two counts)."""
+    return sum(a[i] and not b[i] for i in ids), sum(b[i] and not a[i] for i in ids)
+
+
 def paired(base: Arm, other: Arm, resamples: int = 10_000, part: str | None = None) -> dict:
     """``other`` against ``base`` on the problems both answered, seed by seed: per seed (seed, n, only base
     right, only other right, McNemar p); and the bootstrap's (mean difference, low, high) over all seed pairs
@@ -185,8 +190,7 @@ def paired(base: Arm, other: Arm, resamples: int = 10_000, part: str | None = No
             common = [i for i in common if b.parts.get(i) == part and run.parts.get(i) == part]
         if not common:
             continue
-        only_base = sum(b.answers[i] and not run.answers[i] for i in common)
-        only_other = sum(run.answers[i] and not b.answers[i] for i in common)
+        only_base, only_other = _discordant(b.answers, run.answers, common)
         per_seed.append((run.seed, len(common), only_base, only_other, mcnemar_exact(only_base, only_other)))
         diffs.append([int(run.answers[i]) - int(b.answers[i]) for i in common])
     return {"per_seed": per_seed, "bootstrap": paired_bootstrap(diffs, resamples) if diffs else None}
@@ -202,8 +206,7 @@ def seed_agreement(arm: Arm) -> dict:
         for b in runs[i + 1:]:
             common = sorted(set(a.answers) & set(b.answers))
             if common:
-                only_a = sum(a.answers[k] and not b.answers[k] for k in common)
-                only_b = sum(b.answers[k] and not a.answers[k] for k in common)
+                only_a, only_b = _discordant(a.answers, b.answers, common)
                 pairs.append((a.seed, b.seed, len(common), only_a, only_b, mcnemar_exact(only_a, only_b)))
     shared = set.intersection(*(set(r.answers) for r in runs)) if runs else set()
     return {"pairs": pairs, "n": len(shared), "all": sum(all(r.answers[k] for r in runs) for k in shared),
@@ -234,14 +237,7 @@ def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, c
                  _f(s["wall_s"], ".0f"), _f(s["cpu_s"], ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines)
-    agreement = [(a.name, seed_agreement(a)) for a in arms_]
-    agreement = [(name, g) for name, g in agreement if g["pairs"]]
-    if agreement:
-        text += ("\n\nSeeds of an arm against each other on the same held-out problems (final evaluations):\n\n"
-                 "| arm | per seed pair: only the first right / only the second right of n shared, exact McNemar p | "
-                 "right at every seed / at one or more, of n |\n|---|---|---|\n"
-                 + "\n".join(f"| {name} | " + "; ".join(f"s{a} v s{b}: {oa}/{ob} of {n}, p={_p(p)}" for a, b, n, oa, ob, p in g["pairs"])
-                              + f" | {g['all']} / {g['any']} of {g['n']} |" for name, g in agreement))
+    text += _agreement_section(arms_)
     base = next(a for a in arms_ if a.name == baseline)
     rows = _paired_rows(arms_, base, None)
     if rows:
@@ -274,6 +270,21 @@ def _paired_rows(arms_: list[Arm], base: Arm, part: str | None) -> list[str]:
             diff = f"{d:+.3f} ({lo:+.3f} to {hi:+.3f})"
         rows.append(f"| {a.name} | {seeds} | {diff} |")
     return rows
+
+
+def _agreement_section(arms_: list[Arm]) -> str:
+    """Each arm's seeds against each other (:func:`seed_agreement`); empty where no arm has two seeds with answers."""
+    rows = []
+    for a in arms_:
+        g = seed_agreement(a)
+        if g["pairs"]:
+            pairs = "; ".join(f"s{sa} v s{sb}: {oa}/{ob} of {n}, p={_p(p)}" for sa, sb, n, oa, ob, p in g["pairs"])
+            rows.append(f"| {a.name} | {pairs} | {g['all']} / {g['any']} of {g['n']} |")
+    if not rows:
+        return ""
+    return ("\n\nSeeds of an arm against each other on the same held-out problems (final evaluations):\n\n"
+            "| arm | per seed pair: only the first right / only the second right of n shared, exact McNemar p | "
+            "right at every seed / at one or more, of n |\n|---|---|---|\n" + "\n".join(rows))
 
 
 def _parts_section(arms_: list[Arm], base: Arm) -> str:
