@@ -7,6 +7,7 @@ over seeds), and the runs' summed wall and CPU time (``sweep.jsonl``). Per arm a
 seed present in both, the problems only one of the two got right and the exact McNemar p-value; over all seed
 pairs, the mean paired difference with a two-level bootstrap interval (seeds, then problems: ``stats``). Within
 each arm, every pair of its seeds the same way (exact McNemar), and how many problems every seed got right.
+Where the sweep recorded them, the machines the runs ran on (the same seed rounds differently on another one).
 Problems are matched by id (``data.problem_id``): only those both runs answered count, and the table says how
 many. ``NAME.md`` holds the tables, ``NAME.png`` the curves (one thin line per seed, the arm's mean bold and its
 min-max band shaded).
@@ -25,6 +26,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cohortrl import machine
 from cohortrl.stats import mcnemar_exact, paired_bootstrap, wilson_interval
 from cohortrl.sweep import ATTEMPTS, SPEC, arms, read_attempts
 from cohortrl.trainers.evaluate import ANSWERS, export_answers, read_answers
@@ -51,6 +53,7 @@ class SeedRun:
     parts: dict[str, str] = field(default_factory=dict)  # problem id → "unseen" / "seen" (exclude_from_training)
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    machines: list[str] = field(default_factory=list)  # each attempt's machine (machine.label), first seen first
 
     @property
     def final_eval(self) -> dict | None:
@@ -77,11 +80,15 @@ def load_sweep(directory: Path) -> list[Arm]:
         raise FileNotFoundError(f"{directory} is not a sweep directory (no {SPEC}); `cohortrl sweep ... --out DIR` makes one")
     spec = json.loads(spec_path.read_text())
     times: dict[tuple[str, int], list[float]] = {}
+    machines: dict[tuple[str, int], list[str]] = {}
     finished = set()
     for a in read_attempts(directory):
         t = times.setdefault((a["arm"], a["seed"]), [0.0, 0.0])
         t[0] += a["wall_s"]
         t[1] += a["cpu_s"]
+        seen = machines.setdefault((a["arm"], a["seed"]), [])
+        if "machine" in a and machine.label(a["machine"]) not in seen:
+            seen.append(machine.label(a["machine"]))
         if a["rc"] == 0:
             finished.add((a["arm"], a["seed"]))
     out = []
@@ -92,7 +99,8 @@ def load_sweep(directory: Path) -> list[Arm]:
             if (name, seed) in finished and (path / "metrics.jsonl").is_file():
                 wall, cpu = times.get((name, seed), (0.0, 0.0))
                 answers, parts = final_answers(path)
-                arm.runs.append(SeedRun(seed, path, read_metrics(path), answers, parts, wall, cpu))
+                arm.runs.append(SeedRun(seed, path, read_metrics(path), answers, parts, wall, cpu,
+                                        machines.get((name, seed), [])))
         out.append(arm)
     return out
 
@@ -245,6 +253,7 @@ def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, c
                  "evaluation of each run, seed k against seed k):\n\n" + _PAIRED_HEAD + "\n".join(rows))
     if any(run.parts for a in arms_ for run in a.runs):
         text += _parts_section(arms_, base)
+    text += _machines_section(arms_)
     text += (f"\n\nAccuracy: greedy, strict, at each run's last evaluation, Wilson 95% interval; sd: sample sd over "
              f"seeds; only runs that finished are reported. Bootstrap: 10,000 resamples of seed pairs and, within each, of "
              f"problems (numpy seed 0). Wall and CPU s: every attempt at the arm's finished runs, summed (sweep.jsonl).\n\n"
@@ -285,6 +294,23 @@ def _agreement_section(arms_: list[Arm]) -> str:
     return ("\n\nSeeds of an arm against each other on the same held-out problems (final evaluations):\n\n"
             "| arm | per seed pair: only the first right / only the second right of n shared, exact McNemar p | "
             "right at every seed / at one or more, of n |\n|---|---|---|\n" + "\n".join(rows))
+
+
+def _machines_section(arms_: list[Arm]) -> str:
+    """Which runs ran on which machine, from the sweep's attempts; empty for sweeps that did not record it (made
+    before it was recorded). A run resumed on another machine is listed under each."""
+    runs = [(a.name, r) for a in arms_ for r in a.runs]
+    if not any(r.machines for _, r in runs):
+        return ""
+    labels = list(dict.fromkeys(m for _, r in runs for m in r.machines))
+    unrecorded = [f"{name} s{r.seed}" for name, r in runs if not r.machines]
+    if len(labels) == 1 and not unrecorded:
+        return f"\n\nEvery run ran on one machine: {labels[0]}."
+    rows = [f"| {m} | {', '.join(f'{name} s{r.seed}' for name, r in runs if m in r.machines)} |" for m in labels]
+    if unrecorded:
+        rows.append(f"| not recorded | {', '.join(unrecorded)} |")
+    return ("\n\nThe runs ran on more than one machine: a difference between runs on two machines is rounding as "
+            "well as whatever the arms change.\n\n| machine | runs |\n|---|---|\n" + "\n".join(rows))
 
 
 def _parts_section(arms_: list[Arm], base: Arm) -> str:

@@ -7,7 +7,8 @@ a run that finished (its ``final/`` intact) is skipped, one with an intact check
 trainer's resume is exact, so the results are those of an uninterrupted sweep), and one that died before its
 first checkpoint starts again from step 0. ``DIR/sweep.json`` holds the sweep's definition (a second start with
 another definition is refused rather than mixed in); ``DIR/sweep.jsonl`` one line per attempt at a run, with its
-wall and CPU time (the child's and its waited-for descendants', from ``wait4``), which the report sums per run.
+wall and CPU time (the child's and its waited-for descendants', from ``wait4``), which the report sums per run,
+and the machine it ran on (``machine.describe``: the same seed rounds differently on another machine).
 
 Runs go one at a time unless ``--jobs N`` asks for N at once (each child then gets ``OMP_NUM_THREADS`` =
 cores / N unless the environment sets it). ``{seed}`` in an override's value is the run's seed, so each seed of
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from cohortrl import machine
 from cohortrl.config import ConfigError
 from cohortrl.trainers import checkpoint
 from cohortrl.trainers.run_dir import run_files
@@ -121,6 +123,7 @@ class Sweep:
         ]
         self._lock = threading.Lock()
         self._stopping = False  # set on an interrupt: no further child is started
+        self.machine = machine.describe()
 
     def claim(self) -> None:
         """Write the definition, or check it against the directory's (a restart). A restart may add seeds or grid
@@ -173,7 +176,7 @@ class Sweep:
                 children.discard(child)
         record = {"run": str(run.path), "arm": run.arm, "seed": run.seed, "attempt": kind, "rc": child.returncode,
                   "wall_s": round(time.perf_counter() - wall0, 3), "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
-                  "started": started}
+                  "started": started, "machine": self.machine}
         with self._lock, open(self.out / ATTEMPTS, "a") as f:
             f.write(json.dumps(record) + "\n")
         print(f"sweep: {run.path} rc {child.returncode} ({record['wall_s']:.0f} s wall, {record['cpu_s']:.0f} s CPU)", flush=True)

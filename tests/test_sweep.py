@@ -77,6 +77,7 @@ def test_a_sweep_stopped_twice_and_started_again_equals_one_never_stopped(tmp_pa
     log = attempts(stopped)
     assert {a["attempt"] for a in log[4:]} == {"resume"}  # each interrupted run continued from its checkpoint
     assert sum(a["rc"] == 0 for a in log) == 4 and all(a["wall_s"] > 0 and a["cpu_s"] > 0 for a in log)
+    assert all(a["machine"]["cores"] > 0 and a["machine"]["torch"] for a in log)  # where each attempt ran
     for run in expected:  # the answers are kept compressed with each finished run
         assert (stopped / run / ANSWERS).is_file()
 
@@ -226,6 +227,32 @@ def test_the_report_pairs_the_unseen_and_the_seen_problems_apart(tmp_path):
     assert "on the unseen problems only" in text and "s0: 0/4 of 4, p=0.125; s1: 0/4 of 4, p=0.125" in text
     unmarked = write_study_report([hand_made_sweep(tmp_path / "plain", {("A", 0): {0}, ("B", 0): {1}})], tmp_path / "r")[0]
     assert "unseen" not in unmarked.read_text()  # runs without the marks: no such section
+
+
+def test_the_report_says_which_runs_shared_a_machine(tmp_path):
+    from cohortrl.machine import label
+    from cohortrl.study import write_study_report
+
+    root = hand_made_sweep(tmp_path / "sweep", {("A", 0): {0}, ("B", 0): {1}, ("A", 1): {2}})
+    text = write_study_report([root], tmp_path / "old")[0].read_text()
+    assert "machine" not in text  # a sweep from before machines were recorded: nothing claimed
+    one = {"cpu": "AMD EPYC", "family": "25", "model": "17", "stepping": "1", "caches": "L2 1024K, L3 32768K",
+           "cores": 2, "torch": "2.13.0+cpu"}
+    other = {**one, "caches": "L2 512K, L3 16384K"}
+    assert label(one) == "AMD EPYC (family 25 model 17 stepping 1; L2 1024K, L3 32768K; 2 cores; torch 2.13.0+cpu)"
+    attempts = [json.loads(line) for line in (root / "sweep.jsonl").read_text().splitlines()]
+
+    def write(machines):
+        (root / "sweep.jsonl").write_text("".join(json.dumps({**a, **m}) + "\n" for a, m in zip(attempts, machines)))
+        return write_study_report([root], tmp_path / "report")[0].read_text()
+
+    text = write([{"machine": one}] * 4)
+    assert f"Every run ran on one machine: {label(one)}." in text
+    # x=A seed 1 on the other machine; x=B seed 0 not recorded (an attempt from before); x=B seed 2 unfinished
+    text = write([{"machine": one}, {}, {"machine": other}, {"machine": other}])
+    assert "The runs ran on more than one machine" in text
+    assert f"| {label(one)} | x=A s0 |" in text and f"| {label(other)} | x=A s1 |" in text
+    assert "| not recorded | x=B s0 |" in text
 
 
 def test_mcnemar_and_the_paired_bootstrap_by_hand():
