@@ -13,8 +13,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import random
 from pathlib import Path
+
+log = logging.getLogger("cohortrl")
 
 
 class DataError(ValueError):
@@ -350,12 +353,21 @@ def load_examples(cfg, seed: int, rows: list[dict] | None = None):
 
 
 class PromptStream:
-    """An endless, seeded, resumable stream over training rows: shuffled each epoch, position saved in checkpoints."""
+    """An endless, seeded, resumable stream over training rows: shuffled each epoch, position saved in checkpoints.
 
-    def __init__(self, rows: list[dict], seed: int):
-        self.rows, self.seed = rows, seed
+    ``retire_after`` > 0 (``algorithm.retire_solved``): a row is skipped from then on once :meth:`solved` has
+    been told that many times that its group was answered right by every response. The epoch's shuffle is the
+    same with or without retirement, so two runs differ only by the rows skipped."""
+
+    def __init__(self, rows: list[dict], seed: int, retire_after: int = 0):
+        self.rows, self.seed, self.retire_after = rows, seed, retire_after
         self.epoch, self.index = 0, 0
         self._order = self._shuffle(0)
+        self.solved_counts: dict[str, int] = {}  # problem id -> groups answered right by every response
+        self.retired: set[str] = set()
+        self._keys = [problem_id(r) for r in rows] if retire_after else []
+        self._distinct = len(set(self._keys))
+        self._all_retired_said = False
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -363,20 +375,48 @@ class PromptStream:
         return order
 
     def take(self, n: int) -> list[dict]:
+        skip = bool(self.retired) and not self._everything_retired()
         out = []
         while len(out) < n:
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._shuffle(self.epoch)
-            out.append(self.rows[self._order[self.index]])
+            i = self._order[self.index]
             self.index += 1
+            if not (skip and self._keys[i] in self.retired):
+                out.append(self.rows[i])
         return out
 
+    def _everything_retired(self) -> bool:
+        if len(self.retired) < self._distinct:
+            return False
+        if not self._all_retired_said:
+            log.warning("every one of the %d training prompts is retired (algorithm.retire_solved=%d): sampling "
+                        "all of them again", len(self.rows), self.retire_after)
+            self._all_retired_said = True
+        return True
+
+    def solved(self, rows: list[dict]) -> None:
+        """``rows``' groups were each answered right by every response: count them, retiring a row at
+        ``retire_after`` (nothing happens with retirement off)."""
+        if not self.retire_after:
+            return
+        for row in rows:
+            key = problem_id(row)
+            self.solved_counts[key] = self.solved_counts.get(key, 0) + 1
+            if self.solved_counts[key] >= self.retire_after:
+                self.retired.add(key)
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "n_rows": len(self.rows)}
+        state = {"epoch": self.epoch, "index": self.index, "n_rows": len(self.rows)}
+        if self.retire_after:
+            state["solved_counts"] = dict(sorted(self.solved_counts.items()))
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state["n_rows"] != len(self.rows):
             raise DataError(f"checkpoint was taken on {state['n_rows']} training rows, the data now has {len(self.rows)}")
         self.epoch, self.index = state["epoch"], state["index"]
         self._order = self._shuffle(self.epoch)
+        self.solved_counts = dict(state.get("solved_counts", {}))
+        self.retired = {k for k, c in self.solved_counts.items() if self.retire_after and c >= self.retire_after}

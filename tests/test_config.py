@@ -42,6 +42,7 @@ ERRORS = [
     ({"algorithm": {"epochs": 0}}, "config key 'algorithm.epochs' = 0: must be at least 1"),
     ({"algorithm": {"micro_batch_size": -1}}, "config key 'algorithm.micro_batch_size' = -1: must be >= 0"),
     ({"algorithm": {"max_resample_draws": -1}}, "config key 'algorithm.max_resample_draws' = -1: must be >= 0"),
+    ({"algorithm": {"retire_solved": -1}}, "config key 'algorithm.retire_solved' = -1: must be >= 0 (0 keeps every prompt; 1 retires one at its first group answered right by every response)"),
     ({"algorithm": {"norm_length": 0}}, "config key 'algorithm.norm_length' = 0: must be > 0 or null"),
     ({"algorithm": {"eps": 0}}, "config key 'algorithm.eps' = 0.0: must be > 0"),
     ({"algorithm": {"prompts_per_step": 0}}, "config key 'algorithm.prompts_per_step' = 0: must be at least 1"),

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from cohortrl.config import DataConfig
-from cohortrl.data import DataError, PromptStream, load_rows
+from cohortrl.data import DataError, PromptStream, load_rows, problem_id
 
 
 def test_jsonl_split_is_disjoint_and_renames_columns(tmp_path):
@@ -178,3 +178,23 @@ def test_eval_level_names_a_level_the_family_lacks():
         load_rows(DataConfig(source="task:axial_stress", level=2, eval_level=9, seed=0, train_size=10, eval_size=5), 0)
     assert str(e.value).startswith("data.eval_level=9: axial_stress has levels [")
     assert str(e.value).endswith("set data.eval_level to one of them")
+
+
+def test_a_retired_row_is_skipped_and_every_row_comes_back_when_all_are_retired(caplog):
+    import logging
+
+    rows = [{"prompt": str(i)} for i in range(5)]
+    plain, retiring = PromptStream(rows, seed=1), PromptStream(rows, seed=1, retire_after=2)
+    order = [r["prompt"] for r in plain.take(10)]
+    first = retiring.take(5)
+    assert [r["prompt"] for r in first] == order[:5]  # the same shuffle
+    retiring.solved([rows[0], rows[0], rows[1]])  # row 0 twice: retired; row 1 once: not yet
+    assert [r["prompt"] for r in retiring.take(4)] == [p for p in order[5:] if p != "0"]
+    state = retiring.state_dict()
+    back = PromptStream(rows, seed=1, retire_after=2)
+    back.load_state_dict(state)
+    assert back.retired == {problem_id(rows[0])} and back.take(3) == retiring.take(3)
+    retiring.solved(rows * 2)
+    with caplog.at_level(logging.WARNING, logger="cohortrl"):
+        assert len(retiring.take(5)) == 5
+    assert "every one of the 5 training prompts is retired (algorithm.retire_solved=2)" in caplog.text

@@ -390,6 +390,11 @@ class AlgorithmConfig:
     the policy loss), resample (draw more prompts until the batch is informative; DAPO dynamic sampling)."""
     max_resample_draws: int = 4
     """With resample: at most this many extra prompt batches per step, then train on what there is."""
+    retire_solved: int = 0
+    """Take a training prompt out of the stream once this many of its groups were answered right by every
+    response (0: never). Such a group's advantages are all zero, so from a warm start that solves much of the
+    pool it costs its generation and teaches nothing; retired prompts are kept in checkpoints, and every prompt
+    comes back (said once, at WARNING) should all of them be retired."""
     mask_truncated: bool = False
     """Drop responses that hit max_new_tokens from the policy loss (they have no reliable outcome)."""
     epochs: int = 1
@@ -477,6 +482,8 @@ class AlgorithmConfig:
         )
         require(a.micro_batch_size >= 0, "algorithm.micro_batch_size", a.micro_batch_size, "must be >= 0")
         require(a.max_resample_draws >= 0, "algorithm.max_resample_draws", a.max_resample_draws, "must be >= 0")
+        require(a.retire_solved >= 0, "algorithm.retire_solved", a.retire_solved,
+                "must be >= 0 (0 keeps every prompt; 1 retires one at its first group answered right by every response)")
         require(a.norm_length is None or a.norm_length > 0, "algorithm.norm_length", a.norm_length, "must be > 0 or null")
         require(a.eps > 0, "algorithm.eps", a.eps, "must be > 0")
         require(

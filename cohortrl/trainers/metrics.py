@@ -229,6 +229,7 @@ def step_metrics(d, batch, rewards_B, keep_B, targets, update: dict, *, group_si
         "zero_variance_frac": batch.zero_variance_first_draw if G > 1 else None,
         "zero_variance_groups": int(zero_variance.sum()) if G > 1 else None,
         "resample_draws": batch.draws - 1,
+        **({} if batch.retired_prompts is None else {"retired_prompts": batch.retired_prompts}),
         "prompts_truncated": int(counts["prompts_truncated"]),
         "trained_responses": int(counts["kept"]),
         "advantage_abs_mean": counts["advantage_abs"] / max(1.0, counts["tokens"]),

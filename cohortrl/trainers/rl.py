@@ -142,7 +142,7 @@ class RLTrainer(Trainer):
         self.correctness = next(r for r in self.rewards if r.name == cfg.reward.correctness)
         self.tools = toolset(cfg.rollout, inputs.tools)  # None without tools; resolved before the model loads
         train_rows, eval_rows = load_rows(cfg.data, cfg.train.seed, inputs.train_rows, inputs.eval_rows)
-        self.stream = PromptStream(train_rows, cfg.train.seed)
+        self.stream = PromptStream(train_rows, cfg.train.seed, retire_after=cfg.algorithm.retire_solved)
         self.eval_rows = eval_rows[: cfg.eval.n_prompts]
         check_columns({r.name: r.fn for r in self.rewards}, train_rows, "training rows")  # before the model loads
         check_columns({self.correctness.name: self.correctness.fn}, self.eval_rows, "held-out rows")

@@ -3,7 +3,8 @@
 ``Sampler.sample`` takes P prompts from the stream, generates G responses to each with the run's rollout engine
 (``rollout/engine.py``: transformers with the run's tools and CPU fast path, or vLLM), scores them with the
 weighted reward functions and flags the groups whose G responses are equally correct. With ``algorithm.zero_variance: resample`` it draws again until P informative groups are
-found (DAPO's dynamic sampling). Under ``reward.process`` the batch it returns carries the process reward's step
+found (DAPO's dynamic sampling); with ``algorithm.retire_solved``, prompts whose groups keep being answered right by
+every response leave the stream (``data.PromptStream``). Under ``reward.process`` the batch it returns carries the process reward's step
 rewards (``Sampler.score_steps``); a batch is never changed once built. Under torchrun every rank generates its
 share of the groups in one batched call, each group seeded by its global index, and the zero-variance flags are
 gathered over all ranks.
@@ -43,6 +44,7 @@ class ScoredBatch:
     step_rewards: list[list[float]] | None = None  # (B, S_i) guarded step rewards (reward.process), else None
     step_ends: list[list[int]] | None = None  # (B, S_i) response-token index where each step ends
     process_metrics: dict = field(default_factory=dict)  # the step detectors' numbers (reward.process)
+    retired_prompts: int | None = None  # prompts out of the stream after this step (algorithm.retire_solved), else None
 
 
 def reward_pool(cfg, in_memory: dict):
@@ -95,6 +97,8 @@ class Sampler:
         if self.process is not None:
             with timer("score_steps"):
                 batch = self.score_steps(batch, step)
+        if self.cfg.algorithm.retire_solved:
+            batch = dataclasses.replace(batch, retired_prompts=len(self.stream.retired))
         return batch
 
     def _draw(self, step: int, timer, k: int, record: bool, first_frac: float | None = None) -> tuple[ScoredBatch, torch.Tensor]:
@@ -111,6 +115,9 @@ class Sampler:
         correct_PG = torch.tensor([v or 0.0 for v in per_fn[self.correctness.name]]).view(-1, G)
         zero_local = (correct_PG == correct_PG[:, :1]).all(-1)
         zero_all = d.gather_rows(zero_local.long()).bool()
+        if a.retire_solved:  # every rank took the same P rows, so each tells its own stream the same groups
+            solved_all = d.gather_rows((correct_PG >= 1).all(-1).long()).bool()
+            self.stream.solved([rows[g] for g in range(P) if solved_all[g]])
         first_frac = zero_all.float().mean().item() if first_frac is None else first_frac
         return ScoredBatch(rollout, rewards, per_fn, zero_local, first_frac, k + 1, n_trunc), zero_all
 

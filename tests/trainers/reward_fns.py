@@ -73,3 +73,9 @@ def raises_from_step_2(prompts, completions, trainer_state, **columns):
 def reads_difficulty(prompts, completions, difficulty, **columns):
     """Reads the column ``difficulty`` by naming it (TRL's convention)."""
     return [float(d) for d in difficulty]
+
+
+def answer_is_even(prompts, completions, answer, **columns):
+    """Right for every response to a prompt whose answer is even, wrong for every other: which prompts a run
+    solves is known in advance (``algorithm.retire_solved``'s test)."""
+    return [1.0 if int(a) % 2 == 0 else 0.0 for a in answer]

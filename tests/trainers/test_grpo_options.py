@@ -1,6 +1,7 @@
 """GRPO options not covered by the estimator matrix: truncation masking, stop strings, the resample bound, the KL
 penalty in the reward."""
 
+import json
 import logging
 
 import pytest
@@ -13,7 +14,7 @@ from cohortrl.rollout.hf import Sampling, generate
 from cohortrl.trainers.grpo import GRPOTrainer
 from cohortrl.trainers.metrics import PhaseTimer
 from cohortrl.trainers.step import logprobs
-from tests.trainers.test_grpo import tiny_config
+from tests.trainers.test_grpo import assert_resumed_as_uninterrupted, tiny_config
 
 
 def test_mask_truncated_drops_truncated_responses_from_the_loss(tmp_path, addition_jsonl):
@@ -47,6 +48,31 @@ def test_resample_stops_at_its_bound_and_warns(tmp_path, addition_jsonl, caplog)
         row = GRPOTrainer(cfg, tmp_path).train()[0]
     assert row["resample_draws"] == 2 and row["zero_variance_frac"] == 1.0
     assert "only 0 informative group(s) of 2 after 2 extra draws" in caplog.text
+
+
+def test_retired_prompts_leave_the_stream_and_stay_out_across_a_resume(tmp_path, one_thread):
+    """``algorithm.retire_solved=1``: a prompt whose group every response answered right is not drawn again;
+    the others keep coming round, epoch after epoch; a run resumed from a checkpoint keeps what was retired."""
+    data = tmp_path / "sums.jsonl"  # 8 training prompts after 4 held out; which are solved: the answer's parity
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n" for a in range(12)))
+    cfg = tiny_config(data, fn="answer_is_even", data={"eval_size": 4}, algorithm={"retire_solved": 1},
+                      train={"steps": 4, "checkpoint_every": 2}, eval={"n_prompts": 0})
+    sampler = GRPOTrainer(cfg, tmp_path / "sampled").sampler
+    drawn, retired = [], []
+    for step in range(8):  # 16 prompts: two epochs' worth without retirement
+        batch = sampler.sample(step, PhaseTimer())
+        drawn.append([r["prompt"] for r in batch.rollout.rows[::4]])  # one row per group of 4
+        retired.append(batch.retired_prompts)
+    times = {p: sum(d.count(p) for d in drawn) for p in set().union(*map(set, drawn))}
+    even = {p for p in times if int(p.split()[2]) % 2 == 1}  # a + 1 even
+    assert len(times) == 8 and 0 < len(even) < 8  # every training prompt came round (the split drew 3 even ones)
+    assert all(times[p] == 1 for p in even)  # ... and the solved ones never again
+    assert all(times[p] >= 2 for p in set(times) - even)  # the others keep coming
+    assert retired == sorted(retired) and retired[-1] == len(even)
+    assert sorted(sampler.stream.state_dict()["solved_counts"].values()) == [1] * len(even)
+
+    full = assert_resumed_as_uninterrupted(cfg, tmp_path, 2)
+    assert [r["retired_prompts"] for r in full if "loss" in r][1] > 0  # something to restore at the checkpoint
 
 
 def test_kl_in_reward_moves_the_penalty_from_the_loss_into_the_group_normalised_reward(tmp_path, addition_jsonl):
