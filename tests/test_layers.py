@@ -26,7 +26,7 @@ LAYERS = [
     {"trainers"},
     {"rewards", "rollout", "reward_models"},
     {"tasks", "tools", "data", "models", "planner", "distributed", "cpu"},
-    {"grading", "algorithms", "config", "trl_names", "trl_config", "user_code", "stats", "step_spans"},
+    {"grading", "algorithms", "config", "trl_names", "trl_config", "user_code", "stats", "machine", "step_spans"},
 ]
 RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
 
