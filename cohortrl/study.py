@@ -309,8 +309,11 @@ def _machines_section(arms_: list[Arm]) -> str:
     rows = [f"| {m} | {', '.join(f'{name} s{r.seed}' for name, r in runs if m in r.machines)} |" for m in labels]
     if unrecorded:
         rows.append(f"| not recorded | {', '.join(unrecorded)} |")
-    return ("\n\nThe runs ran on more than one machine: a difference between runs on two machines is rounding as "
-            "well as whatever the arms change.\n\n| machine | runs |\n|---|---|\n" + "\n".join(rows))
+    head = ("The runs ran on more than one machine: a difference between runs on two machines is rounding as well as "
+            "whatever the arms change." if len(labels) > 1 else
+            "Not every run recorded its machine (sweeps made before it was recorded), so whether all shared one is "
+            "not known.")
+    return f"\n\n{head}\n\n| machine | runs |\n|---|---|\n" + "\n".join(rows)
 
 
 def _parts_section(arms_: list[Arm], base: Arm) -> str:

@@ -253,6 +253,9 @@ def test_the_report_says_which_runs_shared_a_machine(tmp_path):
     assert "The runs ran on more than one machine" in text
     assert f"| {label(one)} | x=A s0 |" in text and f"| {label(other)} | x=A s1 |" in text
     assert "| not recorded | x=B s0 |" in text
+    text = write([{"machine": one}, {}, {"machine": one}, {"machine": one}])
+    assert "Not every run recorded its machine" in text and "more than one machine" not in text
+    assert f"| {label(one)} | x=A s0, x=A s1 |" in text and "| not recorded | x=B s0 |" in text
 
 
 def test_mcnemar_and_the_paired_bootstrap_by_hand():
