@@ -294,8 +294,9 @@ def matmul_peak(threads: int) -> float:
 
 
 def cpu_name() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
+    from cohortrl.machine import cpuinfo
+
+    return cpuinfo().get("model name", "unknown")
 
 
 def main() -> None:

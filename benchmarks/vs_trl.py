@@ -759,11 +759,12 @@ instead, which `tests/cpu/test_replay.py` checks against that path parameter by 
 
 # ---------------------------------------------------------------------------------------------- main
 def machine_info(threads: int) -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = re.search(r"model name\s*:\s*(.+)", cpuinfo)
+    from cohortrl.machine import cpuinfo
+
+    cpu = cpuinfo().get("model name")
     meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
     mem = re.search(r"MemTotal:\s*(\d+) kB", meminfo)
-    return {"cpu": cpu.group(1).strip() if cpu else platform.processor() or "unknown", "cores": os.cpu_count(),
+    return {"cpu": cpu or platform.processor() or "unknown", "cores": os.cpu_count(),
             "memory": f"{int(mem.group(1)) / 2**20:.1f} GiB RAM" if mem else "RAM unknown", "threads": threads}
 
 

@@ -21,8 +21,9 @@ from pathlib import Path
 _ISA = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's block of /proc/cpuinfo (empty where there is none)."""
+def cpuinfo() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo, field by field (empty where there is none): the one reader
+    of that file for the library, its benchmarks and the golden runs' key."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -54,7 +55,7 @@ def _caches() -> str:
 
 def describe() -> dict:
     """This machine as a flat dict of strings and ints (JSON-ready); fields the platform cannot tell are absent."""
-    info = _cpuinfo()
+    info = cpuinfo()
     flags = info.get("flags", "").split()
     try:
         torch_version = metadata.version("torch")

@@ -87,8 +87,9 @@ def load_sweep(directory: Path) -> list[Arm]:
         t[0] += a["wall_s"]
         t[1] += a["cpu_s"]
         seen = machines.setdefault((a["arm"], a["seed"]), [])
-        if "machine" in a and machine.label(a["machine"]) not in seen:
-            seen.append(machine.label(a["machine"]))
+        where = machine.label(a["machine"]) if "machine" in a else None
+        if where is not None and where not in seen:
+            seen.append(where)
         if a["rc"] == 0:
             finished.add((a["arm"], a["seed"]))
     out = []

@@ -134,11 +134,9 @@ def golden_key(cpu_fast_path: str = "auto") -> str:
     another vendor's CPU (oneDNN and MKL pick kernels by it; docs/testing.md, "Golden runs"), so each vendor
     has its own pinned numbers. So has the plain CPU path (``cpu_fast_path`` off, the pass ``pytest
     --cpu-fast-path=off`` runs), which rounds otherwise than the fast path and reuses no forward of decoding's."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        vendor = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id"))
-    except (OSError, StopIteration):
-        vendor = platform.machine() or "unknown"
+    from cohortrl.machine import cpuinfo
+
+    vendor = cpuinfo().get("vendor_id") or platform.machine() or "unknown"
     key = f"{torch.__version__} {vendor}"
     return key if cpu_fast_path == "auto" else f"{key} cpu_fast_path={cpu_fast_path}"
 
