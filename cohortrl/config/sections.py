@@ -394,7 +394,8 @@ class AlgorithmConfig:
     """Take a training prompt out of the stream once this many of its groups were answered right by every
     response (0: never). Such a group's advantages are all zero, so from a warm start that solves much of the
     pool it costs its generation and teaches nothing; retired prompts are kept in checkpoints, and every prompt
-    comes back (said once, at WARNING) should all of them be retired."""
+    comes back (said once, at WARNING) should all of them be retired. It acts only once the run comes round to
+    a prompt again (steps x prompts_per_step above the training prompts; said at WARNING before step 1 if not)."""
     mask_truncated: bool = False
     """Drop responses that hit max_new_tokens from the policy loss (they have no reliable outcome)."""
     epochs: int = 1

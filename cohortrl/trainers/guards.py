@@ -45,6 +45,14 @@ def check_run_fits(cfg, model, n_train_rows: int) -> None:
             f" for evaluation, fewer than one step's algorithm.prompts_per_step={P}; "
             "add prompts, lower data.eval_size or lower algorithm.prompts_per_step"
         )
+    a = cfg.algorithm
+    most_drawn = cfg.train.steps * P * (1 + a.max_resample_draws if a.zero_variance == "resample" else 1)
+    if a.retire_solved and most_drawn <= n_train_rows:
+        # The stream goes through a shuffled epoch before any prompt comes round again, so nothing can be skipped.
+        log.warning(
+            "algorithm.retire_solved=%d cannot act: %d steps draw at most %d of the %d training prompts, none of them "
+            "twice; retiring solved prompts matters once a run comes round to its prompts again (more train.steps or "
+            "a smaller data.train_size)", a.retire_solved, cfg.train.steps, most_drawn, n_train_rows)
 
 
 def check_prompts_fit(cfg, tokenizer, tools, splits: dict[str, list[dict]]) -> None:

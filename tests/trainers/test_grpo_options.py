@@ -75,6 +75,22 @@ def test_retired_prompts_leave_the_stream_and_stay_out_across_a_resume(tmp_path,
     assert [r["retired_prompts"] for r in full if "loss" in r][1] > 0  # something to restore at the checkpoint
 
 
+@pytest.mark.parametrize("steps, warned", [(4, True), (5, False)])
+def test_retiring_says_when_the_run_never_comes_round_to_a_prompt_again(tmp_path, one_thread, caplog, steps, warned):
+    """8 training prompts, 2 a step: 4 steps draw each once (retirement cannot skip anything, said once before
+    step 1); a 5th step comes round again."""
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n" for a in range(12)))
+    cfg = tiny_config(data, fn="answer_is_even", data={"eval_size": 4}, algorithm={"retire_solved": 1},
+                      train={"steps": steps}, eval={"n_prompts": 0})
+    with caplog.at_level(logging.WARNING, logger="cohortrl"):
+        GRPOTrainer(cfg, tmp_path / "run")
+    said = [r.getMessage() for r in caplog.records if "retire_solved" in r.getMessage()]
+    assert said == ([f"algorithm.retire_solved=1 cannot act: {steps} steps draw at most 8 of the 8 training prompts, "
+                     "none of them twice; retiring solved prompts matters once a run comes round to its prompts again "
+                     "(more train.steps or a smaller data.train_size)"] if warned else [])
+
+
 def test_kl_in_reward_moves_the_penalty_from_the_loss_into_the_group_normalised_reward(tmp_path, addition_jsonl):
     beta = 0.5
     cfg = tiny_config(addition_jsonl, algorithm={"beta": beta, "kl_in_reward": True, "kl_estimator": "k1"}, train={"steps": 1})
