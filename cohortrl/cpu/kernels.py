@@ -30,6 +30,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from cohortrl import machine
+
 # the decoding dtype auto chose, said where a run's progress lines go (stderr under the CLI)
 progress = logging.getLogger("cohortrl.progress")
 
@@ -63,10 +65,7 @@ def cpu_has_bf16_units() -> bool:
     if capabilities is not None:
         found = capabilities()
         return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
-    try:  # older PyTorch, on Linux: the kernel's list of the CPU's flags
-        flags = open("/proc/cpuinfo").read().split()
-    except OSError:
-        return False
+    flags = machine.cpuinfo().get("flags", "").split()  # older PyTorch, on Linux: the kernel's list (none elsewhere)
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

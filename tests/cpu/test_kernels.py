@@ -244,3 +244,14 @@ def test_decoding_lays_the_weights_out_once_uses_them_for_its_row_count_and_free
     assert used == [True, False]  # the blocked layout for 8 rows only
     torch.testing.assert_close(got8, x8 @ head.t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got3, x3 @ head.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, units", [("fpu avx2 avx512f avx512_bf16", True), ("fpu amx_tile amx_bf16", True),
+                                          ("fpu avx2 avx512f", False), (None, False)])
+def test_bf16_units_are_read_from_the_cpus_flags_where_pytorch_cannot_say(monkeypatch, flags, units):
+    """PyTorch before 2.9 has no torch.cpu.get_capabilities: the flags of /proc/cpuinfo decide (none: no units)."""
+    from cohortrl import machine
+
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    monkeypatch.setattr(machine, "cpuinfo", lambda: {} if flags is None else {"vendor_id": "GenuineIntel", "flags": flags})
+    assert kernels.cpu_has_bf16_units() is units
