@@ -26,16 +26,22 @@ from cohortrl.study import load_sweeps  # noqa: E402
 from eng_report import kind  # noqa: E402
 
 
+_HELD_OUT: dict[tuple[str, int, int], dict[str, str]] = {}  # drawn once per data section and seed, not once per run
+
+
 def held_out_kinds(run: Path) -> dict[str, str]:
     """Problem id -> kind for the held-out rows the run at ``run`` evaluated on."""
     cfg = Config.from_dict(yaml.safe_load((run / "config.yaml").read_text()))
-    _, held = load_rows(cfg.data, cfg.train.seed)
-    return {problem_id(r): kind(r["prompt"]) for r in held[: cfg.eval.n_prompts]}
+    key = (repr(cfg.data), cfg.train.seed, cfg.eval.n_prompts)
+    if key not in _HELD_OUT:
+        _, held = load_rows(cfg.data, cfg.train.seed)
+        _HELD_OUT[key] = {problem_id(r): kind(r["prompt"]) for r in held[: cfg.eval.n_prompts]}
+    return _HELD_OUT[key]
 
 
 def table(directories: list[str]) -> str:
     arms = load_sweeps([Path(d) for d in directories])
-    rows, kinds_seen = [], None
+    rows, kinds_seen = [], set()
     for arm in arms:
         cells: dict[str, list[str]] = collections.defaultdict(list)
         for run in arm.runs:
@@ -46,14 +52,14 @@ def table(directories: list[str]) -> str:
                                  f"its config.yaml draws (e.g. {sorted(missing)[0]}); was the task generator changed?")
             total = collections.Counter(kinds[i] for i in run.answers)
             right = collections.Counter(kinds[i] for i, ok in run.answers.items() if ok)
-            kinds_seen = kinds_seen or sorted(total)
+            kinds_seen |= set(total)
             for k in sorted(total):
                 cells[k].append(f"s{run.seed} {right[k]}/{total[k]}")
         rows.append((arm.name, cells))
-    head = "| arm | " + " | ".join(kinds_seen or []) + " |"
-    lines = [head, "|" + "---|" * (1 + len(kinds_seen or []))]
+    columns = sorted(kinds_seen)  # every kind any run answered, so none is left out of the table
+    lines = ["| arm | " + " | ".join(columns) + " |", "|" + "---|" * (1 + len(columns))]
     for name, cells in rows:
-        lines.append(f"| {name} | " + " | ".join(", ".join(cells.get(k, ["–"])) for k in kinds_seen or []) + " |")
+        lines.append(f"| {name} | " + " | ".join(", ".join(cells.get(k, ["–"])) for k in columns) + " |")
     return "\n".join(lines)
 
 
