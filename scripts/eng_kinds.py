@@ -31,7 +31,12 @@ _HELD_OUT: dict[tuple[str, int, int], dict[str, str]] = {}  # drawn once per dat
 
 def held_out_kinds(run: Path) -> dict[str, str]:
     """Problem id -> kind for the held-out rows the run at ``run`` evaluated on."""
-    cfg = Config.from_dict(yaml.safe_load((run / "config.yaml").read_text()))
+    raw = yaml.safe_load((run / "config.yaml").read_text())
+    # The weights a run started from do not decide which rows it holds out, and a committed run's model.init
+    # (runs/.../final) is not in a fresh clone, where loading it would fail the config's check.
+    raw.get("model", {}).pop("init", None)
+    raw.get("algorithm", {}).get("ppo", {}).pop("critic_init", None)
+    cfg = Config.from_dict(raw)
     key = (repr(cfg.data), cfg.train.seed, cfg.eval.n_prompts)
     if key not in _HELD_OUT:
         _, held = load_rows(cfg.data, cfg.train.seed)
