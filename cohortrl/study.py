@@ -9,8 +9,8 @@ pairs, the mean paired difference with a two-level bootstrap interval (seeds, th
 each arm, every pair of its seeds the same way (exact McNemar), and how many problems every seed got right.
 Where the sweep recorded them, the machines the runs ran on (the same seed rounds differently on another one).
 Problems are matched by id (``data.problem_id``): only those both runs answered count, and the table says how
-many. ``NAME.md`` holds the tables, ``NAME.png`` the curves (one thin line per seed, the arm's mean bold and its
-min-max band shaded).
+many. ``NAME.md`` holds the tables, ``NAME.png`` each arm's last evaluation per seed on one axis, then the curves
+(:func:`plot`).
 
 Everything is read from files a study can commit: ``sweep.json``, ``sweep.jsonl`` and per run ``metrics.jsonl``
 and ``answers.jsonl.gz`` (or the run's own ``eval_completions.jsonl``). ``--keep DIR`` copies exactly those into
@@ -342,20 +342,49 @@ def _parts_section(arms_: list[Arm], base: Arm) -> str:
     return text
 
 
-def plot(arms_: list[Arm], png: Path, panels: list[str]) -> None:
+def last_steps(arms_: list[Arm]) -> dict[str, int]:
+    """Arm name -> the last step its runs logged (the longest seed's)."""
+    return {a.name: max((r["step"] for run in a.runs for r in run.rows), default=0) for a in arms_}
+
+
+def plot(arms_: list[Arm], png: Path, panels: list[str]) -> str:
+    """First panel: each arm's last held-out evaluation, one dot per seed with its Wilson 95% interval, the arms
+    side by side on one accuracy axis (a warm start of 250 SFT steps and a GRPO run of 20 compare there, not on
+    a step axis). Then the curves (held-out accuracy's only where a run evaluated more than once), one thin line per seed, the arm's mean bold and its min-max band shaded;
+    over the step when every arm ran as many steps, else over the fraction of each arm's own steps (the legend
+    gives them), since one step of SFT and one of GRPO are not the same amount of anything. Returns the curves'
+    x-axis label."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [("eval/accuracy", "held-out accuracy (greedy)"), *((k, k) for k in panels)]
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
-    for ax, (key, title) in zip(axes.flat, keys):
+    last = last_steps(arms_)
+    same_length = len(set(last.values())) == 1
+    curves = any(sum("eval/accuracy" in r for r in run.rows) > 1 for a in arms_ for run in a.runs)
+    keys = [*([("eval/accuracy", "held-out accuracy (greedy)")] if curves else []), *((k, k) for k in panels)]
+    fig, axes = plt.subplots(1, 1 + len(keys), figsize=(5.5 * (1 + len(keys)), 4.2), squeeze=False)
+    final_ax, curve_axes = axes.flat[0], list(axes.flat[1:])
+    xlabel = "step" if same_length else "fraction of the arm's own steps (its count in the legend)"
+    for i, arm in enumerate(arms_):
+        colour = f"C{i % 10}"
+        per_seed = arm_summary(arm, [], 1)["per_seed"]  # the table's numbers: (seed, acc, low, high, n, step)
+        for j, (_, acc, lo, hi, _, _) in enumerate(per_seed):
+            x = i + (j - (len(per_seed) - 1) / 2) * 0.12
+            final_ax.errorbar([x], [acc], yerr=[[acc - lo], [hi - acc]], fmt="o", capsize=3, color=colour, markersize=4)
+        if per_seed:
+            final_ax.hlines(statistics.fmean(s[1] for s in per_seed), i - 0.3, i + 0.3, color=colour, linewidth=2)
+    final_ax.set_xticks(range(len(arms_)), [a.name for a in arms_], rotation=20, ha="right", fontsize=7)
+    final_ax.set_xlim(-0.6, len(arms_) - 0.4)
+    final_ax.set_title("last held-out evaluation: each seed, 95% interval; bar = mean", fontsize=9)
+    final_ax.set_ylabel("held-out accuracy (greedy)")
+    for ax, (key, title) in zip(curve_axes, keys):
         for i, arm in enumerate(arms_):
             colour = f"C{i % 10}"
+            scale = 1 if same_length else max(last[arm.name], 1)
             series = []
             for run in arm.runs:
-                pts = [(r["step"], r[key]) for r in run.rows if r.get(key) is not None]
+                pts = [(r["step"] / scale, r[key]) for r in run.rows if r.get(key) is not None]
                 if pts:
                     ax.plot(*zip(*pts), color=colour, alpha=0.35, linewidth=0.8)
                     series.append(dict(pts))
@@ -364,13 +393,16 @@ def plot(arms_: list[Arm], png: Path, panels: list[str]) -> None:
                 values = [[s[t] for s in series] for t in steps]
                 ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=colour, alpha=0.15)
                 ax.plot(steps, [statistics.fmean(v) for v in values], color=colour, linewidth=2,
-                        marker="o" if len(steps) < 12 else None, label=f"{arm.name} (n={len(series)})")
+                        marker="o" if len(steps) < 12 else None,
+                        label=f"{arm.name} (n={len(series)}" + ("" if same_length else f", {last[arm.name]} steps") + ")")
         ax.set_title(title)
-        ax.set_xlabel("step")
-    axes.flat[0].legend(fontsize=7)
+        ax.set_xlabel(xlabel)
+    if curve_axes:
+        curve_axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=90)
     plt.close(fig)
+    return xlabel
 
 
 def write_study_report(directories: list[Path], out: Path, *, baseline: str | None = None, metrics: list[str] = (),

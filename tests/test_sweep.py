@@ -121,9 +121,9 @@ def test_seed_placeholders_grid_parsing_and_a_changed_definition(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the paired report
-def hand_made_sweep(root: Path, right: dict, unseen: set | None = None) -> Path:
+def hand_made_sweep(root: Path, right: dict, unseen: set | None = None, last_step: int = 5) -> Path:
     """A sweep directory written by hand: arms A and B, seeds 0 and 1, ten problems each; ``right[(arm, seed)]``
-    lists the problems answered correctly at the last evaluation (step 5); ``unseen``: the problems marked so
+    lists the problems answered correctly at the last evaluation (``last_step``); ``unseen``: the problems marked so
     (as ``data.exclude_from_training`` marks them), the others marked seen."""
     root.mkdir()
     (root / "sweep.json").write_text(json.dumps({"config": "c.yaml", "command": "train", "grid": {"x": ["A", "B"]},
@@ -132,11 +132,11 @@ def hand_made_sweep(root: Path, right: dict, unseen: set | None = None) -> Path:
     for (arm, seed), ok in right.items():
         run = root / f"x={arm}" / f"seed{seed}"
         run.mkdir(parents=True)
-        rows = [{"step": 5, "loss": 0.1 * (seed + 1), "reward_mean": 0.5},
-                {"step": 5, "eval/accuracy": len(ok) / 10, "eval/n": 10}]
+        rows = [{"step": last_step, "loss": 0.1 * (seed + 1), "reward_mean": 0.5},
+                {"step": last_step, "eval/accuracy": len(ok) / 10, "eval/n": 10}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         answers = [{"step": 0, "id": f"p{i}", "correct": True} for i in range(10)]  # an earlier evaluation: ignored
-        answers += [{"step": 5, "id": f"p{i}", "correct": i in ok, **({} if unseen is None else {"unseen": i in unseen})}
+        answers += [{"step": last_step, "id": f"p{i}", "correct": i in ok, **({} if unseen is None else {"unseen": i in unseen})}
                     for i in range(10)]
         (run / "eval_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
         lines.append(json.dumps({"run": str(run), "arm": f"x={arm}", "seed": seed, "attempt": "start", "rc": 0,
@@ -208,6 +208,20 @@ def test_several_sweeps_are_reported_side_by_side_as_one_study(tmp_path):
     (tmp_path / "other").mkdir()
     with pytest.raises(ValueError, match="two sweep folders are named 'ws'"):
         load_sweeps([warm, hand_made_sweep(tmp_path / "other" / "ws", {("A", 0): {0}, ("B", 0): {0}})])
+
+
+def test_arms_of_different_lengths_are_drawn_over_the_fraction_of_their_own_steps(tmp_path):
+    """A 250-step warm start and a 20-step GRPO run on one step axis would put GRPO's whole run in the warm
+    start's first tenth; the curves then go over each arm's fraction of its own steps, and say so."""
+    from cohortrl.study import last_steps, load_sweep, load_sweeps, plot
+
+    warm = hand_made_sweep(tmp_path / "ws", {("A", 0): {0, 1}, ("B", 0): {0}}, last_step=250)
+    rl = hand_made_sweep(tmp_path / "rl", {("A", 0): {0, 1, 2}, ("B", 0): {5}}, last_step=20)
+    arms_ = load_sweeps([warm, rl])
+    assert last_steps(arms_) == {"ws/x=A": 250, "ws/x=B": 250, "rl/x=A": 20, "rl/x=B": 20}
+    assert plot(arms_, tmp_path / "mixed.png", ["loss"]).startswith("fraction of the arm's own steps")
+    assert plot(load_sweep(rl), tmp_path / "one.png", ["loss"]) == "step"
+    assert (tmp_path / "mixed.png").stat().st_size > 0 and (tmp_path / "one.png").stat().st_size > 0
 
 
 def test_the_report_pairs_the_unseen_and_the_seen_problems_apart(tmp_path):
