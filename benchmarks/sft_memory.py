@@ -51,11 +51,11 @@ def main() -> None:
                 libc.malloc_trim(0)  # every free page of the heap back to the OS, at the cost of faulting it in again
             times.append(time.perf_counter() - t0)
             rss_mb = int(Path("/proc/self/statm").read_text().split()[1]) * page_mb
-            print(f"{args.arm} step {step}: {times[-1]:.2f} s, resident {rss_mb:.0f} MB, "
-                  f"peak {metrics['peak_rss_mb']:.0f} MB", flush=True)
+            print(f"{args.arm} step {step}: {times[-1]:.2f} s, resident {rss_mb:.0f} MiB, "
+                  f"peak {metrics['peak_rss_mb']:.0f} MiB", flush=True)
         trainer.close()
     print(f"SUMMARY {args.arm}: median step {statistics.median(times[2:]):.2f} s (steps 3-{args.steps}), "
-          f"resident at the end {rss_mb:.0f} MB, peak {metrics['peak_rss_mb']:.0f} MB", flush=True)
+          f"resident at the end {rss_mb:.0f} MiB, peak {metrics['peak_rss_mb']:.0f} MiB", flush=True)
 
 
 if __name__ == "__main__":
