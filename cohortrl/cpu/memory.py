@@ -37,6 +37,7 @@ import logging
 import math
 import mmap
 import platform
+import sys
 
 log = logging.getLogger("cohortrl")
 
@@ -147,3 +148,57 @@ def mapped_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
     # MAP_PRIVATE: a page never written is read as the kernel's shared zero page, not allocated (mmap's default,
     # MAP_SHARED, allocates a page at its first read), and a forked child copies rather than shares
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel).view(shape)
+
+
+class RecordingBuffers:
+    """Memory maps that one run's recording decoders take their buffers from, kept from one generate call to
+    the next instead of mapped afresh at each (:func:`mapped_zeros`).
+
+    A fresh map's pages are faulted in as decoding writes them, at every call: about 0.1 s for a 240 MB
+    recording on a 2-core EPYC (docs/performance.md has the measurement), a few percent of a short-completion
+    step. A recording lives until the update has used it, so keeping its maps until the next call costs no peak
+    memory the step did not already have; what changes is that the pages the longest call wrote stay resident
+    between steps. A request is served by the smallest map not in use (no tensor views it any more) that is
+    large enough; else a new map with ``SLACK`` room, so that the next step's slightly longer prompts fit, and
+    the largest unused map too small for it is let go (unmapped when dropped), so the pool holds about one
+    recording's maps. A buffer from here holds whatever an earlier call wrote: the decoder writes every row the
+    update reads, and ``replay.Recording`` zeroes the rows of the one product it reads past a row's end."""
+
+    SLACK = 1.125
+
+    def __init__(self):
+        self._maps: list[mmap.mmap] = []
+
+    def _unused(self, i: int) -> bool:
+        # a tensor viewing a map holds a reference to it through its storage's buffer; unused: the list's and
+        # getrefcount's own
+        return sys.getrefcount(self._maps[i]) == 2
+
+    def take(self, shape: tuple[int, ...], dtype) -> "torch.Tensor":
+        """A tensor of ``shape`` in a map of the pool, its contents an earlier call's (zeros when new). Blocks
+        under ``MAPPED_MIN_BYTES`` come from ``torch.zeros``, as in :func:`mapped_zeros`."""
+        import torch
+
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if nbytes < MAPPED_MIN_BYTES:
+            return torch.zeros(shape, dtype=dtype)
+        unused = [i for i in range(len(self._maps)) if self._unused(i)]
+        fits = [i for i in unused if len(self._maps[i]) >= nbytes]
+        if fits:
+            m = self._maps[min(fits, key=lambda i: len(self._maps[i]))]
+        else:
+            if unused:  # replaced by the new one
+                self._maps.pop(max(unused, key=lambda i: len(self._maps[i])))
+            page = mmap.PAGESIZE
+            m = mmap.mmap(-1, -(-int(nbytes * self.SLACK) // page) * page, flags=mmap.MAP_PRIVATE)
+            self._maps.append(m)
+        return torch.frombuffer(m, dtype=dtype, count=numel).view(shape)
+
+    def held_bytes(self) -> int:
+        """The maps' sizes, in use or not (address space; resident is what calls wrote)."""
+        return sum(len(m) for m in self._maps)
+
+    def close(self) -> None:
+        """Let every map go (each unmapped once no tensor views it)."""
+        self._maps.clear()

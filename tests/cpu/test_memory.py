@@ -162,3 +162,36 @@ def test_a_mapped_buffer_is_resident_only_where_written_and_returned_when_freed(
         assert small.shape == (4, 4) and not small.any()
     finally:
         cpu_memory.release_freed_memory()
+
+
+def test_the_recording_pool_reuses_only_maps_no_tensor_views(monkeypatch):
+    """``RecordingBuffers.take``: a map is handed out again only once every tensor viewing it is gone, the
+    smallest one that fits; a request none fits replaces the largest unused map, so the pool does not grow."""
+    import torch
+
+    from cohortrl.cpu.memory import RecordingBuffers
+
+    monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", 0)
+    pool = RecordingBuffers()
+    a = pool.take((1000,), torch.float32)
+    b = pool.take((1000,), torch.float32)  # a is in use: a map of its own
+    assert a.data_ptr() != b.data_ptr() and len(pool._maps) == 2
+    a_ptr, view = a.data_ptr(), a[10:20]
+    del a
+    c = pool.take((1000,), torch.float32)  # a's map is still viewed
+    assert c.data_ptr() not in (a_ptr, b.data_ptr()) and len(pool._maps) == 3
+    del view
+    d = pool.take((900,), torch.float32)  # now free, and it fits
+    assert d.data_ptr() == a_ptr and len(pool._maps) == 3
+    big_before = pool.held_bytes()
+    del b, c
+    e = pool.take((5000,), torch.float32)  # fits no map: one unused map is let go for it
+    assert len(pool._maps) == 3 and pool.held_bytes() > big_before
+    e[:] = 7
+    del e
+    f = pool.take((4000,), torch.float32)  # the big map again, with what the last call wrote
+    assert len(pool._maps) == 3 and bool((f == 7).all())
+    monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", 2**20)
+    assert bool((pool.take((10,), torch.float32) == 0).all()) and len(pool._maps) == 3  # small: zeros from the heap
+    pool.close()
+    assert pool._maps == [] and bool((f == 7).all())  # a closed pool's maps live on in their tensors
