@@ -12,7 +12,7 @@ process builds the trainer, runs ``--steps`` steps and times the library's own f
 | prompt prefill | the decoder's prefill of the distinct prompts | 2·N_body per real prompt token + attention 4·d·(keys seen) per token and layer |
 | generation steps | each one-token step of the lean decoder, all B rows | per row the step computes: 2·(N_body + N_head) + attention 4·d·(keys) per layer; split below into tokens the model sampled, tool-result tokens fed to it, and rows that had already ended |
 | tool-result prefill | its own prefill calls, where the code has them | as prompt prefill |
-| reference / old log-probs | the step's ``reference`` phase | 2·(N_body + N_head) per response token (0 when β = 0 and on-policy) |
+| reference / old log-probs | the step's ``reference`` phase | a forward over the update's rows: 2·N_body per prompt, sampled or tool token, 2·N_head per response token, attention once (0 when β = 0 and on-policy) |
 | update | the step's ``train`` phase (backward, optimiser) | backward through the recorded forward under LoRA: the frozen weights' input gradients 2·N_body per recorded row, the head's 2·N_head (+2·N_head to recompute logits not kept) per response token, attention 3× its forward; LoRA's own products (rank r) left out |
 
 "Needed" FLOPs are the ones the step's real tokens require (each prompt once, each sampled or fed token once,
@@ -82,7 +82,8 @@ class Probe:
 
 
 def install_probe(probe: Probe, batches: list) -> None:
-    """Wrap the step's phases (those this tree has) and keep each step's scored batch in ``batches``."""
+    """Wrap the step's phases (those this tree has) and put each step's scored batch in ``batches`` (which the
+    worker empties once it has counted its tokens)."""
     from cohortrl.cpu import decoder, replay
     from cohortrl.rollout import hf, tools
     from cohortrl.trainers import sampler
@@ -169,8 +170,14 @@ def phase_flops(shape: dict, counts: dict, rows_per_step: list[int], update_rows
     update_needed = (2 * nb * (sum(prompts) + counts["sampled"] + counts["tool"]) + 4 * nh * n_resp
                      + 3 * (prefill_needed - 2 * nb * sum(prompts)))
     update_exec = 2 * nb * rows + 4 * nh * n_resp + 3 * (B * S * every + prefill_exec - 2 * nb * len(prompts) * Tp)
+    # a forward over the same rows (the reference's, or π_old's): the layers on every token, the head where the
+    # loss reads a log-prob, attention once
+    scoring_needed = (2 * nb * (sum(prompts) + counts["sampled"] + counts["tool"]) + 2 * nh * n_resp
+                      + (prefill_needed - 2 * nb * sum(prompts)))
+    scoring_exec = 2 * nb * rows + 2 * nh * n_resp + B * S * every + prefill_exec - 2 * nb * len(prompts) * Tp
     return {"prompt_prefill": (prefill_needed, prefill_exec), "decode_sampled": sampled_f, "decode_tool": tool_f,
-            "decode_ended": ended_f, "decode": (sampled_f + tool_f, decode_exec), "update": (update_needed, update_exec)}
+            "decode_ended": ended_f, "decode": (sampled_f + tool_f, decode_exec), "update": (update_needed, update_exec),
+            "scoring": (scoring_needed, scoring_exec)}
 
 
 # ---------------------------------------------------------------------------------------------- the worker
@@ -202,6 +209,7 @@ def worker(args) -> dict:
             step_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
             trainer.step_count += 1
             counts = token_counts(batches[-1].rollout)
+            batches.clear()  # a batch kept would keep its recording's maps in use, and the next step's in new ones
             print(f"step {len(steps) + 1}: {step_s:.1f} s", file=sys.stderr, flush=True)
             taken = probe.take()
             steps.append({"step_s": step_s, "cpu_s": cpu_s, "time": {k[5:]: v for k, v in metrics.items() if k.startswith("time/")},
@@ -211,7 +219,9 @@ def worker(args) -> dict:
                           "accuracy": metrics.get("accuracy")})
         profile = profile_step(trainer) if args.profile else None
         trainer.close()
+    scored = cfg.algorithm.beta > 0 or trainer.needs_old_logp  # the reference phase runs a forward
     return {"tree": os.environ.get("PYTHONPATH", str(REPO)), "setup_s": setup_s, "shape": shape, "steps": steps,
+            "scored": scored,
             "profile": profile}
 
 
@@ -277,7 +287,10 @@ def table(result: dict, peak: float) -> list[str]:
         f"sampling {probe('sample_tokens'):.2f}, tools {probe('tool_detect_and_run'):.2f} (calls {probe('tool_run'):.2f}), texts {probe('decode_texts'):.2f} |",
         f"| generate (whole phase) | | | {timer('generate'):.2f} | | | |",
         f"| score | | | {timer('score'):.2f} | | | |",
-        f"| reference / old log-probs | 0 | 0 | {timer('reference'):.2f} | | | β = 0 and on-policy: not computed |",
+        row("reference / old log-probs", flops("scoring", 0), flops("scoring", 1), timer("reference"),
+            "a forward over the recorded rows, the head on response tokens only")
+        if result.get("scored", True) and "scoring" in steps[-1]["flops"]
+        else f"| reference / old log-probs | 0 | 0 | {timer('reference'):.2f} | | | β = 0 and on-policy: not computed |",
         row("update (backward + optimiser)", flops("update", 0), flops("update", 1), timer("train"),
             f"backward {probe('update_backward'):.2f} s, optimiser {timer('optimizer'):.2f} s; forward reused: {steps[-1]['reused']}"),
         f"| **step** | | | **{med(lambda s: s['step_s']):.2f}** | | | medians of {len(steps)} step(s); the process's CPU "
