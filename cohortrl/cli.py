@@ -175,6 +175,7 @@ def cmd_eval(args) -> int:
     if args.adapter:
         _check_adapter(Path(args.adapter))
         checkpoint.check_saved(args.adapter, "--adapter")
+        _check_adapter_base(Path(args.adapter), cfg)
     if args.responses and Path(args.responses).exists():
         raise ConfigError(f"--responses {args.responses} already exists; give a new path (nothing is overwritten)")
     model, tokenizer = load_configured_model(cfg.model, cfg.train.seed)
@@ -236,6 +237,25 @@ def _held_out_set(cfg: Config) -> str:
     """Which held-out problems a config's data section draws (data.load_rows), in words."""
     level = "" if cfg.data.eval_level is None else f", data.eval_level={cfg.data.eval_level}"
     return f"those {cfg.data.source} holds out (data.eval_size={cfg.data.eval_size}{level}, train.seed={cfg.train.seed})"
+
+
+def _check_adapter_base(path: Path, cfg) -> None:
+    """An adapter trained on top of a ``model.init`` fits only those weights: the config's ``model.init`` must be
+    that one, as the adapter's final marker records it (``checkpoint.init_record``; adapters saved before it was
+    recorded are not checked)."""
+    from cohortrl.trainers import checkpoint
+
+    marker = path / checkpoint.FINAL_MARKER
+    if not marker.is_file() or "init" not in json.loads(marker.read_text()):
+        return
+    chain = checkpoint.init_chain(path, "--adapter")
+    trained_on = chain[-1] if chain else None
+    given = cfg.model.init
+    same = (trained_on is None and given is None) or (
+        trained_on is not None and given is not None and Path(trained_on).resolve() == Path(given).resolve())
+    if not same:
+        raise ConfigError(f"--adapter {path} was trained on top of {trained_on or 'the base model (no model.init)'}, "
+                          f"but the config's model.init is {given}; set model.init={trained_on or 'null'}")
 
 
 def _check_adapter(path: Path) -> None:

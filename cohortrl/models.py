@@ -108,12 +108,13 @@ HUB_PROBE_TIMEOUT_S = 5.0  # how long to wait for the hub before saying it canno
 
 
 # ---------------------------------------------------------------------------------------------- public API
-def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0, init: str | None = None):
+def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0, init: str | list[str] | None = None):
     """Load ``spec`` and return ``(model, tokenizer)`` ready for left-padded batched generation.
 
     ``seed`` only matters for tiny random models (their initial weights). ``init`` (``model.init``): a directory
     with a PEFT adapter for ``spec``, merged into its weights, or with full weights of ``spec``'s architecture,
-    which replace them (see :func:`apply_init`).
+    which replace them (see :func:`apply_init`); or several, applied in order (an adapter trained on top of
+    another run's weights after those: ``trainers.setup.load_configured_model`` finds the chain).
     """
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     progress.info("loading model %s", spec)
@@ -130,8 +131,8 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0
         model, tokenizer = _load_gguf(path, torch_dtype)
     else:
         model, tokenizer = _load_pretrained(spec, torch_dtype)
-    if init is not None:
-        model = apply_init(model, init, spec)
+    for path in [init] if isinstance(init, (str, Path)) else init or []:
+        model = apply_init(model, path, spec)
     return model, prepare_tokenizer(tokenizer, model)
 
 

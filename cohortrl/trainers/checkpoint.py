@@ -386,6 +386,40 @@ def check_saved(path: str | Path, what: str) -> None:
         raise CheckpointError(f"{what} {path} is damaged, not loaded: {problem}")
 
 
+def init_record(init: str | Path) -> dict:
+    """What a ``final/`` records of the weights it was trained on top of (``model.init`` of its run), for a LoRA
+    run that had one: the path as the config gave it and the SHA-256 of that directory's manifest (None when
+    it had none), so that a later run starting from this ``final/`` can put the same weights under it."""
+    manifest = Path(init) / MANIFEST
+    return {"path": str(init), "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None}
+
+
+def init_chain(path: str | Path, what: str = "model.init") -> list[str]:
+    """The directories to merge, in order, before the adapter in ``path``: a LoRA ``final/`` of a run that
+    itself started from ``model.init`` Y holds an adapter trained on Y's weights, not on the base model's
+    (``init_record`` in its final marker), so loading it needs Y (and whatever Y was trained on) first.
+    Raises :class:`CheckpointError` when such a parent is not where its path says, or is not the one the
+    adapter was trained on (its manifest changed). [] for anything else."""
+    marker = Path(path) / FINAL_MARKER
+    if not marker.is_file():
+        return []
+    parent = json.loads(marker.read_text()).get("init")
+    if parent is None:
+        return []
+    where = Path(parent["path"])
+    if not where.is_dir():
+        raise CheckpointError(
+            f"{what} {path} is a LoRA adapter trained on top of {parent['path']} (its run's model.init), which is not "
+            f"there from {Path.cwd()}: run from the directory that run ran in, or put {parent['path']} back")
+    manifest = where / MANIFEST
+    sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
+    if sha != parent["manifest_sha256"]:
+        raise CheckpointError(
+            f"{what} {path} is a LoRA adapter trained on top of {parent['path']}, which has changed since (its "
+            f"manifest differs): the adapter no longer fits it; train again from the new {parent['path']}")
+    return [*init_chain(where, what), str(where)]
+
+
 def find_intact(run_dir: Path, config_hash: str | tuple[str, ...] | None = None) -> Found:
     """The newest checkpoint that verifies, and the newer ones that did not (newest first)."""
     found = Found(None)

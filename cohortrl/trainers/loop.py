@@ -268,13 +268,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ persistence
     def save(self, directory: str | Path | None = None, state_dict: dict | None = None) -> Path:
         """The trained model (or adapter) and tokenizer, loadable by ``cohortrl eval`` and as ``model.init``
-        (default ``RUN_DIR/final``); written atomically, with the step it was saved at in ``FINAL_MARKER``."""
+        (default ``RUN_DIR/final``); written atomically, with the step it was saved at in ``FINAL_MARKER``, and,
+        for an adapter trained on top of ``model.init``, that init (``checkpoint.init_record``), without which
+        the adapter would be merged into the wrong weights."""
         directory = Path(directory) if directory is not None else self.run_dir / "final"
+        marker = {"step": self.step_count}
+        if self.cfg.model.lora.enabled:  # null: trained on model.name's own weights
+            marker["init"] = checkpoint.init_record(self.cfg.model.init) if self.cfg.model.init is not None else None
 
         def write(tmp: Path) -> None:
             self.model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
             self.tokenizer.save_pretrained(tmp)
-            (tmp / FINAL_MARKER).write_text(json.dumps({"step": self.step_count}))
+            (tmp / FINAL_MARKER).write_text(json.dumps(marker))
 
         saved = state_dict if state_dict is not None else self._final_tensors()
         checkpoint.write_dir(directory, write, step=self.step_count, config_hash=self.config_hash,

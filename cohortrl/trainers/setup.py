@@ -20,11 +20,13 @@ from cohortrl.trainers import checkpoint
 def load_configured_model(model_cfg, seed: int):
     """``load_model`` for a config's ``model`` section; a cohortrl ``final/`` or checkpoint it names (as
     ``model.name`` or ``model.init``) is verified against its manifest first, so damaged weights never train or
-    become a KL reference."""
-    for key, path in (("model.name", model_cfg.name), ("model.init", model_cfg.init)):
+    become a KL reference. A ``model.init`` adapter trained on top of another run's weights gets those merged
+    first (``checkpoint.init_chain``), each verified the same way."""
+    inits = [*checkpoint.init_chain(model_cfg.init), model_cfg.init] if model_cfg.init is not None else []
+    for key, path in (("model.name", model_cfg.name), *(("model.init", p) for p in inits)):
         if path is not None:
             checkpoint.check_saved(path, key)
-    return load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed, init=model_cfg.init)
+    return load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed, init=inits or None)
 
 
 def build_policy(model_cfg, seed: int, model=None, tokenizer=None, *, activation_checkpointing: bool = False):

@@ -106,3 +106,55 @@ def test_check_saved_leaves_paths_cohortrl_did_not_write_alone(tmp_path):
     (tmp_path / checkpoint.FINAL_MARKER).write_text("{}")  # cohortrl's final/ whose manifest is gone
     with pytest.raises(checkpoint.CheckpointError, match=f"model.name {tmp_path} is damaged, not loaded: {tmp_path}: no "):
         checkpoint.check_saved(tmp_path, "model.name")
+
+
+def test_an_adapter_trained_on_a_model_init_is_loaded_on_top_of_it(tmp_path, monkeypatch, capsys):
+    """A LoRA run that starts from ``model.init`` A trains an adapter for A's weights. Its final/ records A
+    (path and manifest hash); a run or an evaluation starting from it merges A first, then the adapter, as
+    PEFT does by hand. Before, the adapter went onto the base model's weights with no warning. A moved away
+    or trained again, or an ``eval --adapter`` under another model.init, stops with one line."""
+    import json
+
+    import torch
+    from peft import PeftModel
+
+    from cohortrl.models import load_model
+    from cohortrl.trainers.setup import load_configured_model
+    from cohortrl.trainers.sft import SFTTrainer
+    from tests.trainers.test_sft import sft_config
+
+    monkeypatch.chdir(tmp_path)  # the recorded path is the config's, relative to where the run ran
+    lora = {"name": "tiny-llama", "system_prompt": None, "lora": {"enabled": True, "r": 4}}
+    with closing(SFTTrainer(sft_config(model=lora), "a")) as trainer:
+        trainer.train()
+    with closing(SFTTrainer(sft_config(model={**lora, "init": "a/final"}), "b")) as trainer:
+        trainer.train()
+    a, b = Path("a/final"), Path("b/final")
+    assert json.loads((a / checkpoint.FINAL_MARKER).read_text())["init"] is None  # trained on the base model
+    record = json.loads((b / checkpoint.FINAL_MARKER).read_text())["init"]
+    assert record["path"] == "a/final" and len(record["manifest_sha256"]) == 64
+    assert checkpoint.init_chain(b) == ["a/final"]
+
+    loaded, _ = load_configured_model(sft_config(model={**lora, "init": "b/final"}).model, 0)
+    by_hand, _ = load_model("tiny-llama")
+    by_hand = PeftModel.from_pretrained(by_hand, "a/final").merge_and_unload()
+    by_hand = PeftModel.from_pretrained(by_hand, "b/final").merge_and_unload()
+    b_alone, _ = load_model("tiny-llama", init="b/final")  # what model.init=b/final loaded before
+    expected, wrong = by_hand.state_dict(), b_alone.state_dict()
+    assert all(torch.equal(t, expected[k]) for k, t in loaded.state_dict().items())
+    assert any(not torch.equal(t, wrong[k]) for k, t in loaded.state_dict().items())
+
+    config = tmp_path / "c.yaml"
+    config.write_text((Path("b") / "config.yaml").read_text())
+    rc = cli.main(["eval", str(config), "--adapter", "b/final", "model.init=null", "eval.n_prompts=1"])
+    error = last_error(capsys)
+    assert rc != 0 and "trained on top of a/final" in error and "set model.init=a/final" in error
+
+    shutil.move("a", "a_moved")
+    with pytest.raises(checkpoint.CheckpointError, match="trained on top of a/final .* which is not there"):
+        checkpoint.init_chain(b)
+    shutil.move("a_moved", "a")
+    manifest = a / checkpoint.MANIFEST
+    manifest.write_text(manifest.read_text().replace('"step": 2', '"step": 3'))  # as if A were saved again
+    with pytest.raises(checkpoint.CheckpointError, match="has changed since"):
+        checkpoint.init_chain(b)
