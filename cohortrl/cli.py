@@ -251,8 +251,12 @@ def _check_adapter_base(path: Path, cfg) -> None:
     chain = checkpoint.init_chain(path, "--adapter")
     trained_on = chain[-1] if chain else None
     given = cfg.model.init
-    same = (trained_on is None and given is None) or (
-        trained_on is not None and given is not None and Path(trained_on).resolve() == Path(given).resolve())
+    if trained_on is None or given is None:
+        same = trained_on is None and given is None
+    else:  # the same directory, or a copy of it (the same manifest)
+        sha = checkpoint.init_record(trained_on)["manifest_sha256"]
+        same = Path(trained_on).resolve() == Path(given).resolve() or (
+            sha is not None and checkpoint.init_record(given)["manifest_sha256"] == sha)
     if not same:
         raise ConfigError(f"--adapter {path} was trained on top of {trained_on or 'the base model (no model.init)'}, "
                           f"but the config's model.init is {given}; set model.init={trained_on or 'null'}")

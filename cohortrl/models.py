@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import socket
@@ -99,6 +101,12 @@ ALIASES = {
 """Every model name cohortrl knows, in one table: what it is and what loading it needs."""
 
 
+# Files cohortrl writes into a directory it saves (trainers/checkpoint.py): the manifest of its files' hashes, and
+# in a final/ the marker, which for a LoRA adapter records the weights it was trained on ("init").
+MANIFEST = "cohortrl_manifest.json"
+FINAL_MARKER = "cohortrl_run.json"
+
+
 class ModelLoadError(RuntimeError):
     """A model spec that cannot be loaded, with the reason and the fix."""
 
@@ -131,9 +139,29 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "float32", seed: int = 0
         model, tokenizer = _load_gguf(path, torch_dtype)
     else:
         model, tokenizer = _load_pretrained(spec, torch_dtype)
-    for path in [init] if isinstance(init, (str, Path)) else init or []:
+    inits = [init] if isinstance(init, (str, Path)) else list(init or [])
+    for i, path in enumerate(inits):
+        _check_trained_on(path, inits[i - 1] if i else None)
         model = apply_init(model, path, spec)
     return model, prepare_tokenizer(tokenizer, model)
+
+
+def _check_trained_on(init: str | Path, before: str | Path | None) -> None:
+    """An adapter whose final marker records the weights it was trained on (another run's ``final/``) goes onto
+    those weights only: ``before``, the directory merged just before it, must be that one (the same manifest).
+    ``trainers.setup.load_configured_model`` finds the chain for a config's ``model.init``."""
+    marker = Path(init) / FINAL_MARKER
+    if not marker.is_file():
+        return
+    record = json.loads(marker.read_text()).get("init")
+    if record is None:
+        return
+    manifest = Path(before) / MANIFEST if before is not None else None
+    sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest is not None and manifest.is_file() else None
+    if before is None or sha != record["manifest_sha256"]:
+        raise ModelLoadError(
+            f"{init} is a LoRA adapter trained on top of {record['path']}, which must be merged first: give it as "
+            f"model.init in a config (the chain is merged in order), or init=[{record['path']!r}, {str(init)!r}]")
 
 
 def apply_init(model, init: str | Path, spec: str = "the model"):

@@ -355,10 +355,13 @@ class LlamaDecoder:
         rows, d = self.n_prefix + S * B, cfg.hidden_size
         widths = (d, (self.H + 2 * self.Hkv) * D, d, 2 * cfg.intermediate_size)  # x_in, qkv, x_mid, gate_up
         # from the run's pool of maps when it has one (kept across calls: no page faults once warm), else fresh
-        buffer = recording_buffers.take if recording_buffers is not None else mapped_zeros
-        self.records = [[buffer((rows, w), dtype) for w in widths] for _ in self.layers] if record else []
-        self.finals = buffer((S * B, d), dtype) if record else None  # the last layer's output, before the final norm
-        self.logits = buffer((S * B, V), torch.float32) if self.keep_logits else None  # as returned, while they fit
+        def buffer(key, shape, dtype):
+            return recording_buffers.take(key, shape, dtype) if recording_buffers is not None else mapped_zeros(shape, dtype)
+
+        self.records = [[buffer(("record", i, j), (rows, w), dtype) for j, w in enumerate(widths)]
+                        for i in range(len(self.layers))] if record else []
+        self.finals = buffer("finals", (S * B, d), dtype) if record else None  # the last layer's output, before the final norm
+        self.logits = buffer("logits", (S * B, V), torch.float32) if self.keep_logits else None  # as returned, while they fit
         self.fed: list[torch.Tensor] = []  # per step: the tokens fed (B,)
         self.temperature = float(temperature or 1.0)  # greedy decoding is scored at temperature 1, as response_logprobs does
         self.logz: list[torch.Tensor] = []  # per step (B,): log Σ exp(logits / temperature)

@@ -158,24 +158,20 @@ class RecordingBuffers:
     recording on a 2-core EPYC (docs/performance.md has the measurement), a few percent of a short-completion
     step. A recording lives until the update has used it, so keeping its maps until the next call costs no peak
     memory the step did not already have; what changes is that the pages the longest call wrote stay resident
-    between steps. A request is served by the smallest map not in use (no tensor views it any more) that is
-    large enough; else a new map with ``SLACK`` room, so that the next step's slightly longer prompts fit, and
-    the largest unused map too small for it is let go (unmapped when dropped), so the pool holds about one
-    recording's maps. A buffer from here holds whatever an earlier call wrote: the decoder writes every row the
-    update reads, and ``replay.Recording`` zeroes the rows of the one product it reads past a row's end."""
+    between steps. Each buffer has a slot (``key``: the decoder asks for the same ones, in the same shapes but
+    for the rows, at every call), and a slot's map is handed out again when no tensor views it any more and it
+    is large enough; else the slot gets a new map with ``SLACK`` room (the next step's prompts may be a little
+    longer), and the old one is unmapped once nothing views it. So the pool holds one recording's maps. A buffer
+    from here holds whatever an earlier call wrote: the decoder writes every row the update reads, and
+    ``replay.Recording`` zeroes the rows of the one product it reads past a row's end."""
 
     SLACK = 1.125
 
     def __init__(self):
-        self._maps: list[mmap.mmap] = []
+        self._maps: dict = {}  # key -> [map, the reference count it has when nothing views it]
 
-    def _unused(self, i: int) -> bool:
-        # a tensor viewing a map holds a reference to it through its storage's buffer; unused: the list's and
-        # getrefcount's own
-        return sys.getrefcount(self._maps[i]) == 2
-
-    def take(self, shape: tuple[int, ...], dtype) -> "torch.Tensor":
-        """A tensor of ``shape`` in a map of the pool, its contents an earlier call's (zeros when new). Blocks
+    def take(self, key, shape: tuple[int, ...], dtype) -> "torch.Tensor":
+        """A tensor of ``shape`` in slot ``key``'s map, its contents an earlier call's (zeros when new). Blocks
         under ``MAPPED_MIN_BYTES`` come from ``torch.zeros``, as in :func:`mapped_zeros`."""
         import torch
 
@@ -183,21 +179,17 @@ class RecordingBuffers:
         nbytes = numel * dtype.itemsize
         if nbytes < MAPPED_MIN_BYTES:
             return torch.zeros(shape, dtype=dtype)
-        unused = [i for i in range(len(self._maps)) if self._unused(i)]
-        fits = [i for i in unused if len(self._maps[i]) >= nbytes]
-        if fits:
-            m = self._maps[min(fits, key=lambda i: len(self._maps[i]))]
-        else:
-            if unused:  # replaced by the new one
-                self._maps.pop(max(unused, key=lambda i: len(self._maps[i])))
+        # A tensor viewing a map holds a reference to it through its storage's buffer. Free: the count the map had
+        # before any tensor was made from it, read by the same expression (whatever the interpreter counts)
+        if key not in self._maps or len(self._maps[key][0]) < nbytes or sys.getrefcount(self._maps[key][0]) != self._maps[key][1]:
             page = mmap.PAGESIZE
-            m = mmap.mmap(-1, -(-int(nbytes * self.SLACK) // page) * page, flags=mmap.MAP_PRIVATE)
-            self._maps.append(m)
-        return torch.frombuffer(m, dtype=dtype, count=numel).view(shape)
+            self._maps[key] = [mmap.mmap(-1, -(-int(nbytes * self.SLACK) // page) * page, flags=mmap.MAP_PRIVATE), 0]
+            self._maps[key][1] = sys.getrefcount(self._maps[key][0])
+        return torch.frombuffer(self._maps[key][0], dtype=dtype, count=numel).view(shape)
 
     def held_bytes(self) -> int:
-        """The maps' sizes, in use or not (address space; resident is what calls wrote)."""
-        return sum(len(m) for m in self._maps)
+        """The maps' sizes (address space; resident is what calls wrote)."""
+        return sum(len(m) for m, _ in self._maps.values())
 
     def close(self) -> None:
         """Let every map go (each unmapped once no tensor views it)."""

@@ -42,18 +42,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cohortrl import __version__
+from cohortrl.models import FINAL_MARKER, MANIFEST
 from cohortrl.trainers import faults
 
 log = logging.getLogger("cohortrl")
 KEEP_LAST = 2  # train.keep_checkpoints' default
-MANIFEST = "cohortrl_manifest.json"
 MANIFEST_FORMAT = 1
 # Entries of the state that are a model's weights (name -> tensor): stored as safetensors, not pickled.
 WEIGHT_KEYS = ("model", "critic")
 REJECTED = "rejected"  # checkpoints/rejected/: damaged checkpoints set aside by a resume, kept for inspection
-# Written into RUN_DIR/final/ with the step it was saved at: a resume can tell a finished run from one
-# killed between its last checkpoint and its final save.
-FINAL_MARKER = "cohortrl_run.json"
+# MANIFEST: every saved directory's file hashes. FINAL_MARKER: written into RUN_DIR/final/ with the step it was
+# saved at (a resume can tell a finished run from one killed between its last checkpoint and its final save)
+# and, for an adapter, the weights it was trained on. Named in models.py, which reads both when it loads one.
 
 
 class CheckpointError(RuntimeError):
@@ -386,38 +386,51 @@ def check_saved(path: str | Path, what: str) -> None:
         raise CheckpointError(f"{what} {path} is damaged, not loaded: {problem}")
 
 
+def _manifest_sha256(directory: Path) -> str | None:
+    manifest = directory / MANIFEST
+    return hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
+
+
 def init_record(init: str | Path) -> dict:
-    """What a ``final/`` records of the weights it was trained on top of (``model.init`` of its run), for a LoRA
-    run that had one: the path as the config gave it and the SHA-256 of that directory's manifest (None when
-    it had none), so that a later run starting from this ``final/`` can put the same weights under it."""
-    manifest = Path(init) / MANIFEST
-    return {"path": str(init), "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None}
+    """What a LoRA ``final/`` records of the weights its adapter was trained on (its run's ``model.init``, taken
+    when the run loads it): the path as the config gave it, the same path made absolute, and the SHA-256 of that
+    directory's manifest (None when it has none), so that a later run starting from this ``final/`` can put
+    the same weights under it."""
+    init = Path(init)
+    return {"path": str(init), "absolute": str(init.resolve()), "manifest_sha256": _manifest_sha256(init)}
 
 
-def init_chain(path: str | Path, what: str = "model.init") -> list[str]:
+def init_chain(path: str | Path, what: str = "model.init", _seen: frozenset = frozenset()) -> list[str]:
     """The directories to merge, in order, before the adapter in ``path``: a LoRA ``final/`` of a run that
     itself started from ``model.init`` Y holds an adapter trained on Y's weights, not on the base model's
     (``init_record`` in its final marker), so loading it needs Y (and whatever Y was trained on) first.
-    Raises :class:`CheckpointError` when such a parent is not where its path says, or is not the one the
-    adapter was trained on (its manifest changed). [] for anything else."""
-    marker = Path(path) / FINAL_MARKER
+    ``path`` and each link are verified against their manifests before their markers are read
+    (:func:`check_saved`). A link is looked for at its path as recorded (relative to the working directory
+    when the config gave it so), then at its absolute path; it must be the directory the adapter was trained
+    on (the same manifest), else :class:`CheckpointError` in one line. [] for anything else."""
+    path = Path(path)
+    check_saved(path, what)
+    marker = path / FINAL_MARKER
     if not marker.is_file():
         return []
     parent = json.loads(marker.read_text()).get("init")
     if parent is None:
         return []
-    where = Path(parent["path"])
-    if not where.is_dir():
+    candidates = [Path(parent["path"]), *([Path(parent["absolute"])] if parent.get("absolute") else [])]
+    found = [c for c in candidates if c.is_dir()]
+    if not found:
         raise CheckpointError(
             f"{what} {path} is a LoRA adapter trained on top of {parent['path']} (its run's model.init), which is not "
             f"there from {Path.cwd()}: run from the directory that run ran in, or put {parent['path']} back")
-    manifest = where / MANIFEST
-    sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
-    if sha != parent["manifest_sha256"]:
+    where = next((c for c in found if _manifest_sha256(c) == parent["manifest_sha256"]), None)
+    if where is None:
         raise CheckpointError(
             f"{what} {path} is a LoRA adapter trained on top of {parent['path']}, which has changed since (its "
             f"manifest differs): the adapter no longer fits it; train again from the new {parent['path']}")
-    return [*init_chain(where, what), str(where)]
+    key = str(where.resolve())
+    if key in _seen:
+        raise CheckpointError(f"{what} {path}: its chain of model.init directories comes back to {where}")
+    return [*init_chain(where, what, _seen | {key}), str(where)]
 
 
 def find_intact(run_dir: Path, config_hash: str | tuple[str, ...] | None = None) -> Found:

@@ -36,6 +36,7 @@ RESUMABLE_CHANGES = {
     "train.trace_steps", "reward.timeout_s", "train.dist_timeout_s",
 }
 FINAL_MARKER = checkpoint.FINAL_MARKER
+UNKNOWN = object()  # Trainer.trained_on for a model passed in: what it was trained from is not known here
 
 
 class RunStateError(RuntimeError):
@@ -78,6 +79,9 @@ class Trainer:
     command = "train"  # the CLI command that continues such a run, for messages
     strict = False  # --resume --strict: refuse a damaged newest checkpoint instead of falling back
     _saved_hashes: tuple[str, ...] = ()  # resuming: the saved config's hashes (accepted_hashes)
+    # What the policy's weights were before training: checkpoint.init_record of model.init as the run loaded it,
+    # None for model.name's own, UNKNOWN for a model passed in Python (nothing is recorded then)
+    trained_on: dict | None | object = UNKNOWN
 
     @classmethod
     def resume(cls, run_dir: str | Path, config=None, **inputs) -> "Trainer":
@@ -269,12 +273,12 @@ class Trainer:
     def save(self, directory: str | Path | None = None, state_dict: dict | None = None) -> Path:
         """The trained model (or adapter) and tokenizer, loadable by ``cohortrl eval`` and as ``model.init``
         (default ``RUN_DIR/final``); written atomically, with the step it was saved at in ``FINAL_MARKER``, and,
-        for an adapter trained on top of ``model.init``, that init (``checkpoint.init_record``), without which
-        the adapter would be merged into the wrong weights."""
+        for an adapter, the weights it was trained on (:attr:`trained_on`), without which it would be merged
+        into the wrong ones."""
         directory = Path(directory) if directory is not None else self.run_dir / "final"
         marker = {"step": self.step_count}
-        if self.cfg.model.lora.enabled:  # null: trained on model.name's own weights
-            marker["init"] = checkpoint.init_record(self.cfg.model.init) if self.cfg.model.init is not None else None
+        if self.cfg.model.lora.enabled and self.trained_on is not UNKNOWN:  # None: model.name's own weights
+            marker["init"] = self.trained_on
 
         def write(tmp: Path) -> None:
             self.model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))

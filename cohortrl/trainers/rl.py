@@ -39,7 +39,7 @@ from cohortrl.trainers.run_dir import claim as claim_run_dir
 from cohortrl.trainers.sampler import Sampler, reward_pool
 from cohortrl.trainers.setup import (
     Optimised, Reference, allocate_optimizer_state, build_fast_path, build_optimizer, build_policy, build_scheduler,
-    fast_kernels, load_configured_model,
+    fast_kernels, load_configured_model, trained_on,
 )
 from cohortrl.trainers.step import rl_step
 
@@ -154,6 +154,7 @@ class RLTrainer(Trainer):
         cfg, a = self.cfg, self.cfg.algorithm
         model, tokenizer = inputs.model, inputs.tokenizer
         if model is None:
+            self.trained_on = trained_on(cfg.model)  # before the load: the weights it is about to read
             # FSDP2 over several processes: rank 0 loads, the others build on the meta device (Dist.load)
             model, tokenizer = self.dist.load(lambda: load_configured_model(cfg.model, cfg.train.seed))
         # before LoRA is attached: a critic copies the plain initial weights

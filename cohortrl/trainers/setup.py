@@ -22,11 +22,16 @@ def load_configured_model(model_cfg, seed: int):
     ``model.name`` or ``model.init``) is verified against its manifest first, so damaged weights never train or
     become a KL reference. A ``model.init`` adapter trained on top of another run's weights gets those merged
     first (``checkpoint.init_chain``), each verified the same way."""
+    checkpoint.check_saved(model_cfg.name, "model.name")
+    # init_chain verifies model.init and every link under it before reading their markers
     inits = [*checkpoint.init_chain(model_cfg.init), model_cfg.init] if model_cfg.init is not None else []
-    for key, path in (("model.name", model_cfg.name), *(("model.init", p) for p in inits)):
-        if path is not None:
-            checkpoint.check_saved(path, key)
     return load_model(model_cfg.name, dtype=model_cfg.dtype, seed=seed, init=inits or None)
+
+
+def trained_on(model_cfg) -> dict | None:
+    """What a run that loads ``model_cfg`` itself starts its policy from, for its ``final/`` marker
+    (``Trainer.trained_on``): ``checkpoint.init_record`` of ``model.init`` taken now, as it is loaded, or None."""
+    return checkpoint.init_record(model_cfg.init) if model_cfg.init is not None else None
 
 
 def build_policy(model_cfg, seed: int, model=None, tokenizer=None, *, activation_checkpointing: bool = False):

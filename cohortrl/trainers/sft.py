@@ -67,7 +67,7 @@ from cohortrl.trainers.metrics import peak_rss_mb
 from cohortrl.trainers.run_dir import claim as claim_run_dir
 from cohortrl.trainers.setup import (
     Optimised, allocate_optimizer_state, build_fast_path, build_optimizer, build_policy, build_scheduler, fast_kernels,
-    optimizer_step,
+    optimizer_step, trained_on,
 )
 
 log = logging.getLogger("cohortrl")
@@ -331,6 +331,8 @@ class SFTTrainer(Trainer):
         self.device = distributed.resolve_device(cfg.train.device, self.dist)
         self._seed_process(self._run_claim.resumes)  # False when a resume finds no checkpoint: the run starts
 
+        if inputs.model is None:
+            self.trained_on = trained_on(cfg.model)  # before the load: the weights it is about to read
         self.model, self.tokenizer = build_policy(cfg.model, cfg.train.seed, inputs.model, inputs.tokenizer,
                                                   activation_checkpointing=cfg.train.activation_checkpointing)
         self.model.to(self.device)

@@ -260,12 +260,12 @@ def test_a_recording_in_reused_maps_that_hold_nan_decodes_records_and_replays_th
     monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", 0)  # now every buffer from the pool
     pooled = FastPath("onednn", "system")
     run(pooled)
-    maps = [id(m) for m in pooled.recording_buffers._maps]  # ids: a reference here would keep a map in use
+    maps = {key: id(m) for key, (m, _) in pooled.recording_buffers._maps.items()}  # ids: a reference would keep it in use
     assert maps
-    for i in range(len(maps)):
-        torch.frombuffer(pooled.recording_buffers._maps[i], dtype=torch.float32).fill_(float("nan"))
+    for key in maps:
+        torch.frombuffer(pooled.recording_buffers._maps[key][0], dtype=torch.float32).fill_(float("nan"))
     got = run(pooled)
-    assert [id(m) for m in pooled.recording_buffers._maps] == maps  # the second call took the same maps, none new
+    assert {key: id(m) for key, (m, _) in pooled.recording_buffers._maps.items()} == maps  # the same maps, none new
     assert torch.equal(got[0], expected[0])
     for a, b in zip(got[1], expected[1]):
         assert torch.equal(a, b)

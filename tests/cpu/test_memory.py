@@ -164,34 +164,32 @@ def test_a_mapped_buffer_is_resident_only_where_written_and_returned_when_freed(
         cpu_memory.release_freed_memory()
 
 
-def test_the_recording_pool_reuses_only_maps_no_tensor_views(monkeypatch):
-    """``RecordingBuffers.take``: a map is handed out again only once every tensor viewing it is gone, the
-    smallest one that fits; a request none fits replaces the largest unused map, so the pool does not grow."""
+def test_the_recording_pool_reuses_a_slots_map_only_once_no_tensor_views_it(monkeypatch):
+    """``RecordingBuffers.take``: each slot's map is handed out again only once every tensor viewing it is gone
+    and only if it is large enough; else the slot gets a new map, and the pool holds one map per slot."""
     import torch
 
     from cohortrl.cpu.memory import RecordingBuffers
 
     monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", 0)
     pool = RecordingBuffers()
-    a = pool.take((1000,), torch.float32)
-    b = pool.take((1000,), torch.float32)  # a is in use: a map of its own
+    a = pool.take("a", (1000,), torch.float32)
+    b = pool.take("b", (1000,), torch.float32)
     assert a.data_ptr() != b.data_ptr() and len(pool._maps) == 2
     a_ptr, view = a.data_ptr(), a[10:20]
     del a
-    c = pool.take((1000,), torch.float32)  # a's map is still viewed
-    assert c.data_ptr() not in (a_ptr, b.data_ptr()) and len(pool._maps) == 3
-    del view
-    d = pool.take((900,), torch.float32)  # now free, and it fits
-    assert d.data_ptr() == a_ptr and len(pool._maps) == 3
-    big_before = pool.held_bytes()
-    del b, c
-    e = pool.take((5000,), torch.float32)  # fits no map: one unused map is let go for it
-    assert len(pool._maps) == 3 and pool.held_bytes() > big_before
-    e[:] = 7
-    del e
-    f = pool.take((4000,), torch.float32)  # the big map again, with what the last call wrote
-    assert len(pool._maps) == 3 and bool((f == 7).all())
+    c = pool.take("a", (1000,), torch.float32)  # slot a's map is still viewed: a new one
+    assert c.data_ptr() not in (a_ptr, b.data_ptr()) and len(pool._maps) == 2
+    c_ptr = c.data_ptr()
+    c[:] = 7
+    del c
+    d = pool.take("a", (900,), torch.float32)  # free now, and it fits: the same map, what the last call wrote
+    assert d.data_ptr() == c_ptr and bool((d == 7).all())
+    del d
+    e = pool.take("a", (5000,), torch.float32)  # too small for this: a new map for the slot
+    assert e.data_ptr() != c_ptr and len(pool._maps) == 2 and pool.held_bytes() >= 5000 * 4 + 1000 * 4
+    assert bool((view == 0).all())  # the first map lives on in its view
     monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", 2**20)
-    assert bool((pool.take((10,), torch.float32) == 0).all()) and len(pool._maps) == 3  # small: zeros from the heap
+    assert bool((pool.take("small", (10,), torch.float32) == 0).all()) and len(pool._maps) == 2  # from the heap
     pool.close()
-    assert pool._maps == [] and bool((f == 7).all())  # a closed pool's maps live on in their tensors
+    assert pool._maps == {} and e.numel() == 5000  # a closed pool's maps live on in their tensors

@@ -118,7 +118,7 @@ def test_an_adapter_trained_on_a_model_init_is_loaded_on_top_of_it(tmp_path, mon
     import torch
     from peft import PeftModel
 
-    from cohortrl.models import load_model
+    from cohortrl.models import ModelLoadError, load_model
     from cohortrl.trainers.setup import load_configured_model
     from cohortrl.trainers.sft import SFTTrainer
     from tests.trainers.test_sft import sft_config
@@ -139,10 +139,18 @@ def test_an_adapter_trained_on_a_model_init_is_loaded_on_top_of_it(tmp_path, mon
     by_hand, _ = load_model("tiny-llama")
     by_hand = PeftModel.from_pretrained(by_hand, "a/final").merge_and_unload()
     by_hand = PeftModel.from_pretrained(by_hand, "b/final").merge_and_unload()
-    b_alone, _ = load_model("tiny-llama", init="b/final")  # what model.init=b/final loaded before
+    b_alone, _ = load_model("tiny-llama")  # what model.init=b/final loaded before: b merged into the base
+    b_alone = PeftModel.from_pretrained(b_alone, "b/final").merge_and_unload()
     expected, wrong = by_hand.state_dict(), b_alone.state_dict()
     assert all(torch.equal(t, expected[k]) for k, t in loaded.state_dict().items())
     assert any(not torch.equal(t, wrong[k]) for k, t in loaded.state_dict().items())
+    with pytest.raises(ModelLoadError, match="trained on top of a/final, which must be merged first"):
+        load_model("tiny-llama", init="b/final")  # the library's loader refuses the adapter alone
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.chdir(other)  # a/final is not there relative to here: found at the absolute path recorded
+    assert checkpoint.init_chain(tmp_path / "b" / "final") == [str(tmp_path / "a" / "final")]
+    monkeypatch.chdir(tmp_path)
 
     config = tmp_path / "c.yaml"
     config.write_text((Path("b") / "config.yaml").read_text())
@@ -150,11 +158,12 @@ def test_an_adapter_trained_on_a_model_init_is_loaded_on_top_of_it(tmp_path, mon
     error = last_error(capsys)
     assert rc != 0 and "trained on top of a/final" in error and "set model.init=a/final" in error
 
+    assert record["absolute"] == str(tmp_path / "a" / "final")
     shutil.move("a", "a_moved")
     with pytest.raises(checkpoint.CheckpointError, match="trained on top of a/final .* which is not there"):
         checkpoint.init_chain(b)
     shutil.move("a_moved", "a")
-    manifest = a / checkpoint.MANIFEST
-    manifest.write_text(manifest.read_text().replace('"step": 2', '"step": 3'))  # as if A were saved again
+    with closing(SFTTrainer(sft_config(model=lora, train={"steps": 3}), "a", overwrite=True)) as trainer:
+        trainer.train()  # A trained again in place
     with pytest.raises(checkpoint.CheckpointError, match="has changed since"):
         checkpoint.init_chain(b)
