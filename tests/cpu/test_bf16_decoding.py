@@ -158,7 +158,7 @@ def test_a_grpo_step_samples_with_bf16_products_and_trains(tmp_path, addition_js
     assert torch.isfinite(torch.tensor([row["loss"], row["grad_norm"]])).all() and row["grad_norm"] > 0
     dtypes.clear()
     trainer.evaluate()
-    assert dtypes and set(dtypes) == {None}  # evaluation: the decoder's default, fp32
+    assert dtypes and set(dtypes) == {torch.float32}  # evaluation: fp32 whatever the training rollouts' setting
     trainer.close()
 
 

@@ -33,7 +33,7 @@ def test_the_model_section_reaches_load_model(tmp_path, addition_jsonl, monkeypa
     calls, init = spy_on_load_model(setup, monkeypatch, tmp_path)
     cfg = tiny_config(addition_jsonl, model={"dtype": "bfloat16", "init": str(init)}, train={"seed": 3, "steps": 1})
     trainer = GRPOTrainer(cfg, tmp_path / "run")
-    assert calls == [("tiny-llama", {"dtype": "bfloat16", "seed": 3, "init": str(init)})]
+    assert calls == [("tiny-llama", {"dtype": "bfloat16", "seed": 3, "init": [str(init)]})]  # no chain under it
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
 
 
@@ -117,7 +117,7 @@ def test_build_policy_loads_what_the_model_section_names(tmp_path, addition_json
     calls, init = spy_on_load_model(setup, monkeypatch, tmp_path)
     cfg = tiny_config(addition_jsonl, model={"dtype": "bfloat16", "init": str(init)})
     model, _ = setup.build_policy(cfg.model, seed=3)
-    assert calls == [("tiny-llama", {"dtype": "bfloat16", "seed": 3, "init": str(init)})]
+    assert calls == [("tiny-llama", {"dtype": "bfloat16", "seed": 3, "init": [str(init)]})]  # no chain under it
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.training
 
 
