@@ -243,20 +243,20 @@ def _check_adapter_base(path: Path, cfg) -> None:
     """An adapter trained on top of a ``model.init`` fits only those weights: the config's ``model.init`` must be
     that one, as the adapter's final marker records it (``checkpoint.init_record``; adapters saved before it was
     recorded are not checked)."""
+    from cohortrl.models import final_marker, manifest_sha256
     from cohortrl.trainers import checkpoint
 
-    marker = path / checkpoint.FINAL_MARKER
-    if not marker.is_file() or "init" not in json.loads(marker.read_text()):
+    marker = final_marker(path)
+    if "init" not in marker:
         return
-    chain = checkpoint.init_chain(path, "--adapter")
+    chain = checkpoint.init_chain(path, "--adapter")  # the recorded init is there and unchanged
     trained_on = chain[-1] if chain else None
     given = cfg.model.init
     if trained_on is None or given is None:
         same = trained_on is None and given is None
     else:  # the same directory, or a copy of it (the same manifest)
-        sha = checkpoint.init_record(trained_on)["manifest_sha256"]
-        same = Path(trained_on).resolve() == Path(given).resolve() or (
-            sha is not None and checkpoint.init_record(given)["manifest_sha256"] == sha)
+        sha = marker["init"]["manifest_sha256"]
+        same = Path(trained_on).resolve() == Path(given).resolve() or (sha is not None and manifest_sha256(given) == sha)
     if not same:
         raise ConfigError(f"--adapter {path} was trained on top of {trained_on or 'the base model (no model.init)'}, "
                           f"but the config's model.init is {given}; set model.init={trained_on or 'null'}")

@@ -107,6 +107,19 @@ MANIFEST = "cohortrl_manifest.json"
 FINAL_MARKER = "cohortrl_run.json"
 
 
+def manifest_sha256(directory: str | Path) -> str | None:
+    """SHA-256 of a saved directory's manifest (which hashes every file in it), None when it has none."""
+    manifest = Path(directory) / MANIFEST
+    return hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
+
+
+def final_marker(directory: str | Path) -> dict:
+    """A saved ``final/``'s marker ({} where there is none): the step it was saved at and, for an adapter,
+    ``init``, the weights it was trained on (None: ``model.name``'s own)."""
+    marker = Path(directory) / FINAL_MARKER
+    return json.loads(marker.read_text()) if marker.is_file() else {}
+
+
 class ModelLoadError(RuntimeError):
     """A model spec that cannot be loaded, with the reason and the fix."""
 
@@ -150,15 +163,10 @@ def _check_trained_on(init: str | Path, before: str | Path | None) -> None:
     """An adapter whose final marker records the weights it was trained on (another run's ``final/``) goes onto
     those weights only: ``before``, the directory merged just before it, must be that one (the same manifest).
     ``trainers.setup.load_configured_model`` finds the chain for a config's ``model.init``."""
-    marker = Path(init) / FINAL_MARKER
-    if not marker.is_file():
-        return
-    record = json.loads(marker.read_text()).get("init")
+    record = final_marker(init).get("init")
     if record is None:
         return
-    manifest = Path(before) / MANIFEST if before is not None else None
-    sha = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest is not None and manifest.is_file() else None
-    if before is None or sha != record["manifest_sha256"]:
+    if before is None or manifest_sha256(before) != record["manifest_sha256"]:
         raise ModelLoadError(
             f"{init} is a LoRA adapter trained on top of {record['path']}, which must be merged first: give it as "
             f"model.init in a config (the chain is merged in order), or init=[{record['path']!r}, {str(init)!r}]")

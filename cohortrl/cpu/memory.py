@@ -187,10 +187,6 @@ class RecordingBuffers:
             self._maps[key][1] = sys.getrefcount(self._maps[key][0])
         return torch.frombuffer(self._maps[key][0], dtype=dtype, count=numel).view(shape)
 
-    def held_bytes(self) -> int:
-        """The maps' sizes (address space; resident is what calls wrote)."""
-        return sum(len(m) for m, _ in self._maps.values())
-
     def close(self) -> None:
         """Let every map go (each unmapped once no tensor views it)."""
         self._maps.clear()

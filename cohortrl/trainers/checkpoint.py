@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cohortrl import __version__
-from cohortrl.models import FINAL_MARKER, MANIFEST
+from cohortrl.models import FINAL_MARKER, MANIFEST, final_marker, manifest_sha256
 from cohortrl.trainers import faults
 
 log = logging.getLogger("cohortrl")
@@ -386,18 +386,13 @@ def check_saved(path: str | Path, what: str) -> None:
         raise CheckpointError(f"{what} {path} is damaged, not loaded: {problem}")
 
 
-def _manifest_sha256(directory: Path) -> str | None:
-    manifest = directory / MANIFEST
-    return hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
-
-
 def init_record(init: str | Path) -> dict:
     """What a LoRA ``final/`` records of the weights its adapter was trained on (its run's ``model.init``, taken
     when the run loads it): the path as the config gave it, the same path made absolute, and the SHA-256 of that
     directory's manifest (None when it has none), so that a later run starting from this ``final/`` can put
     the same weights under it."""
     init = Path(init)
-    return {"path": str(init), "absolute": str(init.resolve()), "manifest_sha256": _manifest_sha256(init)}
+    return {"path": str(init), "absolute": str(init.resolve()), "manifest_sha256": manifest_sha256(init)}
 
 
 def init_chain(path: str | Path, what: str = "model.init", _seen: frozenset = frozenset()) -> list[str]:
@@ -410,10 +405,7 @@ def init_chain(path: str | Path, what: str = "model.init", _seen: frozenset = fr
     on (the same manifest), else :class:`CheckpointError` in one line. [] for anything else."""
     path = Path(path)
     check_saved(path, what)
-    marker = path / FINAL_MARKER
-    if not marker.is_file():
-        return []
-    parent = json.loads(marker.read_text()).get("init")
+    parent = final_marker(path).get("init")
     if parent is None:
         return []
     candidates = [Path(parent["path"]), *([Path(parent["absolute"])] if parent.get("absolute") else [])]
@@ -422,7 +414,7 @@ def init_chain(path: str | Path, what: str = "model.init", _seen: frozenset = fr
         raise CheckpointError(
             f"{what} {path} is a LoRA adapter trained on top of {parent['path']} (its run's model.init), which is not "
             f"there from {Path.cwd()}: run from the directory that run ran in, or put {parent['path']} back")
-    where = next((c for c in found if _manifest_sha256(c) == parent["manifest_sha256"]), None)
+    where = next((c for c in found if manifest_sha256(c) == parent["manifest_sha256"]), None)
     if where is None:
         raise CheckpointError(
             f"{what} {path} is a LoRA adapter trained on top of {parent['path']}, which has changed since (its "
