@@ -21,6 +21,7 @@ import yaml
 
 from cohortrl import distributed
 from cohortrl.config import Config, ConfigError
+from cohortrl.models import final_marker
 from cohortrl.trainers import checkpoint, faults
 from cohortrl.trainers.callbacks import TensorBoardCallback, WandbCallback
 from cohortrl.trainers.evaluate import EVAL_RESPONSES, EVAL_ROWS, export_answers
@@ -237,7 +238,7 @@ class Trainer:
         curves), or say that there is nothing to do (:class:`RunCompleteError`); never a silent run of zero steps."""
         final = self.run_dir / "final"
         problem = checkpoint.verify(final, self.accepted_hashes) if final.is_dir() else "not written"
-        if problem is None and json.loads((final / FINAL_MARKER).read_text())["step"] != self.step_count:
+        if problem is None and final_marker(final)["step"] != self.step_count:
             problem = "saved at another step"
         if problem is not None:
             log.warning("run in %s has done all %d steps but final/ is not complete (%s); writing final/", self.run_dir, total, problem)
@@ -304,6 +305,8 @@ class Trainer:
             **{f"{name}_scheduler": o.scheduler.state_dict() for name, o in self.optimised.items()},
             "rng": checkpoint.rng_state(),
             "data": self.stream.state_dict(),
+            # the weights the run started from, as loaded: a resume checks that model.init still holds them
+            **({"trained_on": self.trained_on} if self.trained_on is not UNKNOWN else {}),
             **self._extra_state(),
         }
         path = checkpoint.checkpoint_dir(self.run_dir) / f"step_{self.step_count:06d}"
@@ -381,6 +384,7 @@ class Trainer:
         path = choice
         # FSDP2: rank 0 alone reads the weights and the policy's optimiser state and sends them into the shards
         state = self.dist.read_state(lambda: checkpoint.load(path), tensors=("model", "policy_optimizer"))
+        self._check_same_start(state, path)
         load_trainable_state(self.model, state["model"], f"checkpoint {path}", self.dist)
         for name, o in self.optimised.items():
             if name == "policy":
@@ -403,6 +407,21 @@ class Trainer:
             for run_log in self._logs:
                 run_log.truncate_after(self.step_count)
             progress.info("resuming the run in %s from step %d (%s)", self.run_dir, self.step_count, path)
+
+    def _check_same_start(self, state: dict, path: Path) -> None:
+        """Refuse a resume whose ``model.init`` no longer holds the weights the checkpoint's run started from (the
+        same path in the config, other contents: a warm start trained again into the same directory): the saved
+        adapter or weights were trained on the earlier ones, and the run would go on from a mix. Checkpoints
+        written before the record existed, a model passed in, and an init without a manifest are not checked."""
+        if "trained_on" not in state or self.trained_on is UNKNOWN:
+            return
+        before, now = state["trained_on"] or {}, self.trained_on or {}
+        if before.get("manifest_sha256") is None or before.get("manifest_sha256") == now.get("manifest_sha256"):
+            return
+        raise ConfigError(
+            f"--resume: model.init {now.get('path')} has changed since the run started (its manifest differs from the "
+            f"one recorded in {path}): the checkpoint was trained on the earlier weights; put them back, or start "
+            f"the run again with --overwrite")
 
     def _seed_process(self, resume: bool) -> None:
         """Before any model is built: a resumed run's config checked against its own, the thread count and (on a

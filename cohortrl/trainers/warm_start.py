@@ -28,9 +28,10 @@ import yaml
 
 from cohortrl import __version__
 from cohortrl.config import Config
+from cohortrl.models import final_marker, manifest_sha256
 from cohortrl.trainers import checkpoint
 from cohortrl.trainers.inputs import as_config
-from cohortrl.trainers.loop import FINAL_MARKER, config_hashes
+from cohortrl.trainers.loop import config_hashes
 from cohortrl.trainers.metrics import read_metrics
 
 COSMETIC = ("progress",)  # train.* fields left out of the key: they change what is shown, not what is computed
@@ -78,8 +79,12 @@ def problem(path: Path, cfg: Config) -> str | None:
     if damage is not None:
         return damage
     steps = cfg.train.steps
-    if json.loads((final / FINAL_MARKER).read_text())["step"] != steps:
+    marker = final_marker(final)
+    if marker["step"] != steps:
         return f"{final}: saved before the last step ({steps})"
+    started = (marker.get("init") or {}).get("manifest_sha256")  # an adapter records the weights it was trained on
+    if started is not None and started != manifest_sha256(cfg.model.init):
+        return f"{final}: trained on {cfg.model.init} as it was before (its manifest has changed since)"
     try:
         evaluated = {r["step"] for r in read_metrics(path) if "eval/accuracy" in r}
     except (OSError, ValueError, KeyError) as e:

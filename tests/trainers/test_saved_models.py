@@ -167,3 +167,30 @@ def test_an_adapter_trained_on_a_model_init_is_loaded_on_top_of_it(tmp_path, mon
         trainer.train()  # A trained again in place
     with pytest.raises(checkpoint.CheckpointError, match="has changed since"):
         checkpoint.init_chain(b)
+
+
+def test_a_resume_refuses_a_model_init_trained_again_since_the_run_started(tmp_path, monkeypatch):
+    """A checkpoint records the weights its run started from (the init's manifest hash, as loaded): a resume
+    whose model.init holds other weights under the same path (a warm start trained again in place) stops with
+    one line instead of going on from an adapter trained on the earlier ones. The same weights resume."""
+    from cohortrl.config import ConfigError
+    from cohortrl.trainers.sft import SFTTrainer
+    from tests.trainers.test_sft import sft_config
+
+    monkeypatch.chdir(tmp_path)
+    lora = {"name": "tiny-llama", "system_prompt": None, "lora": {"enabled": True, "r": 4}}
+    with closing(SFTTrainer(sft_config(model=lora), "a")) as trainer:
+        trainer.train()
+    on_a = sft_config(model={**lora, "init": "a/final"}, train={"steps": 3, "checkpoint_every": 1})
+    with closing(SFTTrainer(on_a, "b")) as trainer:
+        trainer.train(steps=1)
+    with closing(SFTTrainer.resume("b")) as trainer:  # model.init unchanged: the resume goes on
+        assert trainer.step_count == 1
+        trainer.train(steps=2)
+    saved = checkpoint.load(Path("b/checkpoints/step_000002"))["trained_on"]
+    assert saved["path"] == "a/final" and saved["manifest_sha256"] == checkpoint.manifest_sha256("a/final")
+
+    with closing(SFTTrainer(sft_config(model=lora, train={"steps": 3}), "a", overwrite=True)) as trainer:
+        trainer.train()  # A trained again in place: same path, other weights
+    with pytest.raises(ConfigError, match="model.init a/final has changed since the run started"):
+        SFTTrainer.resume("b")

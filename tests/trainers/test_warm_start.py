@@ -115,3 +115,18 @@ def test_a_build_killed_half_way_is_started_over_and_fresh_trains_again(tmp_path
     fresh = cached_sft(cfg, tmp_path, fresh=True)
     assert not fresh.reused and fresh.rejected == "a new one was asked for (fresh)"
     assert os.stat(fresh.final / "cohortrl_manifest.json").st_mtime_ns != before
+
+
+def test_an_entry_trained_on_a_model_init_that_changed_since_is_trained_again(tmp_path):
+    """An adapter's final/ records the manifest of the model.init it was trained on; the cache does not hand it
+    out once that directory holds other weights (the config, and so the key, name only its path)."""
+    first = cached_sft(sft_config(), tmp_path / "inits")
+    init = tmp_path / "init"
+    shutil.copytree(first.final, init)
+    on_init = Config.from_dict({**sft_config().to_dict(), "model": {**sft_config().to_dict()["model"], "init": str(init)}})
+    warm = cached_sft(on_init, tmp_path / "cache")
+    assert problem(warm.path, on_init) is None
+    other = cached_sft(sft_config(steps=3), tmp_path / "inits")
+    shutil.rmtree(init)
+    shutil.copytree(other.final, init)  # other weights under the same path
+    assert "as it was before (its manifest has changed since)" in lookup(on_init, tmp_path / "cache")[1]
