@@ -43,7 +43,7 @@ import torch
 from cohortrl.cpu import decoder, kernels
 from cohortrl.cpu.decoder import check_architecture, computes
 from cohortrl.cpu.kernels import resolve_cpu_linear, resolve_decode_dtype
-from cohortrl.cpu.memory import RecordingBuffers, apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator
+from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator
 from cohortrl.cpu.replay import Recording
 
 
@@ -57,7 +57,6 @@ class FastPath:
         self.linear = linear
         self.decode_dtype = decode_dtype
         self.holds_allocator = apply_cpu_allocator(allocator)  # process-wide while held: glibc's mallopt
-        self.recording_buffers = RecordingBuffers()  # the recording decoders' maps, kept across generate calls
 
     def kernels(self, *models):
         """A context for one phase of work (a step, an evaluation): the linear layers of ``models`` on this
@@ -71,7 +70,7 @@ class FastPath:
         factory = decoder.decoder_for(model) if self.linear == "onednn" else None
         if factory is None:
             return None
-        return functools.partial(factory, dtype=dtype, recording_buffers=self.recording_buffers)
+        return functools.partial(factory, dtype=dtype)
 
     def decoding_weights(self, model, rows: int):
         """While transformers' forward decodes ``rows`` rows: the weights in oneDNN's layout for them
@@ -84,9 +83,7 @@ class FastPath:
         return Recording(lean_decoder, prefix, mask)
 
     def close(self) -> None:
-        """The run is over: the recording's maps and the allocator hold go back (glibc's defaults after the
-        last holder)."""
-        self.recording_buffers.close()
+        """The run is over: the allocator hold goes back (glibc's defaults after the last holder)."""
         if self.holds_allocator:
             release_freed_memory()
             self.holds_allocator = False

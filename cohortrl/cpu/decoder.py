@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cohortrl.cpu import kernels
-from cohortrl.cpu.memory import RecordingBuffers, mapped_zeros
+from cohortrl.cpu.memory import mapped_zeros
 
 log = logging.getLogger("cohortrl")
 
@@ -288,12 +288,11 @@ class LlamaDecoder:
     step, the final hidden state, the tokens fed, log Z and the entropy of the logits at ``temperature`` and (told
     by :meth:`sampled`) the sampled token's logit, and the logits themselves while they fit. It takes ``prefix``,
     not a transformers cache (every position must be recorded). ``dtype``: the products' (see the module
-    docstring); a recording keeps what they computed, in fp32. ``recording_buffers``: the run's pool of maps
-    for the recording (``memory.RecordingBuffers``), else each buffer in a fresh map of its own."""
+    docstring); a recording keeps what they computed, in fp32."""
 
     def __init__(self, model, hf_cache, prompt_mask_BT: torch.Tensor, positions_BS: torch.Tensor, *,
                  prefix: tuple | None = None, record: bool = False, temperature: float = 1.0,
-                 dtype: torch.dtype = torch.float32, recording_buffers: RecordingBuffers | None = None):
+                 dtype: torch.dtype = torch.float32):
         if record and hf_cache is not None:
             raise ValueError("a recording decoder runs the prompt itself: pass prefix=, not a transformers cache")
         base = self.base = _base_model(model)
@@ -354,14 +353,9 @@ class LlamaDecoder:
         self.n_prefix = prefix[0].numel() if record and prefix is not None else 0
         rows, d = self.n_prefix + S * B, cfg.hidden_size
         widths = (d, (self.H + 2 * self.Hkv) * D, d, 2 * cfg.intermediate_size)  # x_in, qkv, x_mid, gate_up
-        # from the run's pool of maps when it has one (kept across calls: no page faults once warm), else fresh
-        def buffer(key, shape, dtype):
-            return recording_buffers.take(key, shape, dtype) if recording_buffers is not None else mapped_zeros(shape, dtype)
-
-        self.records = [[buffer(("record", i, j), (rows, w), dtype) for j, w in enumerate(widths)]
-                        for i in range(len(self.layers))] if record else []
-        self.finals = buffer("finals", (S * B, d), dtype) if record else None  # the last layer's output, before the final norm
-        self.logits = buffer("logits", (S * B, V), torch.float32) if self.keep_logits else None  # as returned, while they fit
+        self.records = [[mapped_zeros((rows, w), dtype) for w in widths] for _ in self.layers] if record else []
+        self.finals = mapped_zeros((S * B, d), dtype) if record else None  # the last layer's output, before the final norm
+        self.logits = mapped_zeros((S * B, V), torch.float32) if self.keep_logits else None  # as returned, while they fit
         self.fed: list[torch.Tensor] = []  # per step: the tokens fed (B,)
         self.temperature = float(temperature or 1.0)  # greedy decoding is scored at temperature 1, as response_logprobs does
         self.logz: list[torch.Tensor] = []  # per step (B,): log Σ exp(logits / temperature)

@@ -37,7 +37,6 @@ import logging
 import math
 import mmap
 import platform
-import sys
 
 log = logging.getLogger("cohortrl")
 
@@ -148,45 +147,3 @@ def mapped_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
     # MAP_PRIVATE: a page never written is read as the kernel's shared zero page, not allocated (mmap's default,
     # MAP_SHARED, allocates a page at its first read), and a forked child copies rather than shares
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel).view(shape)
-
-
-class RecordingBuffers:
-    """Memory maps that one run's recording decoders take their buffers from, kept from one generate call to
-    the next instead of mapped afresh at each (:func:`mapped_zeros`).
-
-    A fresh map's pages are faulted in as decoding writes them, at every call: about 0.1 s for a 240 MB
-    recording on a 2-core EPYC (docs/performance.md has the measurement), a few percent of a short-completion
-    step. A recording lives until the update has used it, so keeping its maps until the next call costs no peak
-    memory the step did not already have; what changes is that the pages the longest call wrote stay resident
-    between steps. Each buffer has a slot (``key``: the decoder asks for the same ones, in the same shapes but
-    for the rows, at every call), and a slot's map is handed out again when no tensor views it any more and it
-    is large enough; else the slot gets a new map with ``SLACK`` room (the next step's prompts may be a little
-    longer), and the old one is unmapped once nothing views it. So the pool holds one recording's maps. A buffer
-    from here holds whatever an earlier call wrote: the decoder writes every row the update reads, and
-    ``replay.Recording`` zeroes the rows of the one product it reads past a row's end."""
-
-    SLACK = 1.125
-
-    def __init__(self):
-        self._maps: dict = {}  # key -> [map, the reference count it has when nothing views it]
-
-    def take(self, key, shape: tuple[int, ...], dtype) -> "torch.Tensor":
-        """A tensor of ``shape`` in slot ``key``'s map, its contents an earlier call's (zeros when new). Blocks
-        under ``MAPPED_MIN_BYTES`` come from ``torch.zeros``, as in :func:`mapped_zeros`."""
-        import torch
-
-        numel = math.prod(shape)
-        nbytes = numel * dtype.itemsize
-        if nbytes < MAPPED_MIN_BYTES:
-            return torch.zeros(shape, dtype=dtype)
-        # A tensor viewing a map holds a reference to it through its storage's buffer. Free: the count the map had
-        # before any tensor was made from it, read by the same expression (whatever the interpreter counts)
-        if key not in self._maps or len(self._maps[key][0]) < nbytes or sys.getrefcount(self._maps[key][0]) != self._maps[key][1]:
-            page = mmap.PAGESIZE
-            self._maps[key] = [mmap.mmap(-1, -(-int(nbytes * self.SLACK) // page) * page, flags=mmap.MAP_PRIVATE), 0]
-            self._maps[key][1] = sys.getrefcount(self._maps[key][0])
-        return torch.frombuffer(self._maps[key][0], dtype=dtype, count=numel).view(shape)
-
-    def close(self) -> None:
-        """Let every map go (each unmapped once no tensor views it)."""
-        self._maps.clear()

@@ -172,16 +172,10 @@ class Recording:
         self.blocks = self._blocks()
         # Rows decoding stopped computing after their end (``LlamaDecoder.end_rows``) were never written. Their
         # q/k/v still enter the attention's batched products, as keys no query reads and queries whose gradient
-        # is 0; they must be finite there (0 · NaN is NaN), and a buffer from the run's pool holds an earlier
-        # call's values (``memory.RecordingBuffers``): they are zeroed here. Nothing else of theirs is read
-        # (``backward`` computes only the rows the gradient reaches).
+        # is 0; they must be finite there (0 · NaN is NaN): they are, the decoder's buffers start at zero
+        # (``memory.mapped_zeros``). Nothing else of theirs is read (``backward`` computes only the rows the
+        # gradient reaches).
         self.dropped = dict(decoder.dropped)  # row -> the first step not computed
-        unwritten = [decoder.n_prefix + torch.arange(first, self.S) * self.B + row
-                     for row, first in self.dropped.items() if first < self.S]
-        if unwritten:
-            unwritten = torch.cat(unwritten)
-            for layer in self.records:
-                layer[1][unwritten] = 0
 
     def _multiplied(self, x_N: torch.Tensor) -> torch.Tensor:
         """A product's input as decoding multiplied it: rounded to bf16 in a recording of bf16 products, else x."""

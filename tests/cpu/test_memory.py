@@ -162,34 +162,3 @@ def test_a_mapped_buffer_is_resident_only_where_written_and_returned_when_freed(
         assert small.shape == (4, 4) and not small.any()
     finally:
         cpu_memory.release_freed_memory()
-
-
-def test_the_recording_pool_reuses_a_slots_map_only_once_no_tensor_views_it(monkeypatch):
-    """``RecordingBuffers.take``: each slot's map is handed out again only once every tensor viewing it is gone
-    and only if it is large enough; else the slot gets a new map, and the pool holds one map per slot."""
-    import torch
-
-    from cohortrl.cpu.memory import RecordingBuffers
-
-    monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", 0)
-    pool = RecordingBuffers()
-    a = pool.take("a", (1000,), torch.float32)
-    b = pool.take("b", (1000,), torch.float32)
-    assert a.data_ptr() != b.data_ptr() and len(pool._maps) == 2
-    a_ptr, view = a.data_ptr(), a[10:20]
-    del a
-    c = pool.take("a", (1000,), torch.float32)  # slot a's map is still viewed: a new one
-    assert c.data_ptr() not in (a_ptr, b.data_ptr()) and len(pool._maps) == 2
-    c_ptr = c.data_ptr()
-    c[:] = 7
-    del c
-    d = pool.take("a", (900,), torch.float32)  # free now, and it fits: the same map, what the last call wrote
-    assert d.data_ptr() == c_ptr and bool((d == 7).all())
-    del d
-    e = pool.take("a", (5000,), torch.float32)  # too small for this: a new map for the slot
-    assert e.data_ptr() != c_ptr and len(pool._maps) == 2 and sum(len(m) for m, _ in pool._maps.values()) >= 5000 * 4 + 1000 * 4
-    assert bool((view == 0).all())  # the first map lives on in its view
-    monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", 2**20)
-    assert bool((pool.take("small", (10,), torch.float32) == 0).all()) and len(pool._maps) == 2  # from the heap
-    pool.close()
-    assert pool._maps == {} and e.numel() == 5000  # a closed pool's maps live on in their tensors
