@@ -507,6 +507,29 @@ def test_the_update_on_decodings_recording_replaces_activations_and_holds_throug
         assert not plan(SMOL, run).run.reuse_rollout_forward
 
 
+def test_the_replayed_update_multiplies_only_the_rows_the_gradient_reaches():
+    """cpu/replay.py runs the layers' products of its backward on each distinct prompt once and each row's steps
+    up to its last real token (Recording._reached_rows), not on the steps after a row's end: with half the B·T
+    rows real, the products' backward FLOPs (and LoRA's update) count U·s_p + B·T/2 rows; the attention,
+    recomputed over the whole step-major layout, does not change. The update's own forward counts them all."""
+    from cohortrl.planner import Pass, backward_flops, batch_pass
+
+    B, T, U, sp = 8, 50, 2, 101
+    full, half = replace(CPU_GRPO, response_tokens=B * T), replace(CPU_GRPO, response_tokens=B * T // 2)
+    p_full, p_half = plan(SMOL, full), plan(SMOL, half)
+    layers_full = batch_pass(SMOL, p_full.run, True, B * T).layers
+    layers_half = layers_full * (U * sp + B * T // 2) / (U * sp + B * T)
+    # the head's share scales with the scored tokens in both; what is left is the products' backward
+    head_full, head_half = (backward_flops(Pass(0.0, 0.0, 2 * 576 * 49152 * n), True, False) for n in (B * T, B * T // 2))
+    products = lambda layers: backward_flops(Pass(layers, 0.0, 0.0), True, False)  # noqa: E731
+    assert p_full.flops.policy - p_half.flops.policy == pytest.approx(
+        products(layers_full) - products(layers_half) + head_full - head_half, rel=1e-9)
+    lora_rows = 3 * 2 * SMOL.lora_params(16)  # LoRA's update per row: forward and backward, 3 x 2 FLOPs a parameter
+    assert p_full.flops.adapters - p_half.flops.adapters == pytest.approx(lora_rows * B * T // 2, rel=1e-9)
+    plain_full, plain_half = (plan(SMOL, replace(r, reuse_rollout_forward=False)) for r in (full, half))
+    assert plain_full.flops.policy - plain_half.flops.policy == pytest.approx(head_full - head_half + 2 * 576 * 49152 * B * T // 2, rel=1e-9)
+
+
 def test_asking_for_the_recording_where_the_trainer_cannot_use_it_is_refused():
     with pytest.raises(PlanError, match="reuses decoding's forward only on a CPU in fp32"):
         plan(SMOL, replace(CPU_GRPO, algorithm="ppo", reuse_rollout_forward=True))

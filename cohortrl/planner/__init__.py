@@ -616,19 +616,21 @@ def backward_flops(p: Pass, lora: bool, head_trained: bool) -> float:
     return p.layers * (1 if lora else 2) + 2 * p.attention + p.head * (2 if head_trained else 1)
 
 
-def adapter_flops(m: ModelShape, run: RunSpec, tokens: int) -> float:
+def adapter_flops(m: ModelShape, run: RunSpec, tokens: int, update_tokens: float | None = None) -> float:
     """LoRA's own products, 2·r·(in + out) per adapted matrix and token forward (``m.lora_params`` per token),
     counted apart from the frozen weights' because they run at another rate: rank-r products are thin.
     The update (its own forward and backward, or the replayed backward, which runs each adapter forward again
-    under autograd: ``cpu/replay.linear_backward``) costs 3 × that on its ``tokens``; an old-log-prob pass 1 ×;
+    under autograd: ``cpu/replay.linear_backward``) costs 3 × that on its tokens (``update_tokens`` where they
+    differ from ``tokens``: the replay's reached rows); an old-log-prob pass 1 ×;
     generation 1 × unless the CPU decoder folds the adapter into its weight copy (an fp32 model,
     ``cpu/decoder.py``: folded in fp32 whatever its products' dtype). The reference is the base with the
     adapter off: none."""
     if not run.lora_rank:
         return 0.0
-    forward = 2 * m.lora_params(run.lora_rank) * tokens
+    per_token = 2 * m.lora_params(run.lora_rank)
     folded = run.device == "cpu" and run.dtype == "fp32"
-    return forward * (3 * run.epochs + (1 if computes_old_logprobs(run) else 0) + (0 if folded else 1))
+    update = tokens if update_tokens is None else update_tokens  # the replayed backward: the rows it reaches
+    return per_token * (3 * run.epochs * update + ((1 if computes_old_logprobs(run) else 0) + (0 if folded else 1)) * tokens)
 
 
 def decoding_product_flops(m: ModelShape, run: RunSpec) -> float:
@@ -680,11 +682,16 @@ def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
     shared = shares_prompts(run)  # a group's prompt runs once in the log-prob passes
     score = batch_pass(m, run, shared, run.scored_tokens)
     recompute = score.layers + score.attention if run.checkpointing else 0.0  # Korthikanti §5: one more forward
+    update_rows = None
     if run.reuse_rollout_forward:
         # cpu/replay.py: the update's backward on decoding's recording, no forward of its own; it recomputes the
-        # attention's forward per layer and the head's logits when they were not kept.
+        # attention's forward per layer and the head's logits when they were not kept. Its layers' products run
+        # on the rows the loss's gradient reaches only (Recording._reached_rows: each distinct prompt once, each
+        # row's steps up to its last response token), its attention over the whole step-major layout.
         kept = B * run.budget * m.vocab_size * 4 <= RECORD_LOGITS_BYTES  # the decoder decides on its budget
-        policy = backward_flops(score, lora, not lora) + score.attention + (0 if kept else score.head)
+        update_rows = U * sp + decoded_rows(run)  # a row's last token is a response token: its tool results lie before it
+        reached = Pass(score.layers * update_rows / (U * sp + B * T), score.attention, score.head)
+        policy = backward_flops(reached, lora, not lora) + score.attention + (0 if kept else score.head)
     else:
         policy = run.epochs * (score.total + backward_flops(score, lora, not lora) + recompute)
     critic = 0.0
@@ -695,7 +702,7 @@ def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
     return Flops(
         prefill=prefill,
         decoding=decoding,
-        adapters=adapter_flops(m, run, U * sp + B * T),
+        adapters=adapter_flops(m, run, U * sp + B * T, update_rows),
         reference=score.total if run.reference else 0.0,
         reward_model=batch_pass(m, run, False, B, vocab_head=False).total if run.reward_model else 0.0,
         old_logprobs=score.total if computes_old_logprobs(run) else 0.0,
