@@ -583,6 +583,13 @@ class TrainConfig:
     ``system`` leaves glibc's defaults; ``auto`` retains on a CPU under glibc. Process-wide while a run holds it:
     peak memory stays about where it was, but it is not returned to the OS until the run closes, which puts
     glibc's defaults back (``cohortrl/cpu/memory.py``)."""
+    cpu_heap_trim_every: int = 0
+    """Every N steps (0, the default: never), hand the C heap's free pages back to the OS (glibc's ``malloc_trim``).
+    Batches of different lengths leave freed blocks the next step's tensors do not fit, so a long run's resident
+    memory climbs (an SFT warm start from 4.7-6.3 to 10 GiB over 250 steps, ``docs/performance.md``) whichever
+    ``cpu_allocator``; a trim returns them and the climb starts again from the first step's level, at the cost of
+    faulting in again what the next step touches. For a long run that would otherwise run out of memory. Part of
+    the CPU fast path; nothing on other C libraries or a GPU."""
     cpu_decode_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """The lean decoder's products (``cpu/decoder.py``) in training rollouts: ``bfloat16`` casts each product's
     input and the laid-out weights (LoRA adapters folded in first, in fp32) to bf16, its output back to fp32,
@@ -650,6 +657,7 @@ class TrainConfig:
         require(t.dist_timeout_s > 0, "train.dist_timeout_s", t.dist_timeout_s, "must be > 0 (seconds)")
         require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps,
                 "must be >= 0 (0: never stop)")
+        require(t.cpu_heap_trim_every >= 0, "train.cpu_heap_trim_every", t.cpu_heap_trim_every, "must be >= 0 (0: never)")
         for key in ("cpu_linear", "cpu_allocator", "cpu_decode_dtype"):
             require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system", "float32"),
                     f"train.{key}", getattr(t, key), "asks for part of the CPU fast path, which train.cpu_fast_path=off "

@@ -43,20 +43,28 @@ import torch
 from cohortrl.cpu import decoder, kernels
 from cohortrl.cpu.decoder import check_architecture, computes
 from cohortrl.cpu.kernels import resolve_cpu_linear, resolve_decode_dtype
-from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator
+from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator, trim_heap
 from cohortrl.cpu.replay import Recording
 
 
 class FastPath:
     """One run's CPU fast path: its linear kernel (``onednn`` or ``aten``), whether it holds the retained
-    allocator, and ``decode_dtype``, the dtype of the lean decoder's products in the run's training rollouts
-    (``train.cpu_decode_dtype``; what the rollout engine asks :meth:`decoder_for`, evaluation never does).
-    Built by :func:`build`; the run calls :meth:`close` when it ends."""
+    allocator, ``decode_dtype``, the dtype of the lean decoder's products in the run's training rollouts
+    (``train.cpu_decode_dtype``; what the rollout engine asks :meth:`decoder_for`, evaluation never does), and
+    ``trim_every``, how often the heap's free pages go back to the OS (``train.cpu_heap_trim_every``).
+    Built by :func:`build`; the run calls :meth:`end_of_step` after each step and :meth:`close` when it ends."""
 
-    def __init__(self, linear: str, allocator: str, decode_dtype: torch.dtype = torch.float32):
+    def __init__(self, linear: str, allocator: str, decode_dtype: torch.dtype = torch.float32, trim_every: int = 0):
         self.linear = linear
         self.decode_dtype = decode_dtype
+        self.trim_every = trim_every
         self.holds_allocator = apply_cpu_allocator(allocator)  # process-wide while held: glibc's mallopt
+
+    def end_of_step(self, step: int) -> None:
+        """Step ``step`` (counted from 1) is done: every ``trim_every`` steps, the heap's free pages go back to the
+        OS (``memory.trim_heap``), so what freed blocks of varying sizes leave behind does not pile up."""
+        if self.trim_every and step % self.trim_every == 0:
+            trim_heap()
 
     def kernels(self, *models):
         """A context for one phase of work (a step, an evaluation): the linear layers of ``models`` on this
@@ -116,7 +124,7 @@ def build(settings, device, model, *, generates: bool = True) -> FastPath | None
     allocator = resolve_cpu_allocator(settings.cpu_allocator, device)
     if linear == "aten" and allocator == "system":
         return None
-    return FastPath(linear, allocator, decode_dtype)
+    return FastPath(linear, allocator, decode_dtype, getattr(settings, "cpu_heap_trim_every", 0))
 
 
 def linear_kernel(settings, device, model) -> str:

@@ -120,6 +120,14 @@ def _restore(libc) -> None:
     libc.malloc_trim(0)
 
 
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim(0)``: freed blocks anywhere in the heap,
+    not only at its top), whatever the ``mallopt`` settings; nothing on another C library."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def apply_cpu_allocator(kind: str) -> bool:
     """Put a resolved ``cpu_allocator`` into effect (``system``: nothing to do). Returns whether the caller now
     holds the retained allocator and must call :func:`release_freed_memory` when its run ends."""

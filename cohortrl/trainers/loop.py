@@ -34,7 +34,7 @@ progress = logging.getLogger("cohortrl.progress")  # shown on stderr by the CLI
 RESUMABLE_CHANGES = {
     "train.steps", "train.progress", "train.checkpoint_every", "train.tensorboard", "train.wandb",
     "train.max_nonfinite_steps", "train.cpu_allocator", "train.reuse_rollout_forward", "train.keep_checkpoints",
-    "train.trace_steps", "reward.timeout_s", "train.dist_timeout_s",
+    "train.trace_steps", "reward.timeout_s", "train.dist_timeout_s", "train.cpu_heap_trim_every",
 }
 FINAL_MARKER = checkpoint.FINAL_MARKER
 UNKNOWN = object()  # Trainer.trained_on for a model passed in: what it was trained from is not known here
@@ -194,6 +194,8 @@ class Trainer:
             while self.step_count < total:
                 metrics = self.step()
                 self.step_count += 1
+                if self.fast_path is not None:
+                    self.fast_path.end_of_step(self.step_count)
                 row = self._log({"step": self.step_count, **metrics})
                 rows.append(row)
                 if bar is not None:

@@ -34,7 +34,8 @@ from cohortrl.trainers.inputs import as_config
 from cohortrl.trainers.loop import config_hashes
 from cohortrl.trainers.metrics import read_metrics
 
-COSMETIC = ("progress",)  # train.* fields left out of the key: they change what is shown, not what is computed
+# train.* fields left out of the key: they change what is shown or when memory goes back to the OS, not what is computed
+COSMETIC = ("progress", "cpu_heap_trim_every")
 
 
 @dataclass

@@ -103,6 +103,31 @@ def test_a_trainer_gives_the_allocator_back_when_it_closes(tmp_path, monkeypatch
     assert cpu_memory._holders == 1
 
 
+def test_a_run_trims_the_heap_every_n_steps_and_never_by_default(tmp_path, monkeypatch):
+    """``train.cpu_heap_trim_every: N``: after steps N, 2N, ... the loop has the fast path hand the heap's free
+    pages back (``malloc_trim(0)``); 0, the default, never. A negative N is refused in one line."""
+    from cohortrl.trainers.grpo import GRPOTrainer
+
+    def run(name, **train):
+        libc = _FakeGlibc()
+        monkeypatch.setattr(cpu_memory, "_glibc", lambda: libc)
+        monkeypatch.setattr(cpu_memory, "_holders", 0)
+        trainer = GRPOTrainer({"model": {"name": "tiny-llama"}, "data": {"source": "task:arithmetic"},
+                               "sampling": {"max_new_tokens": 4}, "eval": {"n_prompts": 0},
+                               "algorithm": {"group_size": 2, "prompts_per_step": 1},
+                               "train": {"steps": 5, "progress": False, **train}}, tmp_path / name)
+        libc.calls.clear()  # the allocator's settings, made when the run started
+        trainer.train()
+        trims = [c for c in libc.calls if c == ("trim", 0)]
+        trainer.close()
+        return len(trims)
+
+    assert run("every2", cpu_heap_trim_every=2) == 2  # after steps 2 and 4
+    assert run("default") == 0
+    with pytest.raises(ConfigError, match="train.cpu_heap_trim_every"):
+        Config.from_dict({"train": {"cpu_heap_trim_every": -1}})
+
+
 def test_resolution():
     assert resolve_cpu_allocator("auto", "cuda") == "system"
     assert resolve_cpu_allocator("retain", "cuda:0") == "system"
