@@ -50,7 +50,8 @@ def main() -> None:
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             metrics = trainer.step()
-            trainer.fast_path.end_of_step(step)  # as the training loop calls it (train.cpu_heap_trim_every)
+            if trainer.fast_path is not None:  # as the training loop calls it (train.cpu_heap_trim_every)
+                trainer.fast_path.end_of_step(step)
             if args.arm == "trim":
                 libc.malloc_trim(0)  # every free page of the heap back to the OS, at the cost of faulting it in again
             times.append(time.perf_counter() - t0)

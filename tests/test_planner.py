@@ -447,11 +447,13 @@ def test_lora_backward_has_no_weight_gradient_products():
 
 def test_lora_adapters_run_in_the_update_but_are_folded_into_decoding_on_a_cpu():
     # The adapters' own products: 2·r·(in + out) per matrix and token forward = 2·4,884,480 per token; the
-    # update runs them forward and back (3x) on each distinct prompt's tokens once and every response token:
-    # 2·101 + 8·50 = 602 tokens. The CPU decoder folds them into its weights; the reference switches them off.
-    assert plan(SMOL, CPU_GRPO).flops.adapters == 3 * 2 * 4_884_480 * 602
+    # update runs them forward and back (3x) on each distinct prompt's tokens once and every response token. On
+    # the CPU the update is the replay, on the recorded rows: each prompt's first s_p - 1 columns, 2·100 + 8·50 =
+    # 600; the CPU decoder folds them into its weights; the reference switches them off. On a GPU the update's
+    # own forward runs 2·101 + 8·50 = 602 tokens, and generation runs them too.
+    assert plan(SMOL, CPU_GRPO).flops.adapters == 3 * 2 * 4_884_480 * 600
     on_gpu = plan(SMOL, replace(CPU_GRPO, device="gpu", dtype="bf16")).flops.adapters
-    assert on_gpu == 4 * 2 * 4_884_480 * 602  # generation runs them too
+    assert on_gpu == 4 * 2 * 4_884_480 * 602
     assert plan(SMOL, replace(CPU_GRPO, lora_rank=0)).flops.adapters == 0
 
 
@@ -508,9 +510,10 @@ def test_the_update_on_decodings_recording_replaces_activations_and_holds_throug
 
 
 def test_the_replayed_update_multiplies_only_the_rows_the_gradient_reaches():
-    """cpu/replay.py runs the layers' products of its backward on each distinct prompt once and each row's steps
-    up to its last real token (Recording._reached_rows), not on the steps after a row's end: with half the B·T
-    rows real, the products' backward FLOPs (and LoRA's update) count U·s_p + B·T/2 rows; the attention,
+    """cpu/replay.py runs the layers' products of its backward on each distinct prompt's prefix once (its first
+    s_p - 1 columns) and each row's steps up to its last real token (Recording._reached_rows), not on the steps after
+    a row's end: with half the B·T rows real, the products' backward FLOPs (and LoRA's update) count
+    U·(s_p - 1) + B·T/2 rows; the attention,
     recomputed over the whole step-major layout, does not change. The update's own forward counts them all."""
     from cohortrl.planner import Pass, backward_flops, batch_pass
 
@@ -518,7 +521,8 @@ def test_the_replayed_update_multiplies_only_the_rows_the_gradient_reaches():
     full, half = replace(CPU_GRPO, response_tokens=B * T), replace(CPU_GRPO, response_tokens=B * T // 2)
     p_full, p_half = plan(SMOL, full), plan(SMOL, half)
     layers_full = batch_pass(SMOL, p_full.run, True, B * T).layers
-    layers_half = layers_full * (U * sp + B * T // 2) / (U * sp + B * T)
+    layers_half = layers_full * (U * (sp - 1) + B * T // 2) / (U * sp + B * T)
+    layers_full = layers_full * (U * (sp - 1) + B * T) / (U * sp + B * T)  # the prefix is s_p - 1 columns
     # the head's share scales with the scored tokens in both; what is left is the products' backward
     head_full, head_half = (backward_flops(Pass(0.0, 0.0, 2 * 576 * 49152 * n), True, False) for n in (B * T, B * T // 2))
     products = lambda layers: backward_flops(Pass(layers, 0.0, 0.0), True, False)  # noqa: E731

@@ -589,7 +589,8 @@ class TrainConfig:
     memory climbs (an SFT warm start from 4.7-6.3 to 10 GiB over 250 steps, ``docs/performance.md``) whichever
     ``cpu_allocator``; a trim returns them and the climb starts again from the first step's level, at the cost of
     faulting in again what the next step touches. For a long run that would otherwise run out of memory. Part of
-    the CPU fast path; nothing on other C libraries or a GPU."""
+    the CPU fast path (refused with ``cpu_fast_path: off``), done by the training loop (``Trainer.train``), not by a
+    bare ``step()``; nothing on other C libraries or a GPU."""
     cpu_decode_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """The lean decoder's products (``cpu/decoder.py``) in training rollouts: ``bfloat16`` casts each product's
     input and the laid-out weights (LoRA adapters folded in first, in fp32) to bf16, its output back to fp32,
@@ -658,6 +659,8 @@ class TrainConfig:
         require(t.max_nonfinite_steps >= 0, "train.max_nonfinite_steps", t.max_nonfinite_steps,
                 "must be >= 0 (0: never stop)")
         require(t.cpu_heap_trim_every >= 0, "train.cpu_heap_trim_every", t.cpu_heap_trim_every, "must be >= 0 (0: never)")
+        require(t.cpu_fast_path == "auto" or t.cpu_heap_trim_every == 0, "train.cpu_heap_trim_every",
+                t.cpu_heap_trim_every, "is part of the CPU fast path, which train.cpu_fast_path=off turns off; drop one of the two")
         for key in ("cpu_linear", "cpu_allocator", "cpu_decode_dtype"):
             require(t.cpu_fast_path == "auto" or getattr(t, key) in ("auto", "aten", "system", "float32"),
                     f"train.{key}", getattr(t, key), "asks for part of the CPU fast path, which train.cpu_fast_path=off "

@@ -122,9 +122,10 @@ def build(settings, device, model, *, generates: bool = True) -> FastPath | None
     else:
         linear = resolve_cpu_linear(settings.cpu_linear, device)
     allocator = resolve_cpu_allocator(settings.cpu_allocator, device)
-    if linear == "aten" and allocator == "system":
+    trim_every = getattr(settings, "cpu_heap_trim_every", 0)  # train-rm's config has none: it never trims
+    if linear == "aten" and allocator == "system" and not (trim_every and torch.device(device).type == "cpu"):
         return None
-    return FastPath(linear, allocator, decode_dtype, getattr(settings, "cpu_heap_trim_every", 0))
+    return FastPath(linear, allocator, decode_dtype, trim_every)
 
 
 def linear_kernel(settings, device, model) -> str:

@@ -616,20 +616,19 @@ def backward_flops(p: Pass, lora: bool, head_trained: bool) -> float:
     return p.layers * (1 if lora else 2) + 2 * p.attention + p.head * (2 if head_trained else 1)
 
 
-def adapter_flops(m: ModelShape, run: RunSpec, tokens: int, update_tokens: float | None = None) -> float:
+def adapter_flops(m: ModelShape, run: RunSpec, tokens: int, replayed_rows: int | None = None) -> float:
     """LoRA's own products, 2·r·(in + out) per adapted matrix and token forward (``m.lora_params`` per token),
     counted apart from the frozen weights' because they run at another rate: rank-r products are thin.
     The update (its own forward and backward, or the replayed backward, which runs each adapter forward again
-    under autograd: ``cpu/replay.linear_backward``) costs 3 × that on its tokens (``update_tokens`` where they
-    differ from ``tokens``: the replay's reached rows); an old-log-prob pass 1 ×;
-    generation 1 × unless the CPU decoder folds the adapter into its weight copy (an fp32 model,
+    under autograd: ``cpu/replay.linear_backward``) costs 3 × that on its tokens (``replayed_rows`` where the
+    update is the replay: the rows it computes); an old-log-prob pass 1 ×; generation 1 × unless the CPU decoder folds the adapter into its weight copy (an fp32 model,
     ``cpu/decoder.py``: folded in fp32 whatever its products' dtype). The reference is the base with the
     adapter off: none."""
     if not run.lora_rank:
         return 0.0
     per_token = 2 * m.lora_params(run.lora_rank)
     folded = run.device == "cpu" and run.dtype == "fp32"
-    update = tokens if update_tokens is None else update_tokens  # the replayed backward: the rows it reaches
+    update = tokens if replayed_rows is None else replayed_rows  # the replayed backward: the rows it reaches
     return per_token * (3 * run.epochs * update + ((1 if computes_old_logprobs(run) else 0) + (0 if folded else 1)) * tokens)
 
 
@@ -689,7 +688,11 @@ def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
         # on the rows the loss's gradient reaches only (Recording._reached_rows: each distinct prompt once, each
         # row's steps up to its last response token), its attention over the whole step-major layout.
         kept = B * run.budget * m.vocab_size * 4 <= RECORD_LOGITS_BYTES  # the decoder decides on its budget
-        update_rows = U * sp + decoded_rows(run)  # a row's last token is a response token: its tool results lie before it
+        # the recorded rows (the prefix of s_p - 1 columns, then the real tokens: a row's last one is a response
+        # token, its tool results lie before it); an upper bound, since a group with no gradient (all rewards
+        # equal, beta 0) is not reached at all. score.layers counted U*sp + B*T tokens (shared: one process)
+        assert shared, "the update runs on decoding's recording on one process only, where prompts are shared"
+        update_rows = recording_rows(run)
         reached = Pass(score.layers * update_rows / (U * sp + B * T), score.attention, score.head)
         policy = backward_flops(reached, lora, not lora) + score.attention + (0 if kept else score.head)
     else:

@@ -124,8 +124,12 @@ def test_a_run_trims_the_heap_every_n_steps_and_never_by_default(tmp_path, monke
 
     assert run("every2", cpu_heap_trim_every=2) == 2  # after steps 2 and 4
     assert run("default") == 0
+    # with PyTorch's kernels and glibc's defaults nothing else of the fast path applies; the trim still does
+    assert run("plain", cpu_heap_trim_every=2, cpu_linear="aten", cpu_allocator="system") == 2
     with pytest.raises(ConfigError, match="train.cpu_heap_trim_every"):
         Config.from_dict({"train": {"cpu_heap_trim_every": -1}})
+    with pytest.raises(ConfigError, match="train.cpu_heap_trim_every.*cpu_fast_path=off"):
+        Config.from_dict({"train": {"cpu_heap_trim_every": 5, "cpu_fast_path": "off"}})
 
 
 def test_resolution():
