@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import random
+from dataclasses import replace
 from pathlib import Path
 
 log = logging.getLogger("cohortrl")
@@ -167,13 +168,49 @@ def _check_one_format(train: list[dict], held_out: list[dict], source: str) -> N
 
 
 def _task_rows(name: str, cfg, seed: int):
+    if cfg.levels:  # a mix: each level drawn as that level alone would draw it, an equal share of each part
+        family = _family(name)
+        for level in cfg.levels:
+            try:
+                family.check_level(level)
+            except ValueError as e:
+                raise DataError(f"data.levels={cfg.levels}: {e}; list only those") from None
+        parts = [_task_rows(name, replace(cfg, level=level, levels=[], train_size=_share(cfg.train_size, i, len(cfg.levels)),
+                                          eval_size=_share(_eval_size(cfg), i, len(cfg.levels))), seed)
+                 for i, level in enumerate(cfg.levels)]
+        return _interleave([train for train, _ in parts]), [row for _, held_out in parts for row in held_out]
+    return _one_level_rows(name, cfg, seed)
+
+
+def _family(name: str):
     from cohortrl import tasks
 
-    eval_level = cfg.level if cfg.eval_level is None else cfg.eval_level
     try:
-        family = tasks.get(name)
+        return tasks.get(name)
     except KeyError as e:  # the registry's message names the known families and the closest one
         raise DataError(f"data.source 'task:{name}': {e.args[0]}") from None
+
+
+def _share(total: int, i: int, n: int) -> int:
+    """Part ``i`` of ``total`` split as evenly as it goes into ``n``, the first parts taking the remainder."""
+    return total // n + (i < total % n)
+
+
+def _eval_size(cfg) -> int:
+    return DEFAULT_EVAL_SIZE if cfg.eval_size is None else cfg.eval_size
+
+
+def _interleave(parts: list[list]) -> list:
+    """One row of each part in turn until all are used (a batch read in order gets every part)."""
+    out = []
+    for i in range(max(map(len, parts), default=0)):
+        out += [part[i] for part in parts if i < len(part)]
+    return out
+
+
+def _one_level_rows(name: str, cfg, seed: int):
+    eval_level = cfg.level if cfg.eval_level is None else cfg.eval_level
+    family = _family(name)
     for setting, level in (("data.level", cfg.level), ("data.eval_level", eval_level)):
         try:
             family.check_level(level)
@@ -184,7 +221,7 @@ def _task_rows(name: str, cfg, seed: int):
         return [{"prompt": x.prompt, "answer": x.answer, "sample": x.to_dict()} for x in family.sample(n, s, level)]
 
     # Easy levels have small pools of distinct problems: draw until eval_size distinct prompts are found.
-    eval_size = DEFAULT_EVAL_SIZE if cfg.eval_size is None else cfg.eval_size
+    eval_size = _eval_size(cfg)
     held_out, drawn = [], eval_size
     while len(held_out) < eval_size:
         held_out = _dedupe(rows(drawn, seed + 1_000_003, eval_level))[:eval_size]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import statistics
 from dataclasses import dataclass, field
@@ -32,16 +33,26 @@ from cohortrl.sweep import ATTEMPTS, SPEC, arms, read_attempts
 from cohortrl.trainers.evaluate import ANSWERS, export_answers, read_answers
 from cohortrl.trainers.metrics import read_metrics
 
+LEVEL_IN_ID = re.compile(r"/L(\d+)/")  # a gym problem's id: FAMILY/L{level}/s{seed}/{index} (tasks/base.py)
+
+
 def final_answers(run_dir: Path) -> tuple[dict[str, bool], dict[str, str]]:
     """At the run's last evaluation: problem id → correct (answers written before ids existed have none: {}),
-    and problem id → "unseen" or "seen" where the run marked them (``data.exclude_from_training``; else {})."""
+    and problem id → its part of the held-out set: "unseen" or "seen" where the run marked them
+    (``data.exclude_from_training``), else "level N" where its problems span several levels (``data.levels``),
+    else {}."""
     rows = read_answers(run_dir)
     if not rows:
         return {}, {}
     last = max(r["step"] for r in rows)
     rows = [r for r in rows if r["step"] == last and r.get("id")]
-    return ({r["id"]: bool(r["correct"]) for r in rows},
-            {r["id"]: "unseen" if r["unseen"] else "seen" for r in rows if r.get("unseen") is not None})
+    answers = {r["id"]: bool(r["correct"]) for r in rows}
+    parts = {r["id"]: "unseen" if r["unseen"] else "seen" for r in rows if r.get("unseen") is not None}
+    if not parts:
+        levels = {i: m.group(1) for i in answers if (m := LEVEL_IN_ID.search(i))}
+        if len(set(levels.values())) > 1:
+            parts = {i: f"level {n}" for i, n in levels.items()}
+    return answers, parts
 
 
 @dataclass
@@ -50,7 +61,7 @@ class SeedRun:
     path: Path
     rows: list[dict]
     answers: dict[str, bool]
-    parts: dict[str, str] = field(default_factory=dict)  # problem id → "unseen" / "seen" (exclude_from_training)
+    parts: dict[str, str] = field(default_factory=dict)  # problem id → "unseen" / "seen" or "level N" (final_answers)
     wall_s: float = 0.0
     cpu_s: float = 0.0
     machines: list[str] = field(default_factory=list)  # each attempt's machine (machine.label), first seen first
@@ -186,8 +197,8 @@ def _discordant(a: dict[str, bool], b: dict[str, bool], ids) -> tuple[int, int]:
 def paired(base: Arm, other: Arm, resamples: int = 10_000, part: str | None = None) -> dict:
     """``other`` against ``base`` on the problems both answered, seed by seed: per seed (seed, n, only base
     right, only other right, McNemar p); and the bootstrap's (mean difference, low, high) over all seed pairs
-    (None when no seed pair shares a problem). ``part`` ("unseen" or "seen"): only the problems both runs
-    marked so."""
+    (None when no seed pair shares a problem). ``part`` (one of :func:`final_answers`' parts: "unseen", "seen",
+    "level N"): only the problems both runs put in it."""
     base_by_seed = {r.seed: r for r in base.runs}
     per_seed, diffs = [], []
     for run in other.runs:
@@ -318,12 +329,17 @@ def _machines_section(arms_: list[Arm]) -> str:
 
 
 def _parts_section(arms_: list[Arm], base: Arm) -> str:
-    """Accuracy and the paired test on the held-out problems no training prompt of the run had (unseen) and on
-    the others (seen), for runs trained with ``data.exclude_from_training``."""
-    lines = ["| arm | unseen: accuracy per seed (95% CI, n) | seen: accuracy per seed (95% CI, n) |", "|---|---|---|"]
+    """Accuracy and the paired test on each part of the held-out set: the problems no training prompt of the run
+    had (unseen) and the others (seen), for runs trained with ``data.exclude_from_training``; or each level of a
+    mix (``data.levels``)."""
+    names = {p for a in arms_ for run in a.runs for p in run.parts.values()}
+    by_level = not names & {"unseen", "seen"}
+    order = sorted(names, key=lambda p: int(p.split()[1])) if by_level else ["unseen", "seen"]
+    lines = ["| arm | " + " | ".join(f"{part}: accuracy per seed (95% CI, n)" for part in order) + " |",
+             "|---|" + "---|" * len(order)]
     for a in arms_:
         cells = []
-        for part in ("unseen", "seen"):
+        for part in order:
             per_seed = []
             for run in a.runs:
                 ids = [i for i, p in run.parts.items() if p == part and i in run.answers]
@@ -332,10 +348,12 @@ def _parts_section(arms_: list[Arm], base: Arm) -> str:
                     lo, hi = wilson_interval(hits, len(ids))
                     per_seed.append(f"s{run.seed} {hits / len(ids):.3f} ({lo:.3f}-{hi:.3f}, n={len(ids)})")
             cells.append("; ".join(per_seed) or "–")
-        lines.append(f"| {a.name} | {cells[0]} | {cells[1]} |")
-    text = ("\n\nBy part of the held-out set: **unseen**, the problems whose `data.exclude_from_training` value no "
-            "training prompt had; **seen**, the others (a run without the marks shows –):\n\n" + "\n".join(lines))
-    for part in ("unseen", "seen"):
+        lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
+    what = ("each level of the mix (`data.levels`; a run without it shows –)" if by_level else
+            "**unseen**, the problems whose `data.exclude_from_training` value no training prompt had; **seen**, the "
+            "others (a run without the marks shows –)")
+    text = f"\n\nBy part of the held-out set: {what}:\n\n" + "\n".join(lines)
+    for part in order:
         rows = _paired_rows(arms_, base, part)
         if rows:
             text += f"\n\nPaired against **{base.name}** on the {part} problems only:\n\n" + _PAIRED_HEAD + "\n".join(rows)

@@ -198,3 +198,26 @@ def test_a_retired_row_is_skipped_and_every_row_comes_back_when_all_are_retired(
     with caplog.at_level(logging.WARNING, logger="cohortrl"):
         assert len(retiring.take(5)) == 5
     assert "every one of the 5 training prompts is retired (algorithm.retire_solved=2)" in caplog.text
+
+
+def test_a_mix_of_levels_draws_each_level_as_it_would_alone_in_equal_shares():
+    """``data.levels``: each level's training and held-out problems are the ones that level alone draws (so a
+    mixed run pairs with single-level runs problem by problem), in equal shares (the first levels take the
+    remainder), training rows interleaved level by level; a wrong level or a clash is one line."""
+    from cohortrl.config import Config, ConfigError
+
+    mix = DataConfig(source="task:arithmetic", levels=[1, 3], seed=0, train_size=11, eval_size=5)
+    train, held_out = load_rows(mix, 0)
+    assert [r["sample"]["level"] for r in train] == [1, 3] * 5 + [1]
+    assert [r["sample"]["level"] for r in held_out] == [1, 1, 1, 3, 3]
+    for level, n_train, n_held in ((1, 6, 3), (3, 5, 2)):
+        alone = load_rows(DataConfig(source="task:arithmetic", level=level, seed=0, train_size=n_train, eval_size=n_held), 0)
+        assert [r["prompt"] for r in train if r["sample"]["level"] == level] == [r["prompt"] for r in alone[0]]
+        assert [r["prompt"] for r in held_out if r["sample"]["level"] == level] == [r["prompt"] for r in alone[1]]
+    with pytest.raises(DataError, match=r"data.levels=\[1, 9\]: .*not 9; list only those"):
+        load_rows(DataConfig(source="task:arithmetic", levels=[1, 9]), 0)
+    for bad, message in (({"levels": [1, 3], "eval_level": 2}, "drop data.eval_level"),
+                         ({"levels": [2, 2]}, "names a level twice"),
+                         ({"levels": [1, 3], "source": "jsonl:x.jsonl"}, "task: sources only")):
+        with pytest.raises(ConfigError, match=message):
+            Config.from_dict({"data": {"source": "task:arithmetic", **bad}})

@@ -97,3 +97,19 @@ def test_an_evaluation_marks_and_scores_the_problems_kept_out_of_training_apart(
         assert final[f"eval/accuracy_{part}"] == sum(right) / len(right)
     (run / "eval_completions.jsonl").rename(tmp_path / "live.jsonl")
     assert [r["unseen"] for r in read_answers(run)] == [r["unseen"] for r in rows]  # kept in answers.jsonl.gz
+
+
+def test_an_evaluation_of_a_mix_of_levels_scores_each_level_apart(tmp_path):
+    from cohortrl.trainers.evaluate import read_answers
+
+    cfg = tiny_config(None, train={"steps": 1}, eval={"n_prompts": 6, "before": False},
+                      data={"source": "task:arithmetic", "levels": [1, 2], "train_size": 20, "eval_size": 6})
+    run = tmp_path / "run"
+    with closing(GRPOTrainer(cfg, run)) as trainer:
+        trainer.train()
+    rows = read_answers(run)
+    final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/n" in line][-1]
+    for level in (1, 2):
+        right = [r["correct"] for r in rows if f"/L{level}/" in r["id"]]
+        assert final[f"eval/n_level{level}"] == len(right) == 3
+        assert final[f"eval/accuracy_level{level}"] == sum(right) / 3

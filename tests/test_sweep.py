@@ -121,7 +121,7 @@ def test_seed_placeholders_grid_parsing_and_a_changed_definition(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the paired report
-def hand_made_sweep(root: Path, right: dict, unseen: set | None = None, last_step: int = 5) -> Path:
+def hand_made_sweep(root: Path, right: dict, unseen: set | None = None, last_step: int = 5, id_of=lambda i: f"p{i}") -> Path:
     """A sweep directory written by hand: arms A and B, seeds 0 and 1, ten problems each; ``right[(arm, seed)]``
     lists the problems answered correctly at the last evaluation (``last_step``); ``unseen``: the problems marked so
     (as ``data.exclude_from_training`` marks them), the others marked seen."""
@@ -135,8 +135,8 @@ def hand_made_sweep(root: Path, right: dict, unseen: set | None = None, last_ste
         rows = [{"step": last_step, "loss": 0.1 * (seed + 1), "reward_mean": 0.5},
                 {"step": last_step, "eval/accuracy": len(ok) / 10, "eval/n": 10}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        answers = [{"step": 0, "id": f"p{i}", "correct": True} for i in range(10)]  # an earlier evaluation: ignored
-        answers += [{"step": last_step, "id": f"p{i}", "correct": i in ok, **({} if unseen is None else {"unseen": i in unseen})}
+        answers = [{"step": 0, "id": id_of(i), "correct": True} for i in range(10)]  # an earlier evaluation: ignored
+        answers += [{"step": last_step, "id": id_of(i), "correct": i in ok, **({} if unseen is None else {"unseen": i in unseen})}
                     for i in range(10)]
         (run / "eval_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
         lines.append(json.dumps({"run": str(run), "arm": f"x={arm}", "seed": seed, "attempt": "start", "rc": 0,
@@ -317,3 +317,22 @@ def test_each_committed_study_report_regenerates_from_its_committed_files(md, tm
     assert main(["report", *args]) == 0
     strip = lambda text: [line for line in text.splitlines() if not line.startswith("Regenerate: ")]
     assert strip((tmp_path / md.name).read_text()) == strip(md.read_text())
+
+
+def test_the_report_pairs_arms_on_each_level_of_a_mix(tmp_path):
+    """Held-out problems of several levels (``data.levels``; a gym id names its level: FAMILY/L{n}/...): the
+    report gives each level's accuracy per seed and pairs the arms on each level's problems alone."""
+    from cohortrl.study import load_sweep, paired, write_study_report
+
+    root = hand_made_sweep(tmp_path / "sweep", {
+        ("A", 0): {0, 1, 2, 3, 4}, ("B", 0): {0, 1, 2, 3, 4, 5, 6, 7},  # only B on p5-p7, all level 3
+        ("A", 1): {0, 1}, ("B", 1): {0, 1, 2, 3, 4},  # only B on p2-p4, level 1
+    }, id_of=lambda i: f"arithmetic/L{1 if i < 5 else 3}/s1000003/{i}")
+    a, b = load_sweep(root)
+    assert set(a.runs[0].parts.values()) == {"level 1", "level 3"}
+    assert paired(a, b, part="level 1")["per_seed"] == [(0, 5, 0, 0, 1.0), (1, 5, 0, 3, 0.25)]
+    assert paired(a, b, part="level 3")["per_seed"] == [(0, 5, 0, 3, 0.25), (1, 5, 0, 0, 1.0)]
+    text = write_study_report([root], tmp_path / "report")[0].read_text()
+    assert "| arm | level 1: accuracy per seed (95% CI, n) | level 3: accuracy per seed (95% CI, n) |" in text
+    assert "| x=B | s0 1.000 (0.566-1.000, n=5); s1 1.000 (0.566-1.000, n=5) | s0 0.600 (0.231-0.882, n=5); s1 0.000 (0.000-0.434, n=5) |" in text
+    assert "on the level 3 problems only" in text

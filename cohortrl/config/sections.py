@@ -80,6 +80,12 @@ class DataConfig:
     -> dict``; the result must hold the prompt column. Not applied to ``task:`` rows (they are generated)."""
     level: int = 1
     """Difficulty level for ``task:`` sources."""
+    levels: list[int] = field(default_factory=list)
+    """``task:`` sources: a mix of difficulty levels instead of ``data.level`` (e.g. ``[1, 3]``): each level an
+    equal share of ``train_size`` and of the held-out problems (the first levels take the remainder), drawn as
+    that level alone would draw them, training rows interleaved level by level. Evaluation reports each level's
+    accuracy too (``eval/accuracy_level1``, ...), and ``cohortrl report`` pairs arms on each level's problems: what
+    a prompt mix of very different difficulty shows about how an estimator weights its questions."""
     eval_level: Optional[int] = None
     """``task:`` sources: draw the held-out problems from this level instead of ``data.level`` (a warm start
     trained on level-2 problems and measured on level 1). They are exactly the problems a run with
@@ -117,6 +123,13 @@ class DataConfig:
     def check(self) -> None:
         require(self.level >= 1, "data.level", self.level, "levels start at 1")
         require(self.eval_level is None or self.eval_level >= 1, "data.eval_level", self.eval_level, "levels start at 1")
+        require(all(level >= 1 for level in self.levels), "data.levels", self.levels, "levels start at 1")
+        require(len(set(self.levels)) == len(self.levels), "data.levels", self.levels, "names a level twice")
+        require(not self.levels or self.source.startswith("task:"), "data.levels", self.levels,
+                "applies to task: sources only")
+        require(not self.levels or (self.eval_level is None and not self.exclude_from_training), "data.levels",
+                self.levels, "mixes levels for training and evaluation alike: drop data.eval_level and "
+                "data.exclude_from_training, or data.levels")
         require(self.eval_level is None or self.source.startswith("task:"), "data.eval_level", self.eval_level,
                 "applies to task: sources only (other sources: give the held-out rows as eval_dataset= or a jsonl)")
         require(self.train_size >= 0, "data.train_size", self.train_size, "must be >= 0")

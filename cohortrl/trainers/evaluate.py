@@ -128,6 +128,12 @@ def evaluate(
             hits_part = [v >= 1.0 for v, m in zip(correct, marks) if m is flag]
             out[f"eval/accuracy_{part}"] = sum(hits_part) / max(len(hits_part), 1)
             out[f"eval/n_{part}"] = len(hits_part)
+    levels = [(row.get("sample") or {}).get("level") for row in rows]
+    if len(set(levels) - {None}) > 1:  # data.levels: each level of the mix apart
+        for level in sorted(set(levels) - {None}):
+            hits_level = [v >= 1.0 for v, lv in zip(correct, levels) if lv == level]
+            out[f"eval/accuracy_level{level}"] = sum(hits_level) / len(hits_level)
+            out[f"eval/n_level{level}"] = len(hits_level)
     if tools is not None:
         out["eval/tool_calls_per_response"] = sum(calls) / max(len(calls), 1)
     if categories and None not in categories:
