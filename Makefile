@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-arithmetic test venv clean
+.PHONY: demo demo-arithmetic test reports venv clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ demo: $(STAMP)
 # The earlier demo: GRPO alone on arithmetic level 1 (configs/demo_arithmetic.yaml).
 demo-arithmetic: $(STAMP)
 	$(BIN)/cohortrl demo --arithmetic
+
+# Every committed study report (docs/**/*.md, OUT.png) made again from its committed sweep folders
+# (scripts/regenerate_reports.py; tests/test_committed_reports.py checks that the texts are unchanged).
+reports: $(STAMP)
+	$(BIN)/python scripts/regenerate_reports.py
 
 clean:
 	rm -rf $(VENV) runs

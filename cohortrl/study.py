@@ -429,25 +429,41 @@ def write_study_report(directories: list[Path], out: Path, *, baseline: str | No
     :func:`load_sweeps`; the module docstring says what is in them); returns both. ``keep_dir``: one sweep is
     copied into it, several each into ``keep_dir/FOLDER``."""
     directories = [Path(d) for d in directories]
-    arms_ = [a for a in load_sweeps(directories) if a.runs]
-    if not arms_:
-        raise FileNotFoundError(f"{' '.join(map(str, directories))}: no run of the sweep has a metrics.jsonl yet")
-    names = [a.name for a in arms_]
-    baseline = baseline or names[0]
-    if baseline not in names:
-        raise ValueError(f"--baseline {baseline!r} is not an arm with runs; the arms: {', '.join(names)}")
+    arms_ = _arms_with_runs(directories)
     if keep_dir is not None:
         for d in directories:
             keep(d, keep_dir if len(directories) == 1 else Path(keep_dir) / d.name)
     out = Path(out)
     out = out.with_suffix("") if out.suffix in (".md", ".png") else out
     out.parent.mkdir(parents=True, exist_ok=True)
+    md = out.with_suffix(".md")
+    png = out.with_suffix(".png")
+    md.write_text(study_report_text(directories, out, baseline=baseline, metrics=metrics, panels=panels, last_k=last_k,
+                                    arms_=arms_))
+    plot(arms_, png, list(panels or []))
+    return md, png
+
+
+def _arms_with_runs(directories: list[Path]) -> list[Arm]:
+    arms_ = [a for a in load_sweeps(directories) if a.runs]
+    if not arms_:
+        raise FileNotFoundError(f"{' '.join(map(str, directories))}: no run of the sweep has a metrics.jsonl yet")
+    return arms_
+
+
+def study_report_text(directories: list[Path], out: Path, *, baseline: str | None = None, metrics: list[str] = (),
+                      panels: list[str] = ("reward_mean",), last_k: int = 5, arms_: list[Arm] | None = None) -> str:
+    """The text of :func:`write_study_report`'s ``out.md`` (``out`` without its suffix), its Regenerate line
+    included: what a committed report is checked against (``scripts/regenerate_reports.py``)."""
+    arms_ = arms_ if arms_ is not None else _arms_with_runs([Path(d) for d in directories])
+    names = [a.name for a in arms_]
+    baseline = baseline or names[0]
+    if baseline not in names:
+        raise ValueError(f"--baseline {baseline!r} is not an arm with runs; the arms: {', '.join(names)}")
+    out = Path(out)
     command = " ".join(["cohortrl report", *map(str, directories), "--out", str(out), *(["--baseline", baseline] if baseline != names[0] else []),
                         *(["--metrics", *metrics] if metrics else []),
                         *(["--panels", *panels] if list(panels or []) != ["reward_mean"] else []),
                         *([f"--last-k {last_k}"] if last_k != 5 else [])])
-    md = out.with_suffix(".md")
-    png = out.with_suffix(".png")
-    md.write_text(f"# {out.name}\n\n![curves]({png.name})\n\n" + markdown(arms_, baseline, list(metrics), last_k, command))
-    plot(arms_, png, list(panels or []))
-    return md, png
+    return (f"# {out.name}\n\n![curves]({out.with_suffix('.png').name})\n\n"
+            + markdown(arms_, baseline, list(metrics), last_k, command))
