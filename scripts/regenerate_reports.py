@@ -13,6 +13,7 @@ tests/test_sweep.py makes the same comparison for every committed report in the 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -53,8 +54,6 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare, write nothing")
     check = parser.parse_args(argv).check
-    import os
-
     os.chdir(REPO)  # the Regenerate lines name folders relative to the checkout
     differ = []
     for md, argv_ in committed_reports():

@@ -32,6 +32,20 @@ ANSWERS = "answers.jsonl.gz"
 ANSWER_FIELDS = ("step", "id", "correct", "category", "length", "tool_calls", "completion")
 
 
+def held_out_parts(rows: list[dict]) -> list[tuple[str, list[bool]]]:
+    """The parts of a held-out set an evaluation also scores apart, each with which rows are in it: ``unseen`` and
+    ``seen`` where the rows are marked (``data.exclude_from_training``), and ``level1``, ``level2``, ... where their
+    problems span several levels (``data.levels``)."""
+    parts = []
+    marks = [row.get("unseen") for row in rows]
+    if any(m is not None for m in marks):
+        parts += [("unseen", [m is True for m in marks]), ("seen", [m is False for m in marks])]
+    levels = [(row.get("sample") or {}).get("level") for row in rows]
+    if len(set(levels) - {None}) > 1:
+        parts += [(f"level{level}", [lv == level for lv in levels]) for level in sorted(set(levels) - {None})]
+    return parts
+
+
 def export_answers(run_dir: Path) -> Path | None:
     """``RUN_DIR/answers.jsonl.gz`` from the run's ``eval_completions.jsonl`` (every evaluation's answers,
     without prompts); byte-identical for the same answers (no time stamp in the gzip header). None when the run
@@ -122,18 +136,10 @@ def evaluate(
     lo, hi = wilson_interval(hits, n)
     out.update({"eval/accuracy": hits / max(n, 1), "eval/accuracy_ci_low": lo, "eval/accuracy_ci_high": hi,
                 "eval/correctness_mean": sum(correct) / max(n, 1), "eval/n": n, "eval/response_length_mean": sum(lengths) / max(len(lengths), 1)})
-    marks = [row.get("unseen") for row in rows]
-    if any(m is not None for m in marks):  # data.exclude_from_training: the two parts apart
-        for part, flag in (("unseen", True), ("seen", False)):
-            hits_part = [v >= 1.0 for v, m in zip(correct, marks) if m is flag]
-            out[f"eval/accuracy_{part}"] = sum(hits_part) / max(len(hits_part), 1)
-            out[f"eval/n_{part}"] = len(hits_part)
-    levels = [(row.get("sample") or {}).get("level") for row in rows]
-    if len(set(levels) - {None}) > 1:  # data.levels: each level of the mix apart
-        for level in sorted(set(levels) - {None}):
-            hits_level = [v >= 1.0 for v, lv in zip(correct, levels) if lv == level]
-            out[f"eval/accuracy_level{level}"] = sum(hits_level) / len(hits_level)
-            out[f"eval/n_level{level}"] = len(hits_level)
+    for part, members in held_out_parts(rows):
+        hits_part = [v >= 1.0 for v, member in zip(correct, members) if member]
+        out[f"eval/accuracy_{part}"] = sum(hits_part) / max(len(hits_part), 1)
+        out[f"eval/n_{part}"] = len(hits_part)
     if tools is not None:
         out["eval/tool_calls_per_response"] = sum(calls) / max(len(calls), 1)
     if categories and None not in categories:
