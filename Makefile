@@ -34,6 +34,7 @@ demo-arithmetic: $(STAMP)
 # (scripts/regenerate_reports.py; tests/test_committed_reports.py checks that the texts are unchanged).
 reports: $(STAMP)
 	$(BIN)/python scripts/regenerate_reports.py
+	$(BIN)/python scripts/eng_tables.py
 
 clean:
 	rm -rf $(VENV) runs
