@@ -207,6 +207,10 @@ PPO_ERRORS = [
     ({"value_clip": 0}, "config key 'algorithm.ppo.value_clip' = 0.0: must be > 0 or null (no clipping)"),
     ({"critic_lr": 0}, "config key 'algorithm.ppo.critic_lr' = 0.0: must be > 0 or null (use optim.lr)"),
     ({"critic_warmup_steps": -1}, "config key 'algorithm.ppo.critic_warmup_steps' = -1: must be >= 0"),
+    ({"critic_warmup_ev": 1.5}, "config key 'algorithm.ppo.critic_warmup_ev' = 1.5: must be at most 1 (a perfect "
+     "critic explains all the variance) or null"),
+    ({"critic_warmup_ev": 0.3}, "config key 'algorithm.ppo.critic_warmup_steps' = 0: must be > 0 with critic_warmup_ev: "
+     "it is the most warm-up steps to wait"),
     ({"target_kl": 0}, "config key 'algorithm.ppo.target_kl' = 0.0: must be > 0 (nats per response)"),
     ({"horizon": 0}, "config key 'algorithm.ppo.horizon' = 0: must be at least 1"),
     ({"missing_eos_penalty": -1},
@@ -224,6 +228,13 @@ def test_ppo_config_errors_name_the_key_the_value_and_the_fix(ppo, message):
     with pytest.raises(ConfigError) as err:
         Config.from_dict({"algorithm": {"name": "ppo", "ppo": ppo}})
     assert str(err.value) == message
+
+
+def test_an_explained_variance_warm_up_needs_a_constant_schedule():
+    ppo = {"name": "ppo", "ppo": {"critic_warmup_steps": 10, "critic_warmup_ev": 0.3}}
+    assert Config.from_dict({"algorithm": ppo}).algorithm.ppo.critic_warmup_ev == 0.3
+    with pytest.raises(ConfigError, match="optim.schedule' = 'cosine': must be constant with algorithm.ppo.critic_warmup_ev"):
+        Config.from_dict({"algorithm": ppo, "optim": {"schedule": "cosine"}})
 
 
 def test_ppo_allows_one_response_per_prompt_and_grpo_does_not():

@@ -302,6 +302,9 @@ def validate(cfg: Config) -> None:
         f"step rewards would be ignored by estimator '{a.estimator}'; use one that reads them "
         f"({', '.join(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.needs.steps)})",
     )
+    require(a.name != "ppo" or a.ppo.critic_warmup_ev is None or cfg.optim.schedule == "constant", "optim.schedule",
+            cfg.optim.schedule, "must be constant with algorithm.ppo.critic_warmup_ev: the warm-up's length, and so "
+            "the policy's number of updates, is known only as the run goes")
     cfg.reward.check()
     cfg.rollout.check(cfg.sampling)
     cfg.model.check()

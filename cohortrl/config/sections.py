@@ -312,7 +312,13 @@ class PPOConfig:
     """The critic's AdamW learning rate (null: optim.lr). Same warmup and schedule as the policy."""
     critic_warmup_steps: int = 0
     """Training steps at the start that update only the critic, so the policy's first advantages come from
-    a value function that has seen some returns."""
+    a value function that has seen some returns. With ``critic_warmup_ev``, the most such steps."""
+    critic_warmup_ev: Optional[float] = None
+    """End the critic's warm-up early, at the first step whose explained variance reaches this value (e.g. 0.3):
+    1 − Var[R − V]/Var[R] over that step's fresh rollouts, with V from before the critic trained on them, so
+    it measures the critic on returns it has not seen. That step already trains the policy. Null: the warm-up
+    is ``critic_warmup_steps`` steps. Needs ``critic_warmup_steps`` > 0 (the most steps to wait) and a constant
+    ``optim.schedule`` (the policy's number of updates is not known in advance)."""
     critic_init: str = "policy"
     """``policy``: the critic is a separate copy of the policy's initial transformer (even with LoRA on the
     policy it is a full, fully trained copy: weights, gradients and two AdamW moments, 16 bytes per parameter
@@ -343,6 +349,10 @@ class PPOConfig:
                 "must be > 0 or null (use optim.lr)")
         require(self.critic_warmup_steps >= 0, "algorithm.ppo.critic_warmup_steps", self.critic_warmup_steps,
                 "must be >= 0")
+        require(self.critic_warmup_ev is None or self.critic_warmup_ev <= 1, "algorithm.ppo.critic_warmup_ev",
+                self.critic_warmup_ev, "must be at most 1 (a perfect critic explains all the variance) or null")
+        require(self.critic_warmup_ev is None or self.critic_warmup_steps > 0, "algorithm.ppo.critic_warmup_steps",
+                self.critic_warmup_steps, "must be > 0 with critic_warmup_ev: it is the most warm-up steps to wait")
         require(self.target_kl > 0, "algorithm.ppo.target_kl", self.target_kl, "must be > 0 (nats per response)")
         require(self.horizon >= 1, "algorithm.ppo.horizon", self.horizon, "must be at least 1")
         require(

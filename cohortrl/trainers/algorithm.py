@@ -42,8 +42,13 @@ class Algorithm:
     # The loss has a policy-ratio term that a sampler of other numerics (vLLM, bf16 decoding) must correct with
     # importance weights; False where no ratio reaches the loss (RFT's supervised loss), so no log π_old for them.
     corrects_sampler = True
-    policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO's critic warm-up)
+    policy_frozen_steps = 0  # steps at the start that leave the policy unchanged (PPO's critic warm-up): the most
     progress_metric = "kl"  # the number the progress bar shows beside reward and accuracy
+
+    def policy_frozen(self, step_count: int) -> bool:
+        """Whether the update at ``step_count`` (0 for the first) leaves the policy unchanged; called after
+        ``targets`` of the same step."""
+        return step_count < self.policy_frozen_steps
 
     def models(self) -> list:
         """Models of its own the step runs forward passes of (the CPU fast path's kernel computes them too)."""

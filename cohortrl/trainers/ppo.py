@@ -4,7 +4,8 @@
 What is PPO's own, against GRPO (``grpo.py``):
 
 * a critic V (``critic.py``): its own copy of a transformer with a scalar head, its own AdamW and LR,
-  optionally trained alone for the first ``critic_warmup_steps`` steps;
+  optionally trained alone for the first ``critic_warmup_steps`` steps, or until its explained variance on a
+  step's fresh rollouts reaches ``critic_warmup_ev``;
 * the KL to the reference is a penalty in the reward, not a loss term. Per response token t:
       r_t = −β · KL_t  (+ the response's score on its last token)            Ziegler et al. §2.2
   with KL_t the k1 (log π_old − log π_ref) or k3 estimate, β fixed or steered towards a target KL by the
@@ -63,6 +64,8 @@ class PPO(Algorithm):
         else:
             self.kl_controller = FixedKLController(a.beta)
         self.policy_frozen_steps = p.critic_warmup_steps
+        # With critic_warmup_ev: set once a step's explained variance reaches it, which ends the warm-up there.
+        self.critic_ready = False
         # The KL in the reward is measured on the policy that sampled, so β > 0 needs log π_old.
         self.needs_old_logp = a.beta > 0
         # Under torchrun the critic is data-parallel like the policy (DDP); its value targets stay local.
@@ -107,6 +110,10 @@ class PPO(Algorithm):
         values_all, returns_all = d.gather_rows(old_values_BT), d.gather_rows(returns_BT)
         kl_per_response = masked_sum(kl_all, mask_all, dim=-1).mean().item()
         self.kl_controller.update(kl_per_response, n_steps=kl_all.shape[0])
+        # Measured on returns the critic has not trained on: V is from before this step's update.
+        explained = _explained_variance(values_all, returns_all, mask_all)
+        if p.critic_warmup_ev is not None and explained is not None and explained >= p.critic_warmup_ev:
+            self.critic_ready = True
         metrics = {
             # The KL the reward penalised: sampling policy vs reference, per token (GRPO logs its loss term's KL).
             "kl": masked_mean(kl_all, mask_all).item(),
@@ -114,10 +121,16 @@ class PPO(Algorithm):
             "kl_coef": beta,
             "value_mean": masked_mean(values_all, mask_all).item(),
             "return_mean": masked_mean(returns_all, mask_all).item(),
-            "explained_variance": _explained_variance(values_all, returns_all, mask_all),
+            "explained_variance": explained,
             "critic_lr": self.critic_optimised.scheduler.get_last_lr()[0],
         }
+        if p.critic_warmup_ev is not None:
+            metrics["critic_ready"] = float(self.critic_ready)
         return Targets(advantages_BT, old_logp, ref_logp, old_values_BT, returns_BT, metrics, detail=detail)
+
+    def policy_frozen(self, step_count: int) -> bool:
+        """The critic's warm-up: the first ``critic_warmup_steps`` steps, ended early by ``critic_ready``."""
+        return step_count < self.policy_frozen_steps and not self.critic_ready
 
     def token_rewards(self, batch, score_B: torch.Tensor) -> torch.Tensor:
         """(B, T) rewards before the KL penalty: each response's score on its last token, plus, with
@@ -148,11 +161,13 @@ class PPO(Algorithm):
         return torch.cat(parts)
 
     def state_dict(self) -> dict:
-        return {"critic": checkpoint.trainable_state(self.critic), "kl_coef": self.kl_controller.value}
+        return {"critic": checkpoint.trainable_state(self.critic), "kl_coef": self.kl_controller.value,
+                "critic_ready": self.critic_ready}
 
     def load_state_dict(self, state: dict) -> None:
         load_trainable_state(self.critic, state["critic"], "the critic's checkpoint")
         self.kl_controller.value = state["kl_coef"]
+        self.critic_ready = state.get("critic_ready", False)  # checkpoints written before the EV-gated warm-up
 
 
 class PPOTrainer(RLTrainer):

@@ -131,7 +131,7 @@ def update(t, rollout, loss_mask, targets: Targets, timer: PhaseTimer, trace: St
     # aggregation over the batch (token-mean) divides by the global token count.
     loss_mask_all = d.gather_rows(loss_mask)
     n_groups = loss_mask_all.shape[0] // a.group_size
-    train_policy = t.step_count >= algo.policy_frozen_steps
+    train_policy = not algo.policy_frozen(t.step_count)
     trained = [o for name, o in t.optimised.items() if name != "policy" or train_policy]
     synced = [t.train_model, *algo.synced()] if train_policy else algo.synced()  # whose gradients the backward makes
     inputs = rollout.input_ids(), rollout.attention_mask()

@@ -132,6 +132,29 @@ def test_critic_loss_falls_on_a_fixed_batch_while_the_policy_warms_up(tmp_path, 
     assert all(torch.equal(policy_before[n], p) for n, p in params_of(trainer).items())  # warm-up: policy untouched
 
 
+def test_the_warm_up_ends_at_the_first_step_whose_explained_variance_reaches_the_target(tmp_path, addition_jsonl,
+                                                                                        monkeypatch):
+    """critic_warmup_ev: the policy is untouched while the critic's explained variance on the step's rollouts
+    (values from before its update) is below the target, and trains from the step that reaches it on."""
+    cfg = ppo_config(addition_jsonl, algorithm={"beta": 0.0, "ppo": {
+        "lam": 1.0, "critic_warmup_steps": 100, "critic_warmup_ev": 0.5, "critic_lr": 3e-3, "vf_coef": 1.0}})
+    trainer = PPOTrainer(cfg, tmp_path)
+    batch = trainer.sampler.sample(trainer.step_count, PhaseTimer())
+    monkeypatch.setattr(trainer.sampler, "sample", lambda step, timer, record=False: batch)
+    rows, policies = [], [params_of(trainer)]
+    while not rows or rows[-1]["critic_ready"] == 0.0:
+        assert len(rows) < 30, [r["explained_variance"] for r in rows]
+        rows.append(trainer.step())
+        policies.append(params_of(trainer))
+    *warm_up, first = rows
+    assert warm_up, "the critic reached the target before any warm-up step"
+    assert all(r["explained_variance"] < 0.5 and r["policy_loss"] is None for r in warm_up)
+    assert all(torch.equal(policies[0][n], p) for n, p in policies[-2].items())  # untouched through the warm-up
+    assert first["explained_variance"] >= 0.5 and first["policy_loss"] is not None
+    assert any(not torch.equal(policies[-2][n], p) for n, p in policies[-1].items())  # that step trained it
+    assert trainer.algorithm.state_dict()["critic_ready"] is True  # a resumed run does not warm up again
+
+
 def test_adaptive_controller_moves_beta_toward_the_target(tmp_path, addition_jsonl):
     """β grows while the measured KL is above the target and shrinks while below (Ziegler et al.):
     β_{k+1} = β_k (1 + clip(KL_k / target − 1, ±0.2) · B / horizon)."""
