@@ -55,6 +55,16 @@ def final_answers(run_dir: Path) -> tuple[dict[str, bool], dict[str, str]]:
     return answers, parts
 
 
+def start_answers(run_dir: Path) -> tuple[int | None, dict[str, bool]]:
+    """The run's evaluation before its first step (``eval.before``), when it evaluated again later: (0, problem id →
+    correct); else (None, {})."""
+    rows = [r for r in read_answers(run_dir) if r.get("id")]
+    steps = sorted({r["step"] for r in rows})
+    if len(steps) < 2 or steps[0] != 0:
+        return None, {}
+    return steps[0], {r["id"]: bool(r["correct"]) for r in rows if r["step"] == steps[0]}
+
+
 @dataclass
 class SeedRun:
     seed: int
@@ -65,6 +75,8 @@ class SeedRun:
     wall_s: float = 0.0
     cpu_s: float = 0.0
     machines: list[str] = field(default_factory=list)  # each attempt's machine (machine.label), first seen first
+    start_step: int | None = None  # the run's first evaluation, where it evaluated more than once (start_answers)
+    start: dict[str, bool] = field(default_factory=dict)
 
     @property
     def final_eval(self) -> dict | None:
@@ -112,7 +124,7 @@ def load_sweep(directory: Path) -> list[Arm]:
                 wall, cpu = times.get((name, seed), (0.0, 0.0))
                 answers, parts = final_answers(path)
                 arm.runs.append(SeedRun(seed, path, read_metrics(path), answers, parts, wall, cpu,
-                                        machines.get((name, seed), [])))
+                                        machines.get((name, seed), []), *start_answers(path)))
         out.append(arm)
     return out
 
@@ -263,6 +275,7 @@ def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, c
     if rows:
         text += (f"\n\nPaired against **{baseline}** on the same held-out problems (matched by id, the final "
                  "evaluation of each run, seed k against seed k):\n\n" + _PAIRED_HEAD + "\n".join(rows))
+    text += _start_section(arms_)
     if any(run.parts for a in arms_ for run in a.runs):
         text += _parts_section(arms_, base)
     text += _machines_section(arms_)
@@ -291,6 +304,42 @@ def _paired_rows(arms_: list[Arm], base: Arm, part: str | None) -> list[str]:
             diff = f"{d:+.3f} ({lo:+.3f} to {hi:+.3f})"
         rows.append(f"| {a.name} | {seeds} | {diff} |")
     return rows
+
+
+def from_start(arm: Arm, resamples: int = 10_000) -> dict:
+    """Each run's last evaluation against its evaluation at step 0 (``eval.before``: the model it started from), on the
+    problems both answered: per seed (seed, first step, last step, n, only first right, only last right, McNemar
+    p); and the bootstrap's (mean difference, low, high) over seeds (None when no run evaluated twice)."""
+    per_seed, diffs = [], []
+    for run in arm.runs:
+        common = sorted(set(run.start) & set(run.answers))
+        if run.start_step is None or not common:
+            continue
+        only_first, only_last = _discordant(run.start, run.answers, common)
+        last = run.final_eval["step"] if run.final_eval else None
+        per_seed.append((run.seed, run.start_step, last, len(common), only_first, only_last,
+                         mcnemar_exact(only_first, only_last)))
+        diffs.append([int(run.answers[i]) - int(run.start[i]) for i in common])
+    return {"per_seed": per_seed, "bootstrap": paired_bootstrap(diffs, resamples) if diffs else None}
+
+
+def _start_section(arms_: list[Arm]) -> str:
+    """What each arm's runs gained over the model each started from (:func:`from_start`); empty where no run
+    evaluated at step 0 and again later."""
+    rows = []
+    for a in arms_:
+        c = from_start(a)
+        if not c["per_seed"]:
+            continue
+        seeds = "; ".join(f"s{seed} step {first} → {last}: {of}/{ol} of {n}, p={_p(p)}"
+                          for seed, first, last, n, of, ol, p in c["per_seed"])
+        d, lo, hi = c["bootstrap"]
+        rows.append(f"| {a.name} | {seeds} | {d:+.3f} ({lo:+.3f} to {hi:+.3f}) |")
+    if not rows:
+        return ""
+    return ("\n\nEach run against its own evaluation at step 0 (the model it started from), on the same held-out problems:"
+            "\n\n| arm | per seed: only step 0 right / only the last evaluation right of n shared, exact McNemar p | "
+            "difference in accuracy, bootstrap 95% CI (seeds × problems) |\n|---|---|---|\n" + "\n".join(rows))
 
 
 def _agreement_section(arms_: list[Arm]) -> str:

@@ -135,7 +135,7 @@ def hand_made_sweep(root: Path, right: dict, unseen: set | None = None, last_ste
         rows = [{"step": last_step, "loss": 0.1 * (seed + 1), "reward_mean": 0.5},
                 {"step": last_step, "eval/accuracy": len(ok) / 10, "eval/n": 10}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        answers = [{"step": 0, "id": id_of(i), "correct": True} for i in range(10)]  # an earlier evaluation: ignored
+        answers = [{"step": 0, "id": id_of(i), "correct": True} for i in range(10)]  # the first evaluation
         answers += [{"step": last_step, "id": id_of(i), "correct": i in ok, **({} if unseen is None else {"unseen": i in unseen})}
                     for i in range(10)]
         (run / "eval_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
@@ -151,7 +151,7 @@ def hand_made_sweep(root: Path, right: dict, unseen: set | None = None, last_ste
 
 
 def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
-    from cohortrl.study import load_sweep, paired, seed_agreement, write_study_report
+    from cohortrl.study import from_start, load_sweep, paired, seed_agreement, write_study_report
 
     root = hand_made_sweep(tmp_path / "sweep", {
         ("A", 0): {0, 1, 2, 3, 4, 5}, ("B", 0): {0, 1, 2, 3, 6, 7, 8, 9},  # only A: p4 p5; only B: p6-p9
@@ -168,12 +168,17 @@ def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
     assert low < mean < high
     # an arm's seeds against each other: A's seed 0 alone right on p2-p5 (p = 2·C(4,0)/2^4 = 0.125), both on p0 p1
     assert seed_agreement(a) == {"pairs": [(0, 1, 10, 4, 0, 0.125)], "n": 10, "all": 2, "any": 6}
+    # each run against its own first evaluation (step 0: every problem right): A lost p6-p9 at seed 0, p2-p9 at seed 1
+    start = from_start(a)
+    assert start["per_seed"] == [(0, 0, 5, 10, 4, 0, 0.125), (1, 0, 5, 10, 8, 0, 0.0078125)]
+    assert start["bootstrap"][0] == pytest.approx((-4 - 8) / 20)
 
     md, png = write_study_report([root], tmp_path / "report", metrics=["loss"])
     text = md.read_text()
     assert "s0: 2/4 of 10, p=0.688; s1: 0/8 of 10, p=0.008" in text
     assert "| x=A | s0 v s1: 4/0 of 10, p=0.125 | 2 / 6 of 10 |" in text
     assert "| x=B | s0 v s1: 0/2 of 10, p=0.500 | 8 / 10 of 10 |" in text  # B's seed 1 alone right on p4 p5
+    assert "| x=A | s0 step 0 → 5: 4/0 of 10, p=0.125; s1 step 0 → 5: 8/0 of 10, p=0.008 | -0.600" in text
     assert "| x=A | 2 | s0 0.600 (0.313-0.832, n=10, step 5); s1 0.200 (0.057-0.510, n=10, step 5) | 0.400 | 0.283 |" in text
     assert "0.15 ± 0.071" in text  # loss: seeds 0.1 and 0.2
     assert "| 20 | 30 |" in text  # wall and CPU s summed over the arm's finished runs
