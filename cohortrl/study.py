@@ -65,6 +65,17 @@ def start_answers(run_dir: Path) -> tuple[int | None, dict[str, bool]]:
     return steps[0], {r["id"]: bool(r["correct"]) for r in rows if r["step"] == steps[0]}
 
 
+def sampled_answers(run_dir: Path) -> tuple[dict[str, float], dict[str, float], int]:
+    """Where the run drew k samples per problem (``eval.pass_k``): problem id → the fraction of them right, at its
+    last evaluation and at step 0 (empty where step 0 was not evaluated or drew none), and k; else ({}, {}, 0)."""
+    rows = [r for r in read_answers(run_dir) if r.get("id") and r.get("samples")]
+    if not rows:
+        return {}, {}, 0
+    last = max(r["step"] for r in rows)
+    frac = lambda step: {r["id"]: r["sampled_correct"] / r["samples"] for r in rows if r["step"] == step}
+    return frac(last), (frac(0) if last != 0 else {}), rows[0]["samples"]
+
+
 @dataclass
 class SeedRun:
     seed: int
@@ -77,6 +88,10 @@ class SeedRun:
     machines: list[str] = field(default_factory=list)  # each attempt's machine (machine.label), first seen first
     start_step: int | None = None  # the run's first evaluation, where it evaluated more than once (start_answers)
     start: dict[str, bool] = field(default_factory=dict)
+    # eval.pass_k: problem id → fraction of the k samples right, at the last evaluation and at step 0 (sampled_answers)
+    sampled: dict[str, float] = field(default_factory=dict)
+    start_sampled: dict[str, float] = field(default_factory=dict)
+    samples: int = 0
 
     @property
     def final_eval(self) -> dict | None:
@@ -124,7 +139,7 @@ def load_sweep(directory: Path) -> list[Arm]:
                 wall, cpu = times.get((name, seed), (0.0, 0.0))
                 answers, parts = final_answers(path)
                 arm.runs.append(SeedRun(seed, path, read_metrics(path), answers, parts, wall, cpu,
-                                        machines.get((name, seed), []), *start_answers(path)))
+                                        machines.get((name, seed), []), *start_answers(path), *sampled_answers(path)))
         out.append(arm)
     return out
 
@@ -276,6 +291,8 @@ def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, c
         text += (f"\n\nPaired against **{baseline}** on the same held-out problems (matched by id, the final "
                  "evaluation of each run, seed k against seed k):\n\n" + _PAIRED_HEAD + "\n".join(rows))
     text += _start_section(arms_)
+    if any(run.sampled for a in arms_ for run in a.runs):
+        text += _sampled_section(arms_, base)
     if any(run.parts for a in arms_ for run in a.runs):
         text += _parts_section(arms_, base)
     text += _machines_section(arms_)
@@ -340,6 +357,68 @@ def _start_section(arms_: list[Arm]) -> str:
     return ("\n\nEach run against its own evaluation at step 0 (the model it started from), on the same held-out problems:"
             "\n\n| arm | per seed: only step 0 right / only the last evaluation right of n shared, exact McNemar p | "
             "difference in accuracy, bootstrap 95% CI (seeds × problems) |\n|---|---|---|\n" + "\n".join(rows))
+
+
+def sampled_paired(pairs: list[tuple[int, dict[str, float], dict[str, float]]], resamples: int = 10_000) -> dict:
+    """Sampled accuracy (each problem's fraction of k samples right), B against A on the problems both drew:
+    ``pairs`` holds (seed, A's fractions, B's fractions). Per seed (seed, n, A's mean, B's mean, B − A with the
+    bootstrap's 95% interval over its problems); and over seeds the two-level bootstrap's (mean, low, high)."""
+    per_seed, diffs = [], []
+    for seed, a, b in pairs:
+        common = sorted(set(a) & set(b))
+        if not common:
+            continue
+        d = [b[i] - a[i] for i in common]
+        mean, lo, hi = paired_bootstrap([d], resamples)
+        per_seed.append((seed, len(common), statistics.fmean(a[i] for i in common),
+                         statistics.fmean(b[i] for i in common), mean, lo, hi))
+        diffs.append(d)
+    return {"per_seed": per_seed, "bootstrap": paired_bootstrap(diffs, resamples) if diffs else None}
+
+
+def _sampled_section(arms_: list[Arm], base: Arm) -> str:
+    """Sampled accuracy (eval.pass_k): per arm and seed, with its interval over problems; each arm paired with the
+    baseline and each run with its own step 0, on per-problem fractions of the k samples right."""
+    ks = sorted({run.samples for a in arms_ for run in a.runs if run.samples})
+    lines = ["| arm | per seed: sampled accuracy (95% CI over problems, n) |", "|---|---|"]
+    for a in arms_:
+        cells = []
+        for run in a.runs:
+            if run.sampled:
+                values = list(run.sampled.values())
+                mean = statistics.fmean(values)
+                half = 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 1.0
+                cells.append(f"s{run.seed} {mean:.3f} ({max(0.0, mean - half):.3f}-{min(1.0, mean + half):.3f}, n={len(values)})")
+        lines.append(f"| {a.name} | {'; '.join(cells) or '–'} |")
+    text = (f"\n\nSampled accuracy: {' or '.join(map(str, ks))} samples per held-out problem at the evaluation's temperature "
+            "(`eval.pass_k`), each problem's fraction right; the greedy tables above do not see a policy that only "
+            "sharpens its sampling:\n\n" + "\n".join(lines))
+
+    def rows(pairs_of) -> list[str]:
+        out = []
+        for a in arms_:
+            c = sampled_paired(pairs_of(a))
+            if not c["per_seed"]:
+                continue
+            seeds = "; ".join(f"s{seed} {ma:.3f} → {mb:.3f}: {d:+.3f} ({lo:+.3f} to {hi:+.3f})"
+                              for seed, n, ma, mb, d, lo, hi in c["per_seed"])
+            d, lo, hi = c["bootstrap"]
+            out.append(f"| {a.name} | {seeds} | {d:+.3f} ({lo:+.3f} to {hi:+.3f}) |")
+        return out
+
+    head = ("| arm | per seed: {what} → this, difference (bootstrap 95% CI over problems) | difference, bootstrap 95% CI "
+            "(seeds × problems) |\n|---|---|---|\n")
+    base_by_seed = {r.seed: r for r in base.runs}
+    against_base = rows(lambda a: [] if a is base else [
+        (r.seed, base_by_seed[r.seed].sampled, r.sampled) for r in a.runs if r.seed in base_by_seed])
+    if against_base:
+        text += (f"\n\nSampled accuracy paired against **{base.name}**, seed k against seed k, problem by problem:\n\n"
+                 + head.format(what="baseline") + "\n".join(against_base))
+    against_start = rows(lambda a: [(r.seed, r.start_sampled, r.sampled) for r in a.runs if r.start_sampled])
+    if against_start:
+        text += ("\n\nSampled accuracy of each run against its own step 0, problem by problem:\n\n"
+                 + head.format(what="step 0") + "\n".join(against_start))
+    return text
 
 
 def _agreement_section(arms_: list[Arm]) -> str:

@@ -121,10 +121,12 @@ def test_seed_placeholders_grid_parsing_and_a_changed_definition(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the paired report
-def hand_made_sweep(root: Path, right: dict, unseen: set | None = None, last_step: int = 5, id_of=lambda i: f"p{i}") -> Path:
+def hand_made_sweep(root: Path, right: dict, unseen: set | None = None, last_step: int = 5, id_of=lambda i: f"p{i}",
+                    sampled: dict | None = None) -> Path:
     """A sweep directory written by hand: arms A and B, seeds 0 and 1, ten problems each; ``right[(arm, seed)]``
     lists the problems answered correctly at the last evaluation (``last_step``); ``unseen``: the problems marked so
-    (as ``data.exclude_from_training`` marks them), the others marked seen."""
+    (as ``data.exclude_from_training`` marks them), the others marked seen; ``sampled[(arm, seed)]``: per problem,
+    how many of 4 samples were right at the last evaluation (eval.pass_k; 2 of 4 at step 0)."""
     root.mkdir()
     (root / "sweep.json").write_text(json.dumps({"config": "c.yaml", "command": "train", "grid": {"x": ["A", "B"]},
                                                  "seeds": [0, 1, 2], "overrides": []}))
@@ -135,8 +137,11 @@ def hand_made_sweep(root: Path, right: dict, unseen: set | None = None, last_ste
         rows = [{"step": last_step, "loss": 0.1 * (seed + 1), "reward_mean": 0.5},
                 {"step": last_step, "eval/accuracy": len(ok) / 10, "eval/n": 10}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        answers = [{"step": 0, "id": id_of(i), "correct": True} for i in range(10)]  # the first evaluation
-        answers += [{"step": last_step, "id": id_of(i), "correct": i in ok, **({} if unseen is None else {"unseen": i in unseen})}
+        drawn = (sampled or {}).get((arm, seed))
+        at_0 = {"sampled_correct": 2, "samples": 4} if drawn else {}
+        answers = [{"step": 0, "id": id_of(i), "correct": True, **at_0} for i in range(10)]  # the first evaluation
+        answers += [{"step": last_step, "id": id_of(i), "correct": i in ok, **({} if unseen is None else {"unseen": i in unseen}),
+                     **({"sampled_correct": drawn[i], "samples": 4} if drawn else {})}
                     for i in range(10)]
         (run / "eval_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
         lines.append(json.dumps({"run": str(run), "arm": f"x={arm}", "seed": seed, "attempt": "start", "rc": 0,
@@ -190,6 +195,26 @@ def test_the_report_pairs_arms_problem_by_problem_as_computed_by_hand(tmp_path):
     assert (copy / "x=B" / "seed1" / ANSWERS).is_file() and not (copy / "x=B" / "seed1" / "eval_completions.jsonl").exists()
     strip = lambda t: [line for line in t.splitlines() if "Regenerate" not in line and "![curves]" not in line and not line.startswith("# ")]
     assert strip(md2.read_text()) == strip((tmp_path / "r1.md").read_text())
+
+
+def test_the_report_pairs_sampled_accuracy_problem_by_problem(tmp_path):
+    """eval.pass_k's per-problem counts: each arm's sampled accuracy, paired with the baseline and with step 0."""
+    from cohortrl.study import load_sweep, sampled_paired
+
+    root = hand_made_sweep(tmp_path / "sweep", {("A", 0): set(), ("B", 0): set()}, sampled={
+        ("A", 0): [1] * 10, ("B", 0): [3] * 5 + [1] * 5})  # of 4 samples; step 0 had 2 of 4 on every problem
+    a, b = load_sweep(root)
+    assert a.runs[0].samples == 4 and a.runs[0].sampled["p0"] == 0.25 and b.runs[0].start_sampled["p9"] == 0.5
+    c = sampled_paired([(0, a.runs[0].sampled, b.runs[0].sampled)])
+    seed, n, mean_a, mean_b, diff, lo, hi = c["per_seed"][0]
+    assert (seed, n, mean_a, mean_b, diff) == (0, 10, 0.25, 0.5, pytest.approx(0.25))  # B − A: +0.5 on p0-p4, 0 on p5-p9
+    assert lo < diff < hi and c["bootstrap"][0] == pytest.approx(0.25)
+    from cohortrl.study import write_study_report
+
+    text = write_study_report([root], tmp_path / "r")[0].read_text()
+    assert "| x=A | s0 0.250 (0.250-0.250, n=10) |" in text  # every problem 1 of 4: no spread
+    assert "| x=B | s0 0.250 → 0.500: +0.250" in text  # against the baseline A
+    assert "| x=A | s0 0.500 → 0.250: -0.250 (-0.250 to -0.250) |" in text  # A against its own step 0
 
 
 def test_several_sweeps_are_reported_side_by_side_as_one_study(tmp_path):

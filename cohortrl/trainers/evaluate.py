@@ -54,8 +54,10 @@ def export_answers(run_dir: Path) -> Path | None:
     if not source.is_file():
         return None
     rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
-    # ``unseen`` only where the run marked it (data.exclude_from_training): older answers files stay as they were.
-    fields = ANSWER_FIELDS + (("unseen",) if any("unseen" in r for r in rows) else ())
+    # ``unseen`` only where the run marked it (data.exclude_from_training), the sampled counts only where it drew
+    # them (eval.pass_k): older answers files stay as they were.
+    fields = (ANSWER_FIELDS + (("unseen",) if any("unseen" in r for r in rows) else ())
+              + (("sampled_correct", "samples") if any("samples" in r for r in rows) else ()))
     text = "".join(json.dumps({k: r.get(k) for k in fields}) + "\n" for r in rows)
     out = Path(run_dir) / ANSWERS
     tmp = out.with_name(ANSWERS + ".tmp")
@@ -109,8 +111,10 @@ def evaluate(
     On gym problems graded by keyed steps, ``eval/error/<category>`` is the fraction of greedy responses whose
     first error is of that category, and ``eval/unsupported_correct`` the fraction right by the outcome with a
     required step missing or wrong (``rewards/error_categories.py``). ``responses``, if given, receives one
-    dict per greedy response: its problem id, prompt, completion, correctness, category, length and tool calls."""
+    dict per greedy response: its problem id, prompt, completion, correctness, category, length and tool calls;
+    with ``pass_k``, also how many of the k samples were right (``sampled_correct``) of ``samples``."""
     out: dict[str, float] = {}
+    first_response = len(responses) if responses is not None else 0
     kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts,
               tools=tools, fast_path=fast_path)
     correct, lengths, calls, categories = [], [], [], []
@@ -158,6 +162,9 @@ def evaluate(
                 per_prompt.append((torch.tensor([float(v or 0.0) for v in per_fn[correctness.name]]) >= 1.0).float().view(-1, pass_k))
                 progress.info("held-out evaluation: %d/%d prompts (%d samples each)", start + len(chunk), len(rows), pass_k)
         hits_PK = torch.cat(per_prompt)
+        if responses is not None:  # one greedy response per row, in the rows' order
+            for response, hits in zip(responses[first_response:], hits_PK.sum(-1).tolist()):
+                response.update(sampled_correct=int(hits), samples=pass_k)
         mean_P = hits_PK.mean(-1)
         half = 1.96 * mean_P.std().item() / len(mean_P) ** 0.5 if len(mean_P) > 1 else 1.0
         out[f"eval/pass@{pass_k}"] = hits_PK.max(-1).values.mean().item()

@@ -272,6 +272,12 @@ def test_metrics_and_curves_are_written(tmp_path, addition_jsonl):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 2]
     assert {"eval/accuracy", "eval/pass@2", "eval/accuracy_ci_low"} <= set(rows[0])
+    # each evaluated problem keeps how many of its 2 samples were right, and they make the logged sampled accuracy
+    from cohortrl.trainers.evaluate import read_answers
+
+    answers = [r for r in read_answers(tmp_path) if r["step"] == 0]
+    assert len(answers) == 8 and all(r["samples"] == 2 and r["sampled_correct"] in (0, 1, 2) for r in answers)
+    assert rows[0]["eval/sampled_accuracy"] == pytest.approx(sum(r["sampled_correct"] for r in answers) / 16)
     fn_key = f"reward/{FNS}:starts_with_letter"
     assert rows[1][f"{fn_key}_std"] >= 0 and f"{fn_key}_mean" in rows[1]
     for key in ("reward_mean", "accuracy", "zero_variance_frac", "kl", "clip_frac_low", "clip_frac_high", "entropy",
