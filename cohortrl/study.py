@@ -55,25 +55,33 @@ def final_answers(run_dir: Path) -> tuple[dict[str, bool], dict[str, str]]:
     return answers, parts
 
 
-def start_answers(run_dir: Path) -> tuple[int | None, dict[str, bool]]:
+def start_answers(run_dir: Path) -> tuple[int | None, dict[str, bool], int | None]:
     """The run's evaluation before its first step (``eval.before``), when it evaluated again later: (0, problem id →
-    correct); else (None, {})."""
+    correct, the last evaluation's step); else (None, {}, None)."""
     rows = [r for r in read_answers(run_dir) if r.get("id")]
     steps = sorted({r["step"] for r in rows})
     if len(steps) < 2 or steps[0] != 0:
-        return None, {}
-    return steps[0], {r["id"]: bool(r["correct"]) for r in rows if r["step"] == steps[0]}
+        return None, {}, None
+    return steps[0], {r["id"]: bool(r["correct"]) for r in rows if r["step"] == steps[0]}, steps[-1]
 
 
 def sampled_answers(run_dir: Path) -> tuple[dict[str, float], dict[str, float], int]:
-    """Where the run drew k samples per problem (``eval.pass_k``): problem id → the fraction of them right, at its
-    last evaluation and at step 0 (empty where step 0 was not evaluated or drew none), and k; else ({}, {}, 0)."""
-    rows = [r for r in read_answers(run_dir) if r.get("id") and r.get("samples")]
+    """Where the run's last evaluation (the one the greedy tables read) drew k samples per problem
+    (``eval.pass_k``): problem id → the fraction of them right there and at step 0 (empty where step 0 was not
+    evaluated or drew none), and k; else ({}, {}, 0)."""
+    rows = [r for r in read_answers(run_dir) if r.get("id")]
     if not rows:
         return {}, {}, 0
     last = max(r["step"] for r in rows)
-    frac = lambda step: {r["id"]: r["sampled_correct"] / r["samples"] for r in rows if r["step"] == step}
-    return frac(last), (frac(0) if last != 0 else {}), rows[0]["samples"]
+
+    def fractions(step: int) -> dict[str, float]:
+        return {r["id"]: r["sampled_correct"] / r["samples"] for r in rows if r["step"] == step and r.get("samples")}
+
+    final = fractions(last)
+    if not final:
+        return {}, {}, 0
+    ks = {r["samples"] for r in rows if r["step"] == last and r.get("samples")}
+    return final, (fractions(0) if last != 0 else {}), ks.pop() if len(ks) == 1 else 0
 
 
 @dataclass
@@ -86,8 +94,9 @@ class SeedRun:
     wall_s: float = 0.0
     cpu_s: float = 0.0
     machines: list[str] = field(default_factory=list)  # each attempt's machine (machine.label), first seen first
-    start_step: int | None = None  # the run's first evaluation, where it evaluated more than once (start_answers)
+    start_step: int | None = None  # 0 where the run evaluated before training and again later (start_answers)
     start: dict[str, bool] = field(default_factory=dict)
+    last_step: int | None = None  # then: the step of the last evaluation, which ``answers`` holds
     # eval.pass_k: problem id → fraction of the k samples right, at the last evaluation and at step 0 (sampled_answers)
     sampled: dict[str, float] = field(default_factory=dict)
     start_sampled: dict[str, float] = field(default_factory=dict)
@@ -333,8 +342,7 @@ def from_start(arm: Arm, resamples: int = 10_000) -> dict:
         if run.start_step is None or not common:
             continue
         only_first, only_last = _discordant(run.start, run.answers, common)
-        last = run.final_eval["step"] if run.final_eval else None
-        per_seed.append((run.seed, run.start_step, last, len(common), only_first, only_last,
+        per_seed.append((run.seed, run.start_step, run.last_step, len(common), only_first, only_last,
                          mcnemar_exact(only_first, only_last)))
         diffs.append([int(run.answers[i]) - int(run.start[i]) for i in common])
     return {"per_seed": per_seed, "bootstrap": paired_bootstrap(diffs, resamples) if diffs else None}
@@ -379,7 +387,7 @@ def sampled_paired(pairs: list[tuple[int, dict[str, float], dict[str, float]]], 
 def _sampled_section(arms_: list[Arm], base: Arm) -> str:
     """Sampled accuracy (eval.pass_k): per arm and seed, with its interval over problems; each arm paired with the
     baseline and each run with its own step 0, on per-problem fractions of the k samples right."""
-    ks = sorted({run.samples for a in arms_ for run in a.runs if run.samples})
+    ks = sorted({run.samples for a in arms_ for run in a.runs if run.samples}) or ["k (varied within a run)"]
     lines = ["| arm | per seed: sampled accuracy (95% CI over problems, n) |", "|---|---|"]
     for a in arms_:
         cells = []
@@ -414,6 +422,8 @@ def _sampled_section(arms_: list[Arm], base: Arm) -> str:
     if against_base:
         text += (f"\n\nSampled accuracy paired against **{base.name}**, seed k against seed k, problem by problem:\n\n"
                  + head.format(what="baseline") + "\n".join(against_base))
+    elif not any(r.sampled for r in base.runs):
+        text += f"\n\nThe baseline **{base.name}** drew no samples at its last evaluation: no arm is paired with it on sampled accuracy."
     against_start = rows(lambda a: [(r.seed, r.start_sampled, r.sampled) for r in a.runs if r.start_sampled])
     if against_start:
         text += ("\n\nSampled accuracy of each run against its own step 0, problem by problem:\n\n"

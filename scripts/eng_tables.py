@@ -10,7 +10,8 @@ is computed from the folders' answers (``answers.jsonl.gz``), metrics and ``swee
     .venv/bin/python scripts/eng_tables.py             # write them into the doc
 
 ``make reports`` runs it after the reports; tests/test_eng_tables.py makes the --check comparison in the suite.
-Tables of the sections dated before the sweep existed (rounds 1-4 and the single-run families) rest on runs whose
+What the script does not check: the numbers in the doc's prose, and the header cells written in TABLES (such as
+"n = 200" or "of 71"). Tables of the sections dated before the sweep existed (rounds 1-4 and the single-run families) rest on runs whose
 per-problem answers were not kept; they are not marked, and the doc says so.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import difflib
 import os
 import re
 import statistics
@@ -61,9 +63,10 @@ def arm_of(row: Row) -> Arm:
         found = {a.name: a for a in load_sweep(REPO / row.folder)}
         if row.arm not in found:
             raise SystemExit(f"{row.folder} has no arm {row.arm!r} (it has {', '.join(found)})")
+        if len(found[row.arm].runs) < 2:
+            raise SystemExit(f"{row.folder}/{row.arm}: {len(found[row.arm].runs)} finished run(s); a table row needs "
+                             "at least two seeds for its sd")
         _ARMS[key] = found[row.arm]
-        if not found[row.arm].runs:
-            raise SystemExit(f"{row.folder}/{row.arm}: no finished run")
     return _ARMS[key]
 
 
@@ -120,8 +123,10 @@ def paired_cell(base: Arm, other: Arm, with_bootstrap: bool) -> str:
     by_seed = {r.seed: r for r in base.runs}
     seeds, diffs = [], []
     for run in other.runs:
-        b = by_seed[run.seed]
-        common = sorted(set(b.answers) & set(run.answers))
+        b = by_seed.get(run.seed)
+        common = sorted(set(b.answers) & set(run.answers)) if b is not None else []
+        if not common:
+            raise SystemExit(f"{run.path}: no problem shared with seed {run.seed} of the row it is paired with")
         ob = sum(b.answers[i] and not run.answers[i] for i in common)
         oo = sum(run.answers[i] and not b.answers[i] for i in common)
         seeds.append(f"{ob}/{oo} (p = {_p(mcnemar_exact(ob, oo))})")
@@ -264,6 +269,8 @@ def regenerate(text: str) -> tuple[str, list[str]]:
         if name not in TABLES:
             raise SystemExit(f"docs/engineering.md marks a table {name!r} that scripts/eng_tables.py does not define")
         names.append(name)
+        if i >= len(lines) or not lines[i].startswith("|"):
+            raise SystemExit(f"docs/engineering.md line {i}: the table {name!r} must start on the line right after its marker")
         while i < len(lines) and lines[i].startswith("|"):
             i += 1
         out.append(render(TABLES[name]))
@@ -282,9 +289,9 @@ def main(argv: list[str]) -> int:
     new, names = regenerate(text)
     if check:
         if new != text:
-            old_lines, new_lines = text.split("\n"), new.split("\n")
-            differ = [f"  doc:  {a}\n  made: {b}" for a, b in zip(old_lines, new_lines) if a != b]
-            print(f"docs/engineering.md: tables differ from what their folders give now:\n" + "\n".join(differ[:10]))
+            diff = difflib.unified_diff(text.split("\n"), new.split("\n"), "docs/engineering.md", "made from the folders",
+                                        lineterm="", n=0)
+            print("docs/engineering.md: tables differ from what their folders give now:\n" + "\n".join(list(diff)[:40]))
             return 1
         print(f"same: {len(names)} tables of docs/engineering.md ({', '.join(names)})")
         return 0

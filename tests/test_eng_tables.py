@@ -43,3 +43,9 @@ def test_a_changed_number_is_put_back(script, monkeypatch):
 def test_an_unknown_marker_is_refused(script):
     with pytest.raises(SystemExit, match="does not define"):
         script.regenerate("<!-- table no_such_table: scripts/eng_tables.py -->\n| a |\n")
+
+
+def test_a_marker_must_sit_right_above_its_table(script):
+    name = next(iter(script.TABLES))
+    with pytest.raises(SystemExit, match="must start on the line right after its marker"):
+        script.regenerate(f"<!-- table {name}: scripts/eng_tables.py -->\n\n| a |\n")

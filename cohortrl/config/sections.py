@@ -315,8 +315,11 @@ class PPOConfig:
     a value function that has seen some returns. With ``critic_warmup_ev``, the most such steps."""
     critic_warmup_ev: Optional[float] = None
     """End the critic's warm-up early, at the first step whose explained variance reaches this value (e.g. 0.3):
-    1 − Var[R − V]/Var[R] over that step's fresh rollouts, with V from before the critic trained on them, so
-    it measures the critic on returns it has not seen. That step already trains the policy. Null: the warm-up
+    1 − Var[R − V]/Var[R] over that step's fresh rollouts (the tokens the critic trains on), V from before the
+    critic trained on them and R the Monte-Carlo return (the discounted sum of the rewards that follow; GAE's
+    λ-return contains V itself, which would flatter a critic that tracks nothing), logged as
+    ``explained_variance_mc``. That step already trains the policy; a batch whose returns do not vary does not
+    end the warm-up. Null: the warm-up
     is ``critic_warmup_steps`` steps. Needs ``critic_warmup_steps`` > 0 (the most steps to wait) and a constant
     ``optim.schedule`` (the policy's number of updates is not known in advance)."""
     critic_init: str = "policy"

@@ -151,7 +151,8 @@ def evaluate(
     if pass_k:
         # k samples per prompt give both pass@k (any of the k correct) and the sampled accuracy (mean over
         # the k), whose interval is taken over prompts: samples of one prompt are not independent.
-        with torch.random.fork_rng(devices=[]):
+        # every device's generator forked: a GPU run's sampling would otherwise advance the CUDA stream
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
             per_prompt = []
             per_batch = max(1, batch_size // pass_k)
             for start in range(0, len(rows), per_batch):
@@ -163,7 +164,9 @@ def evaluate(
                 progress.info("held-out evaluation: %d/%d prompts (%d samples each)", start + len(chunk), len(rows), pass_k)
         hits_PK = torch.cat(per_prompt)
         if responses is not None:  # one greedy response per row, in the rows' order
-            for response, hits in zip(responses[first_response:], hits_PK.sum(-1).tolist()):
+            greedy = responses[first_response:]
+            assert len(greedy) == len(hits_PK), f"{len(greedy)} greedy responses for {len(hits_PK)} sampled prompts"
+            for response, hits in zip(greedy, hits_PK.sum(-1).tolist()):
                 response.update(sampled_correct=int(hits), samples=pass_k)
         mean_P = hits_PK.mean(-1)
         half = 1.96 * mean_P.std().item() / len(mean_P) ** 0.5 if len(mean_P) > 1 else 1.0

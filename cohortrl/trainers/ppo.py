@@ -4,8 +4,8 @@
 What is PPO's own, against GRPO (``grpo.py``):
 
 * a critic V (``critic.py``): its own copy of a transformer with a scalar head, its own AdamW and LR,
-  optionally trained alone for the first ``critic_warmup_steps`` steps, or until its explained variance on a
-  step's fresh rollouts reaches ``critic_warmup_ev``;
+  optionally trained alone for the first ``critic_warmup_steps`` steps, or until its explained variance of the
+  Monte-Carlo returns of a step's fresh rollouts reaches ``critic_warmup_ev``;
 * the KL to the reference is a penalty in the reward, not a loss term. Per response token t:
       r_t = −β · KL_t  (+ the response's score on its last token)            Ziegler et al. §2.2
   with KL_t the k1 (log π_old − log π_ref) or k3 estimate, β fixed or steered towards a target KL by the
@@ -110,10 +110,16 @@ class PPO(Algorithm):
         values_all, returns_all = d.gather_rows(old_values_BT), d.gather_rows(returns_BT)
         kl_per_response = masked_sum(kl_all, mask_all, dim=-1).mean().item()
         self.kl_controller.update(kl_per_response, n_steps=kl_all.shape[0])
-        # Measured on returns the critic has not trained on: V is from before this step's update.
+        # The warm-up's gate: V (from before this step's update, so on returns it has not trained on) against the
+        # Monte-Carlo return, the discounted sum of the rewards that follow (GAE at λ = 1). The λ-return the critic
+        # trains on is built from V itself, so against it even a V unrelated to the reward explains much of the
+        # variance at λ < 1. Over the tokens the critic trains on.
         explained = _explained_variance(values_all, returns_all, mask_all)
-        if p.critic_warmup_ev is not None and explained is not None and explained >= p.critic_warmup_ev:
-            self.critic_ready = True
+        if p.critic_warmup_ev is not None:
+            _, mc_returns = gae_advantages(token_rewards_BT, old_values_BT, response_mask, p.gamma, 1.0)
+            explained_mc = _explained_variance(values_all, d.gather_rows(mc_returns), d.gather_rows(loss_mask))
+            if explained_mc is not None and explained_mc >= p.critic_warmup_ev:
+                self.critic_ready = True
         metrics = {
             # The KL the reward penalised: sampling policy vs reference, per token (GRPO logs its loss term's KL).
             "kl": masked_mean(kl_all, mask_all).item(),
@@ -125,6 +131,7 @@ class PPO(Algorithm):
             "critic_lr": self.critic_optimised.scheduler.get_last_lr()[0],
         }
         if p.critic_warmup_ev is not None:
+            metrics["explained_variance_mc"] = explained_mc
             metrics["critic_ready"] = float(self.critic_ready)
         return Targets(advantages_BT, old_logp, ref_logp, old_values_BT, returns_BT, metrics, detail=detail)
 

@@ -134,25 +134,42 @@ def test_critic_loss_falls_on_a_fixed_batch_while_the_policy_warms_up(tmp_path, 
 
 def test_the_warm_up_ends_at_the_first_step_whose_explained_variance_reaches_the_target(tmp_path, addition_jsonl,
                                                                                         monkeypatch):
-    """critic_warmup_ev: the policy is untouched while the critic's explained variance on the step's rollouts
-    (values from before its update) is below the target, and trains from the step that reaches it on."""
+    """critic_warmup_ev: the policy is untouched while the critic's explained variance of the Monte-Carlo returns
+    on the step's rollouts (values from before its update) is below the target, and trains from the step that
+    reaches it on. λ 0.95: the gate reads the Monte-Carlo return, not the λ-return the critic trains on."""
     cfg = ppo_config(addition_jsonl, algorithm={"beta": 0.0, "ppo": {
-        "lam": 1.0, "critic_warmup_steps": 100, "critic_warmup_ev": 0.5, "critic_lr": 3e-3, "vf_coef": 1.0}})
+        "lam": 0.95, "critic_warmup_steps": 100, "critic_warmup_ev": 0.5, "critic_lr": 3e-3, "vf_coef": 1.0}})
     trainer = PPOTrainer(cfg, tmp_path)
     batch = trainer.sampler.sample(trainer.step_count, PhaseTimer())
     monkeypatch.setattr(trainer.sampler, "sample", lambda step, timer, record=False: batch)
     rows, policies = [], [params_of(trainer)]
     while not rows or rows[-1]["critic_ready"] == 0.0:
-        assert len(rows) < 30, [r["explained_variance"] for r in rows]
+        assert len(rows) < 30, [r["explained_variance_mc"] for r in rows]
         rows.append(trainer.step())
         policies.append(params_of(trainer))
     *warm_up, first = rows
     assert warm_up, "the critic reached the target before any warm-up step"
-    assert all(r["explained_variance"] < 0.5 and r["policy_loss"] is None for r in warm_up)
+    assert all(r["explained_variance_mc"] < 0.5 and r["policy_loss"] is None for r in warm_up)
     assert all(torch.equal(policies[0][n], p) for n, p in policies[-2].items())  # untouched through the warm-up
-    assert first["explained_variance"] >= 0.5 and first["policy_loss"] is not None
+    assert first["explained_variance_mc"] >= 0.5 and first["policy_loss"] is not None
     assert any(not torch.equal(policies[-2][n], p) for n, p in policies[-1].items())  # that step trained it
     assert trainer.algorithm.state_dict()["critic_ready"] is True  # a resumed run does not warm up again
+
+
+def test_the_gate_reads_the_monte_carlo_return_which_a_critic_unrelated_to_the_reward_does_not_explain():
+    """Why the warm-up's gate is not the logged explained_variance: GAE's λ-return is built from V, so a V that is
+    a random constant per response, unrelated to the score, explains most of the λ-return's variance."""
+    from cohortrl.algorithms import gae_advantages, outcome_token_rewards
+    from cohortrl.trainers.ppo import _explained_variance
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(64, 200)
+    rewards = outcome_token_rewards((torch.rand(64, generator=g) < 0.5).float(), mask)
+    values = torch.randn(64, 1, generator=g).expand(64, 200)  # knows nothing of the score
+    _, lam_returns = gae_advantages(rewards, values, mask, 1.0, 0.95)
+    _, mc_returns = gae_advantages(rewards, values, mask, 1.0, 1.0)
+    assert _explained_variance(values, lam_returns, mask) > 0.5
+    assert _explained_variance(values, mc_returns, mask) < 0.0
 
 
 def test_adaptive_controller_moves_beta_toward_the_target(tmp_path, addition_jsonl):
