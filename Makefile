@@ -31,7 +31,8 @@ demo-arithmetic: $(STAMP)
 	$(BIN)/cohortrl demo --arithmetic
 
 # Every committed study report (docs/**/*.md, OUT.png) made again from its committed sweep folders
-# (scripts/regenerate_reports.py; tests/test_committed_reports.py checks that the texts are unchanged).
+# (scripts/regenerate_reports.py; tests/test_sweep.py checks that the texts are unchanged), then the tables of
+# docs/engineering.md (scripts/eng_tables.py; tests/test_eng_tables.py).
 reports: $(STAMP)
 	$(BIN)/python scripts/regenerate_reports.py
 	$(BIN)/python scripts/eng_tables.py
