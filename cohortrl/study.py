@@ -41,7 +41,11 @@ def final_answers(run_dir: Path) -> tuple[dict[str, bool], dict[str, str]]:
     and problem id → its part of the held-out set: "unseen" or "seen" where the run marked them
     (``data.exclude_from_training``), else "level N" where its problems span several levels (``data.levels``),
     else {}."""
-    rows = read_answers(run_dir)
+    return final_of(read_answers(run_dir))
+
+
+def final_of(rows: list[dict]) -> tuple[dict[str, bool], dict[str, str]]:
+    """:func:`final_answers` from a run's answers (``read_answers``)."""
     if not rows:
         return {}, {}
     last = max(r["step"] for r in rows)
@@ -55,21 +59,21 @@ def final_answers(run_dir: Path) -> tuple[dict[str, bool], dict[str, str]]:
     return answers, parts
 
 
-def start_answers(run_dir: Path) -> tuple[int | None, dict[str, bool], int | None]:
-    """The run's evaluation before its first step (``eval.before``), when it evaluated again later: (0, problem id →
-    correct, the last evaluation's step); else (None, {}, None)."""
-    rows = [r for r in read_answers(run_dir) if r.get("id")]
+def start_answers(rows: list[dict]) -> tuple[int | None, dict[str, bool], int | None]:
+    """From a run's answers (``read_answers``): its evaluation before its first step (``eval.before``), when it
+    evaluated again later: (0, problem id → correct, the last evaluation's step); else (None, {}, None)."""
+    rows = [r for r in rows if r.get("id")]
     steps = sorted({r["step"] for r in rows})
     if len(steps) < 2 or steps[0] != 0:
         return None, {}, None
     return steps[0], {r["id"]: bool(r["correct"]) for r in rows if r["step"] == steps[0]}, steps[-1]
 
 
-def sampled_answers(run_dir: Path) -> tuple[dict[str, float], dict[str, float], int]:
-    """Where the run's last evaluation (the one the greedy tables read) drew k samples per problem
-    (``eval.pass_k``): problem id → the fraction of them right there and at step 0 (empty where step 0 was not
-    evaluated or drew none), and k; else ({}, {}, 0)."""
-    rows = [r for r in read_answers(run_dir) if r.get("id")]
+def sampled_answers(rows: list[dict]) -> tuple[dict[str, float], dict[str, float], int]:
+    """From a run's answers (``read_answers``): where its last evaluation (the one the greedy tables read) drew k
+    samples per problem (``eval.pass_k``), problem id → the fraction of them right there and at step 0 (empty where
+    step 0 was not evaluated or drew none), and k; else ({}, {}, 0)."""
+    rows = [r for r in rows if r.get("id")]
     if not rows:
         return {}, {}, 0
     last = max(r["step"] for r in rows)
@@ -146,9 +150,10 @@ def load_sweep(directory: Path) -> list[Arm]:
             path = directory / name / f"seed{seed}"
             if (name, seed) in finished and (path / "metrics.jsonl").is_file():
                 wall, cpu = times.get((name, seed), (0.0, 0.0))
-                answers, parts = final_answers(path)
+                rows = read_answers(path)  # once: the final, step-0 and sampled answers all come from it
+                answers, parts = final_of(rows)
                 arm.runs.append(SeedRun(seed, path, read_metrics(path), answers, parts, wall, cpu,
-                                        machines.get((name, seed), []), *start_answers(path), *sampled_answers(path)))
+                                        machines.get((name, seed), []), *start_answers(rows), *sampled_answers(rows)))
         out.append(arm)
     return out
 
@@ -274,6 +279,11 @@ def _f(x, fmt=".3f") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _ci(mean: float, low: float, high: float) -> str:
+    """A difference with its bootstrap interval, as every paired table writes it."""
+    return f"{mean:+.3f} ({low:+.3f} to {high:+.3f})"
+
+
 def _p(p: float) -> str:
     return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
 
@@ -326,8 +336,7 @@ def _paired_rows(arms_: list[Arm], base: Arm, part: str | None) -> list[str]:
         if c["bootstrap"] is None:
             diff = "–"
         else:
-            d, lo, hi = c["bootstrap"]
-            diff = f"{d:+.3f} ({lo:+.3f} to {hi:+.3f})"
+            diff = _ci(*c["bootstrap"])
         rows.append(f"| {a.name} | {seeds} | {diff} |")
     return rows
 
@@ -358,8 +367,7 @@ def _start_section(arms_: list[Arm]) -> str:
             continue
         seeds = "; ".join(f"s{seed} step {first} → {last}: {of}/{ol} of {n}, p={_p(p)}"
                           for seed, first, last, n, of, ol, p in c["per_seed"])
-        d, lo, hi = c["bootstrap"]
-        rows.append(f"| {a.name} | {seeds} | {d:+.3f} ({lo:+.3f} to {hi:+.3f}) |")
+        rows.append(f"| {a.name} | {seeds} | {_ci(*c['bootstrap'])} |")
     if not rows:
         return ""
     return ("\n\nEach run against its own evaluation at step 0 (the model it started from), on the same held-out problems:"
@@ -408,10 +416,8 @@ def _sampled_section(arms_: list[Arm], base: Arm) -> str:
             c = sampled_paired(pairs_of(a))
             if not c["per_seed"]:
                 continue
-            seeds = "; ".join(f"s{seed} {ma:.3f} → {mb:.3f}: {d:+.3f} ({lo:+.3f} to {hi:+.3f})"
-                              for seed, n, ma, mb, d, lo, hi in c["per_seed"])
-            d, lo, hi = c["bootstrap"]
-            out.append(f"| {a.name} | {seeds} | {d:+.3f} ({lo:+.3f} to {hi:+.3f}) |")
+            seeds = "; ".join(f"s{seed} {ma:.3f} → {mb:.3f}: {_ci(d, lo, hi)}" for seed, n, ma, mb, d, lo, hi in c["per_seed"])
+            out.append(f"| {a.name} | {seeds} | {_ci(*c['bootstrap'])} |")
         return out
 
     head = ("| arm | per seed: {what} → this, difference (bootstrap 95% CI over problems) | difference, bootstrap 95% CI "

@@ -20,17 +20,16 @@ from __future__ import annotations
 import argparse
 import collections
 import difflib
+import functools
 import os
 import re
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cohortrl.stats import mcnemar_exact, paired_bootstrap, wilson_interval  # noqa: E402
-from cohortrl.study import Arm, load_sweep  # noqa: E402
+from cohortrl.study import Arm, arm_summary, load_sweep, paired  # noqa: E402
 from cohortrl.trainers.evaluate import read_answers  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,8 +69,9 @@ def arm_of(row: Row) -> Arm:
     return _ARMS[key]
 
 
-def _final_rows(run) -> list[dict]:
-    rows = read_answers(run.path)
+@functools.lru_cache(maxsize=None)  # a table's category and verdict columns read the same runs
+def _final_rows_at(path: Path) -> list[dict]:
+    rows = read_answers(path)
     last = max(r["step"] for r in rows)
     return [r for r in rows if r["step"] == last]
 
@@ -88,29 +88,17 @@ def _p(p: float) -> str:
     return f"{mantissa}e-{int(exponent[1:])}"
 
 
-def accuracy(arm: Arm) -> list[tuple[float, int]]:
-    out = []
-    for run in arm.runs:
-        e = run.final_eval
-        out.append((e["eval/accuracy"], int(e["eval/n"])))
-    return out
-
-
 def cell_acc(arm: Arm) -> str:
-    parts = []
-    for acc, n in accuracy(arm):
-        lo, hi = wilson_interval(round(acc * n), n)
-        parts.append(f"{acc:.3f} ({lo:.3f}-{hi:.3f})")
-    return ", ".join(parts)
+    return ", ".join(f"{acc:.3f} ({lo:.3f}-{hi:.3f})" for _, acc, lo, hi, _, _ in arm_summary(arm, [], 1)["per_seed"])
 
 
 def cell_sd(arm: Arm) -> str:
-    return f"{statistics.stdev([a for a, _ in accuracy(arm)]):.3f}"
+    return f"{arm_summary(arm, [], 1)['accuracy'][1]:.3f}"
 
 
 def cell_mean_sd(arm: Arm) -> str:
-    values = [a for a, _ in accuracy(arm)]
-    return f"{statistics.fmean(values):.3f}, {statistics.stdev(values):.3f}"
+    mean, sd = arm_summary(arm, [], 1)["accuracy"]
+    return f"{mean:.3f}, {sd:.3f}"
 
 
 def cell_cpu(arm: Arm) -> str:
@@ -118,22 +106,15 @@ def cell_cpu(arm: Arm) -> str:
 
 
 def paired_cell(base: Arm, other: Arm, with_bootstrap: bool) -> str:
-    """Seed k of ``other`` against seed k of ``base`` on the problems both answered: only base right / only
-    other right (exact McNemar p) per seed; then the paired bootstrap's mean difference and 95% interval."""
-    by_seed = {r.seed: r for r in base.runs}
-    seeds, diffs = [], []
-    for run in other.runs:
-        b = by_seed.get(run.seed)
-        common = sorted(set(b.answers) & set(run.answers)) if b is not None else []
-        if not common:
-            raise SystemExit(f"{run.path}: no problem shared with seed {run.seed} of the row it is paired with")
-        ob = sum(b.answers[i] and not run.answers[i] for i in common)
-        oo = sum(run.answers[i] and not b.answers[i] for i in common)
-        seeds.append(f"{ob}/{oo} (p = {_p(mcnemar_exact(ob, oo))})")
-        diffs.append([int(run.answers[i]) - int(b.answers[i]) for i in common])
-    text = ", ".join(seeds)
+    """Seed k of ``other`` against seed k of ``base`` on the problems both answered (``study.paired``): only base
+    right / only other right (exact McNemar p) per seed; then the paired bootstrap's mean difference and 95% interval."""
+    c = paired(base, other)
+    if len(c["per_seed"]) != len(other.runs):
+        unpaired = sorted({r.seed for r in other.runs} - {seed for seed, *_ in c["per_seed"]})
+        raise SystemExit(f"{other.runs[0].path.parent}: seed(s) {unpaired} share no problem with the row paired with")
+    text = ", ".join(f"{ob}/{oo} (p = {_p(p)})" for _, _, ob, oo, p in c["per_seed"])
     if with_bootstrap:
-        d, lo, hi = paired_bootstrap(diffs)
+        d, lo, hi = c["bootstrap"]
         text += f"; {_minus(d, '+.3f')} ({_minus(lo, '+.3f')} to {_minus(hi, '+.3f')})"
     return text
 
@@ -149,7 +130,7 @@ def kinds_right(arm: Arm, kind: str) -> str:
 
 
 def category_count(arm: Arm, category: str) -> str:
-    return ", ".join(str(sum(r["category"] == category for r in _final_rows(run))) for run in arm.runs)
+    return ", ".join(str(sum(r["category"] == category for r in _final_rows_at(run.path))) for run in arm.runs)
 
 
 def verdicts(arm: Arm) -> str:
@@ -157,7 +138,7 @@ def verdicts(arm: Arm) -> str:
 
     out = []
     for run in arm.runs:
-        written = collections.Counter(verdict_written(r["completion"]) for r in _final_rows(run))
+        written = collections.Counter(verdict_written(r["completion"]) for r in _final_rows_at(run.path))
         out.append(f"{written['FAIL']} / {written['SAFE']}")
     return ", ".join(out)
 
