@@ -113,3 +113,34 @@ def test_an_evaluation_of_a_mix_of_levels_scores_each_level_apart(tmp_path):
         right = [r["correct"] for r in rows if f"/L{level}/" in r["id"]]
         assert final[f"eval/n_level{level}"] == len(right) == 3
         assert final[f"eval/accuracy_level{level}"] == sum(right) / 3
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_kl_to_reference_is_zero_before_training_and_measured_after_by_the_trainer_and_by_cohortrl_eval(
+        tmp_path, addition_jsonl, capsys, lora):
+    """eval.kl_to_reference at β = 0 (no KL term, so the reference is built for the measurement): the policy equals
+    its reference before the first step (LoRA's B starts at 0; a full run's reference is a copy), and differs after
+    two steps at a large LR; ``cohortrl eval RUN_DIR`` measures the final model against the same start."""
+    cfg = tiny_config(addition_jsonl, algorithm={"beta": 0.0}, train={"steps": 2},
+                      eval={"before": True, "n_prompts": 4, "batch_size": 4, "pass_k": 2, "kl_to_reference": True},
+                      model={"name": "tiny-llama", "system_prompt": None, "lora": {"enabled": lora, "r": 4}})
+    run = tmp_path / "run"
+    with closing(GRPOTrainer(cfg, run)) as trainer:
+        trainer.train()
+    evaluations = [row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                   if "eval/kl_to_reference" in row]
+    assert [row["step"] for row in evaluations] == [0, 2]
+    assert abs(evaluations[0]["eval/kl_to_reference"]) < 1e-6 and abs(evaluations[0]["eval/kl_to_reference_per_response"]) < 1e-5
+    assert evaluations[1]["eval/kl_to_reference"] > 1e-4
+    capsys.readouterr()
+    assert cli.main(["eval", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["eval/kl_to_reference"] > 1e-4
+
+
+def test_kl_to_reference_needs_samples_and_a_start_to_measure_against(tmp_path, addition_jsonl, capsys):
+    with pytest.raises(ConfigError, match="eval.kl_to_reference.*needs eval.pass_k > 0"):
+        tiny_config(addition_jsonl, eval={"kl_to_reference": True})
+    config = tmp_path / "config.yaml"
+    config.write_text(tiny_config(addition_jsonl, eval={"kl_to_reference": True, "pass_k": 2}).to_yaml())
+    assert cli.main(["eval", str(config)]) == 2
+    assert "eval.kl_to_reference measures a trained model against the one it started from" in capsys.readouterr().err

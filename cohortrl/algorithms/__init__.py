@@ -36,7 +36,7 @@ from cohortrl.algorithms.advantages import (
 )
 from cohortrl.algorithms.aggregate import AGGREGATION_MODES, aggregate, token_weights
 from cohortrl.algorithms.registry import Entry
-from cohortrl.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
+from cohortrl.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, exact_kl, kl_penalty
 from cohortrl.algorithms.losses import (
     POLICY_LOSS_LEVELS,
     POLICY_LOSSES,
@@ -89,6 +89,7 @@ __all__ = [
     "truncated_importance_weights",
     # KL
     "kl_penalty",
+    "exact_kl",
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",

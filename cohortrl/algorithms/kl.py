@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KL_ESTIMATORS", "kl_penalty", "AdaptiveKLController", "FixedKLController"]
+__all__ = ["KL_ESTIMATORS", "kl_penalty", "exact_kl", "AdaptiveKLController", "FixedKLController"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -35,6 +35,22 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
         # expm1 keeps k3 accurate (and exactly ≥ 0) for small |x|, where exp(x) − 1 would cancel.
         return torch.expm1(x) - x
     raise ValueError(f"kind={kind!r}: expected one of {KL_ESTIMATORS}")
+
+
+def exact_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL(p ‖ q) over the whole vocabulary at each position, of the distributions softmax(logits / temperature):
+    (N, T, V), (N, T, V) → (N, T),
+
+        KL_t = Σ_v p_t(v) · (log p_t(v) − log q_t(v))
+
+    the expectation over the next token that k1 and k3 above estimate from the one token sampled. A measurement
+    to compare runs by, whatever estimator each trained with; the sum over the vocabulary makes it no estimate.
+    """
+    scale = temperature if temperature not in (0, 1) else 1.0
+    dtype = torch.promote_types(logits_p.dtype, torch.float32)  # bf16 logits measured in fp32, fp64 kept
+    logp = torch.log_softmax(logits_p.to(dtype) / scale, dim=-1)
+    logq = torch.log_softmax(logits_q.to(dtype) / scale, dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
 
 
 class FixedKLController:

@@ -567,9 +567,15 @@ class EvalConfig:
     """Generation budget for evaluation (default: sampling.max_new_tokens)."""
     before: bool = True
     """Evaluate before the first training step."""
+    kl_to_reference: bool = False
+    """Also measure the policy's KL to the reference (exact over the vocabulary, at ``temperature``) on the first
+    of the k samples of each prompt: one measure for every run, whatever KL estimator or β it trained with. Two
+    forward passes per sampled response; needs ``pass_k``."""
 
     def check(self) -> None:
         require(self.every >= 0, "eval.every", self.every, "must be >= 0")
+        require(not self.kl_to_reference or self.pass_k > 0, "eval.kl_to_reference", self.kl_to_reference,
+                "needs eval.pass_k > 0: the KL is measured on the policy's own samples")
         require(self.n_prompts >= 0, "eval.n_prompts", self.n_prompts, "must be >= 0")
         require(self.pass_k >= 0, "eval.pass_k", self.pass_k, "must be >= 0")
         require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be at least 1")

@@ -495,6 +495,17 @@ def response_logprobs(
     return per_token(logp_N), per_token(entropy_N) if with_entropy else None
 
 
+def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """The full next-token logits at each of the last ``T`` (response) positions: (B, T, V), on the model's device.
+    The whole vocabulary of every position exists at once, so call it on a few rows at a time; the training
+    passes use ``response_logprobs``, which never builds it."""
+    device = model_device(model)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
+                logits_to_keep=T + 1, use_cache=False)
+    return out.logits[:, :-1]
+
+
 # Logits of at most this many bytes (fp32) exist at once in the chunked LM head: 32 MiB is 170 positions of
 # SmolLM2's 49,152-entry vocabulary, big enough for efficient matrix products, small next to the model.
 LOGPROB_CHUNK_BYTES = 32 * 2**20

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
+from cohortrl.algorithms import exact_kl
 from cohortrl.config import ConfigError
 from cohortrl.data import problem_id
 from cohortrl.rewards.error_categories import category_fractions, row_category
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, score_rollout
-from cohortrl.rollout.hf import Sampling, generate
+from cohortrl.rollout.hf import Sampling, generate, response_logits
 from cohortrl.rollout.tools import toolset
 from cohortrl.stats import wilson_interval
 
@@ -98,6 +99,7 @@ def evaluate(
     tools=None,
     responses: list | None = None,
     fast_path=None,
+    reference=None,
 ) -> dict[str, float]:
     """Greedy accuracy with a 95% Wilson interval, and (if ``pass_k``) k samples per prompt at ``temperature``:
     pass@k and the sampled accuracy with a 95% interval over prompts. Sampling runs under a forked RNG so evaluating never changes the training
@@ -112,7 +114,11 @@ def evaluate(
     first error is of that category, and ``eval/unsupported_correct`` the fraction right by the outcome with a
     required step missing or wrong (``rewards/error_categories.py``). ``responses``, if given, receives one
     dict per greedy response: its problem id, prompt, completion, correctness, category, length and tool calls;
-    with ``pass_k``, also how many of the k samples were right (``sampled_correct``) of ``samples``."""
+    with ``pass_k``, also how many of the k samples were right (``sampled_correct``) of ``samples``.
+
+    ``reference`` (a ``setup.Reference``, with ``pass_k``): also the exact KL of the policy to it on the first
+    sample of each prompt (``kl_to_reference``): ``eval/kl_to_reference`` per response token and
+    ``eval/kl_to_reference_per_response``, the same measure for every run whatever its KL estimator or β."""
     out: dict[str, float] = {}
     first_response = len(responses) if responses is not None else 0
     kw = dict(system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, overlong_prompts=overlong_prompts,
@@ -153,7 +159,7 @@ def evaluate(
         # the k), whose interval is taken over prompts: samples of one prompt are not independent.
         # every device's generator forked: a GPU run's sampling would otherwise advance the CUDA stream
         with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
-            per_prompt = []
+            per_prompt, kl_rows = [], []
             per_batch = max(1, batch_size // pass_k)
             for start in range(0, len(rows), per_batch):
                 chunk = rows[start : start + per_batch]
@@ -161,6 +167,9 @@ def evaluate(
                 rollout, _ = generate(model, tokenizer, chunk, pass_k, sampling, **kw)
                 _, per_fn = score_rollout([correctness], rollout, max_new_tokens, trainer_state=trainer_state)
                 per_prompt.append((torch.tensor([float(v or 0.0) for v in per_fn[correctness.name]]) >= 1.0).float().view(-1, pass_k))
+                if reference is not None:
+                    kl_rows.append(kl_to_reference(model, reference, rollout.select(list(range(0, len(chunk) * pass_k, pass_k))),
+                                                   temperature))
                 progress.info("held-out evaluation: %d/%d prompts (%d samples each)", start + len(chunk), len(rows), pass_k)
         hits_PK = torch.cat(per_prompt)
         if responses is not None:  # one greedy response per row, in the rows' order
@@ -174,23 +183,50 @@ def evaluate(
         out["eval/sampled_accuracy"] = mean_P.mean().item()
         out["eval/sampled_accuracy_ci_low"] = max(0.0, mean_P.mean().item() - half)
         out["eval/sampled_accuracy_ci_high"] = min(1.0, mean_P.mean().item() + half)
+        if kl_rows:
+            kl_sum = torch.cat([k for k, _ in kl_rows])
+            n_tokens = torch.cat([n for _, n in kl_rows])
+            out["eval/kl_to_reference"] = (kl_sum.sum() / n_tokens.sum().clamp(min=1)).item()
+            out["eval/kl_to_reference_per_response"] = kl_sum.mean().item()
     return out
+
+
+def kl_to_reference(model, reference, rollout, temperature: float, rows_per_pass: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each response's exact KL(π ‖ π_ref) summed over its tokens (``algorithms.exact_kl``, at the sampling
+    temperature, as the training passes compare log-probs), and its number of tokens: (B,), (B,). Tool results
+    inside a response are context, not counted. A few rows per pass: both models' whole-vocabulary logits exist."""
+    sums, T = [], rollout.response_ids.shape[1]
+    mask_BT = rollout.response_mask.float()
+    with torch.no_grad():
+        for start in range(0, rollout.batch_size, rows_per_pass):
+            part = rollout.select(list(range(start, min(start + rows_per_pass, rollout.batch_size))))
+            ids, attention = part.input_ids(), part.attention_mask()
+            logits_p = response_logits(model, ids, attention, T)
+            with reference() as ref_model:
+                logits_q = response_logits(ref_model, ids, attention, T)
+            kl_BT = exact_kl(logits_p, logits_q, temperature).cpu()
+            sums.append((kl_BT * part.response_mask.float()).sum(-1))
+    return torch.cat(sums), mask_BT.sum(-1)
 
 
 def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedReward, cfg,
                     trainer_state: TrainerState | None = None, tools=None, responses: list | None = None,
-                    fast_path=None) -> dict[str, float]:
+                    fast_path=None, reference=None) -> dict[str, float]:
     """``evaluate`` with the settings of a run config (``eval``, ``sampling``, ``model``, ``data``, ``rollout``
     sections): the one place the trainer and ``cohortrl eval`` read them. ``tools``: the run's ``Toolset``
-    (default: built from ``rollout.tools``); ``fast_path``: the run's CPU fast path, or None."""
+    (default: built from ``rollout.tools``); ``fast_path``: the run's CPU fast path, or None; ``reference``: the
+    run's π_ref, measured against when ``eval.kl_to_reference`` is set (and needed then)."""
     if not rows:  # an accuracy of 0 over 0 prompts would read as a measurement
         raise ConfigError("nothing to evaluate: there are no held-out rows (pass eval_dataset=, or set data.eval_size "
                           "and eval.n_prompts above 0)")
     e = cfg.eval
+    if e.kl_to_reference and reference is None:
+        raise ConfigError("eval.kl_to_reference is set but this evaluation has no reference model to measure against")
     return evaluate(
         model, tokenizer, rows, correctness, system_prompt=cfg.model.system_prompt,
         max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens, batch_size=e.batch_size,
         pass_k=e.pass_k, temperature=e.temperature, max_prompt_tokens=cfg.data.max_prompt_tokens,
         overlong_prompts=cfg.data.overlong_prompts, trainer_state=trainer_state,
         tools=tools if tools is not None else toolset(cfg.rollout), responses=responses, fast_path=fast_path,
+        reference=reference if e.kl_to_reference else None,
     )

@@ -22,7 +22,7 @@ import torch
 
 from cohortrl import distributed
 from cohortrl.algorithms import get_policy_loss
-from cohortrl.config import Config
+from cohortrl.config import Config, ConfigError
 from cohortrl.data import PromptStream, load_rows
 from cohortrl.rewards import grader_errors
 from cohortrl.rewards.process import build_step_source
@@ -165,6 +165,14 @@ class RLTrainer(Trainer):
             self.model.to(self.device)
         guards.check_run_fits(cfg, self.model, n_train_rows)
         self.reference = Reference(self.model, cfg.model.lora.enabled, frozen_copy=not self.dist.sharded) if a.beta > 0 else None
+        # What eval.kl_to_reference measures against: the run's π_ref, or at β = 0 one built for the measurement alone
+        # (free with LoRA, a frozen copy without). Rank 0 evaluates alone, so it cannot be an FSDP2-sharded copy.
+        self.eval_reference = self.reference
+        if cfg.eval.kl_to_reference and self.dist.sharded and not cfg.model.lora.enabled:
+            raise ConfigError("eval.kl_to_reference under FSDP2 needs model.lora.enabled (the reference is then the "
+                              "policy with its adapter off); a sharded full copy cannot be evaluated on one rank")
+        if cfg.eval.kl_to_reference and self.eval_reference is None:
+            self.eval_reference = Reference(self.model, cfg.model.lora.enabled)
         dtype = next(self.model.parameters()).dtype  # the reference's, before FSDP2 keeps trainable shards in float32
         # Under torchrun: DDP around the policy, or FSDP2 sharding it in place.
         self.train_model = self.dist.wrap(self.model, self.device)
@@ -257,7 +265,7 @@ class RLTrainer(Trainer):
         with self.dist.gathered(self.model), fast_kernels(self.fast_path, self.model):
             metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
                                       self.trainer_state, tools=self.tools, responses=responses,
-                                      fast_path=self.fast_path) if self.dist.is_main else None
+                                      fast_path=self.fast_path, reference=self.eval_reference) if self.dist.is_main else None
         return self.dist.broadcast(metrics)
 
     def _eval_metrics(self, responses: list) -> dict:

@@ -319,6 +319,9 @@ class SFTTrainer(Trainer):
             raise ConfigError("cohortrl sft runs in one process; start it without torchrun")
         config, run_dir, model, args = from_trl_order(config, run_dir, model, args, "args")
         cfg = as_config(config)
+        if cfg.eval.kl_to_reference:
+            raise ConfigError("config key 'eval.kl_to_reference' = True: cohortrl sft keeps no reference model to measure "
+                              "against; measure a finished SFT run with cohortrl eval RUN_DIR eval.kl_to_reference=true")
         inputs = resolve_inputs(cfg, cfg.algorithm.name, model=model, tokenizer=tokenizer, train_dataset=train_dataset,
                                 eval_dataset=eval_dataset, tools=tools, args=args, peft_config=peft_config, run_dir=run_dir)
         cfg = self.cfg = inputs.config

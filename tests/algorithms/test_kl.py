@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cohortrl.algorithms import AdaptiveKLController, FixedKLController, kl_penalty
+from cohortrl.algorithms import AdaptiveKLController, FixedKLController, exact_kl, kl_penalty
 
 from .helpers import FAST, t
 
@@ -84,3 +84,19 @@ def test_fixed_kl_controller_has_the_same_interface():
         FixedKLController(coef=-1)
     with pytest.raises(ValueError):
         AdaptiveKLController(init_coef=0.1, target=0.0, horizon=100)
+
+
+def test_exact_kl_is_what_k1_and_k3_estimate_in_expectation():
+    """Hand-worked: p = (.5, .5), q = (.25, .75) → KL = .5 ln 2 + .5 ln(2/3) ≈ .1438. And on random logits, the
+    p-weighted mean of k1 and of k3 over the whole vocabulary is exactly the exact KL (they are unbiased)."""
+    p, q = t([[[0.5, 0.5]]]).log(), t([[[0.25, 0.75]]]).log()
+    torch.testing.assert_close(exact_kl(p, q), t([[0.5 * math.log(2) + 0.5 * math.log(2 / 3)]]))
+    torch.testing.assert_close(exact_kl(p, p), t([[0.0]]))
+    g = torch.Generator().manual_seed(0)
+    logits_p, logits_q = torch.randn(2, 3, 11, generator=g, dtype=torch.float64), torch.randn(2, 3, 11, generator=g, dtype=torch.float64)
+    for temperature in (1.0, 0.7):
+        logp, logq = (torch.log_softmax(x / temperature, -1) for x in (logits_p, logits_q))
+        for kind in ("k1", "k3"):
+            expected = (logp.exp() * kl_penalty(logp, logq, kind)).sum(-1)
+            torch.testing.assert_close(exact_kl(logits_p, logits_q, temperature), expected)
+    assert (exact_kl(logits_p, logits_q) > 0).all()

@@ -473,3 +473,10 @@ def test_cli_sft_trains_evaluates_and_refuses_a_finished_resume(tmp_path):
     out = run("--run-dir", "r", "--resume", "--steps", "2")  # nothing left to do: said, and not a failure
     assert out.returncode == 0 and "already done 2 step(s)" in out.stdout, out.stderr
     assert not (tmp_path / "r" / "checkpoints" / "step_000003").exists()
+
+
+def test_sft_with_kl_to_reference_says_where_to_measure_it_before_training(tmp_path):
+    cfg = sft_config(eval={"kl_to_reference": True, "pass_k": 2})
+    with pytest.raises(ConfigError, match="cohortrl sft keeps no reference model.*cohortrl eval RUN_DIR"):
+        SFTTrainer(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
