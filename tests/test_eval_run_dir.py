@@ -113,6 +113,10 @@ def test_an_evaluation_of_a_mix_of_levels_scores_each_level_apart(tmp_path):
         right = [r["correct"] for r in rows if f"/L{level}/" in r["id"]]
         assert final[f"eval/n_level{level}"] == len(right) == 3
         assert final[f"eval/accuracy_level{level}"] == sum(right) / 3
+    step = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])  # the training step's row
+    shares = [step[f"level{level}/advantage_share"] for level in (1, 2)]
+    assert {f"level{level}/{name}" for level in (1, 2) for name in ("accuracy", "advantage_abs_mean")} <= set(step)
+    assert None in shares or abs(sum(shares) - 1) < 1e-9
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -201,10 +201,12 @@ class UpdateTotals:
 
 
 def step_metrics(d, batch, rewards_B, keep_B, targets, update: dict, *, group_size: int,
-                 correctness: str, lr: float, timer: PhaseTimer, started: float, grader_errors: int) -> dict:
+                 correctness: str, lr: float, timer: PhaseTimer, started: float, grader_errors: int,
+                 levels: list[int] = ()) -> dict:
     """A step's row of ``metrics.jsonl``, over the whole batch (every rank's rows under torchrun): rewards
     per function, accuracy, zero-variance groups, lengths, the algorithm's numbers (``targets.metrics``),
-    the process rewards' (``batch.process_metrics``), the update's (``UpdateTotals.result``), LR, timings, memory."""
+    the process rewards' (``batch.process_metrics``), the update's (``UpdateTotals.result``), LR, timings, memory;
+    on a mix of ``levels`` (``data.levels``), each level's accuracy and share of the advantage (``by_level``)."""
     from cohortrl.rollout.tools import tool_metrics
 
     rollout, response_mask = batch.rollout, batch.rollout.response_mask
@@ -250,7 +252,34 @@ def step_metrics(d, batch, rewards_B, keep_B, targets, update: dict, *, group_si
         "tokens_per_s": counts["tokens"] / elapsed,
         "peak_rss_mb": peak_rss_mb(),
         "grader_errors": grader_errors,  # built-in graders that raised: scored 0
+        **(by_level(d, rollout, batch.per_fn[correctness], targets.advantages, levels) if len(levels) > 1 else {}),
     }
+
+
+def by_level(d, rollout, correctness_B: list, advantages_BT, levels: list[int]) -> dict:
+    """Where a step's weight goes on a mix of difficulty levels: per level, the batch's accuracy, the mean
+    |advantage| per response token, and the level's share of the batch's Σ|advantage| over response tokens.
+    Dividing by the group's std gives a hard level's rare right answer a large advantage (1/σ grows as the success
+    rate p → 0); without it the advantage is r − mean, at most 1 − p (Dr. GRPO, arXiv 2503.20783, §3.1)."""
+    import torch
+
+    row_levels = [(row.get("sample") or {}).get("level") for row in rollout.rows]
+    abs_B = torch.where(rollout.response_mask.bool(), advantages_BT.abs(), 0.0).sum(-1).tolist()
+    tokens_B = rollout.response_mask.sum(-1).tolist()
+    totals = {}
+    for k in levels:
+        rows = [i for i, level in enumerate(row_levels) if level == k]
+        totals |= {f"n{k}": float(len(rows)), f"right{k}": float(sum((correctness_B[i] or 0.0) >= 1.0 for i in rows)),
+                   f"abs{k}": float(sum(abs_B[i] for i in rows)), f"tokens{k}": float(sum(tokens_B[i] for i in rows))}
+    totals = d.sum(totals)  # the same keys on every rank: the configured levels
+    whole = sum(totals[f"abs{k}"] for k in levels)
+    out = {}
+    for k in levels:
+        n, tokens = totals[f"n{k}"], totals[f"tokens{k}"]
+        out[f"level{k}/accuracy"] = totals[f"right{k}"] / n if n else None
+        out[f"level{k}/advantage_abs_mean"] = totals[f"abs{k}"] / tokens if tokens else None
+        out[f"level{k}/advantage_share"] = totals[f"abs{k}"] / whole if whole else None
+    return out
 
 
 def log_grader_errors(d, grader_log: MetricsLog, step: int) -> int:

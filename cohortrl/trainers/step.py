@@ -72,7 +72,7 @@ def rl_step(t) -> dict:
             trace.save(t.run_dir)
         return step_metrics(t.dist, batch, rewards_B, keep_B, targets, update_metrics, group_size=a.group_size,
                             correctness=t.correctness.name, lr=t.scheduler.get_last_lr()[0], timer=timer,
-                            started=started, grader_errors=errors)
+                            started=started, grader_errors=errors, levels=t.cfg.data.levels)
 
 
 def start_trace(t) -> StepTrace | None:
