@@ -165,7 +165,7 @@ def cmd_eval(args) -> int:
     from cohortrl.rollout.hf import model_device
     from cohortrl.trainers import checkpoint
     from cohortrl.trainers.evaluate import EVAL_ROWS, evaluate_config
-    from cohortrl.trainers.setup import build_fast_path, fast_kernels, load_configured_model
+    from cohortrl.trainers.setup import build_fast_path, fast_kernels, load_configured_model, start_reference
 
     run_dir = Path(args.config) if Path(args.config).is_dir() else None
     if run_dir is not None:
@@ -184,7 +184,13 @@ def cmd_eval(args) -> int:
 
         model = PeftModel.from_pretrained(model, args.adapter)
     model.to(process_device(cfg.train.device))  # the GPU when there is one, as the trainer chooses (train.device)
-    reference = _eval_reference(cfg, model, run_dir, args) if cfg.eval.kl_to_reference else None
+    reference = None
+    if cfg.eval.kl_to_reference:  # against the model it was trained from: an adapter's base, a full run's configured one
+        if run_dir is None and not args.adapter:
+            raise ConfigError("eval.kl_to_reference measures a trained model against the one it started from: give a "
+                              "run directory (cohortrl eval RUN_DIR) or --adapter, not a config's own model")
+        start = None if args.adapter else _load_config(str(run_dir / "config.yaml"), args.overrides).model
+        reference = start_reference(model, start, cfg.train.seed, process_device(cfg.train.device))
     fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
     saved = run_dir / EVAL_ROWS if run_dir is not None and cfg.data.source.startswith("python:") else None
     if saved is not None:  # the run's rows were given in Python: its held-out ones were saved beside its config
@@ -215,23 +221,6 @@ def cmd_eval(args) -> int:
         Path(args.responses).write_text("".join(json.dumps(r) + "\n" for r in responses))
     print(json.dumps(result, indent=2) if args.json else _eval_table(result, args.adapter or cfg.model.name))
     return 0
-
-
-def _eval_reference(cfg: Config, model, run_dir: Path | None, args):
-    """What ``eval.kl_to_reference`` measures the evaluated model against: the model it was trained from. An
-    adapter's is its base with the adapter off; a full-weight run's, the model its config names (and its init)."""
-    from cohortrl.distributed import process_device
-    from cohortrl.trainers.setup import Reference, load_configured_model
-
-    if args.adapter:
-        return Reference(model, lora=True)
-    if run_dir is None:
-        raise ConfigError("eval.kl_to_reference measures a trained model against the one it started from: give a run "
-                          "directory (cohortrl eval RUN_DIR) or --adapter, not a config's own model")
-    start = _load_config(str(run_dir / "config.yaml"), args.overrides).model
-    reference = Reference(model, lora=False, frozen_copy=False)
-    reference.model = load_configured_model(start, cfg.train.seed)[0].to(process_device(cfg.train.device)).eval()
-    return reference
 
 
 def _run_evaluation(run_dir: Path, args) -> tuple[Config, str | None]:

@@ -95,6 +95,16 @@ class Reference:
             yield self.model
 
 
+def start_reference(model, start, seed: int, device) -> Reference:
+    """The model an evaluated one was trained from, as a ``Reference``: ``start`` is the ``model`` section that
+    names it, loaded here, or None when ``model`` is a LoRA adapter (then the model with its adapter off)."""
+    if start is None:
+        return Reference(model, lora=True)
+    reference = Reference(model, lora=False, frozen_copy=False)
+    reference.model = load_configured_model(start, seed)[0].to(device).eval()
+    return reference
+
+
 @dataclass
 class Optimised:
     """A model the update trains: its parameters, optimiser and LR schedule; ``metric`` names its grad norm."""
