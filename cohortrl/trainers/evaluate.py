@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from cohortrl.algorithms import exact_kl
+from cohortrl.algorithms import exact_kl, masked_sum
 from cohortrl.config import ConfigError
 from cohortrl.data import problem_id
 from cohortrl.rewards.error_categories import category_fractions, row_category
@@ -196,7 +196,6 @@ def kl_to_reference(model, reference, rollout, temperature: float, rows_per_pass
     temperature, as the training passes compare log-probs), and its number of tokens: (B,), (B,). Tool results
     inside a response are context, not counted. A few rows per pass: both models' whole-vocabulary logits exist."""
     sums, T = [], rollout.response_ids.shape[1]
-    mask_BT = rollout.response_mask.float()
     with torch.no_grad():
         for start in range(0, rollout.batch_size, rows_per_pass):
             part = rollout.select(list(range(start, min(start + rows_per_pass, rollout.batch_size))))
@@ -204,9 +203,8 @@ def kl_to_reference(model, reference, rollout, temperature: float, rows_per_pass
             logits_p = response_logits(model, ids, attention, T)
             with reference() as ref_model:
                 logits_q = response_logits(ref_model, ids, attention, T)
-            kl_BT = exact_kl(logits_p, logits_q, temperature).cpu()
-            sums.append((kl_BT * part.response_mask.float()).sum(-1))
-    return torch.cat(sums), mask_BT.sum(-1)
+            sums.append(masked_sum(exact_kl(logits_p, logits_q, temperature).cpu(), part.response_mask, dim=-1))
+    return torch.cat(sums), rollout.response_mask.float().sum(-1)
 
 
 def evaluate_config(model, tokenizer, rows: list[dict], correctness: WeightedReward, cfg,

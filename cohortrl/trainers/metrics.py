@@ -261,10 +261,10 @@ def by_level(d, rollout, correctness_B: list, advantages_BT, levels: list[int]) 
     |advantage| per response token, and the level's share of the batch's Σ|advantage| over response tokens.
     Dividing by the group's std gives a hard level's rare right answer a large advantage (1/σ grows as the success
     rate p → 0); without it the advantage is r − mean, at most 1 − p (Dr. GRPO, arXiv 2503.20783, §3.1)."""
-    import torch
+    from cohortrl.algorithms import masked_sum
 
     row_levels = [(row.get("sample") or {}).get("level") for row in rollout.rows]
-    abs_B = torch.where(rollout.response_mask.bool(), advantages_BT.abs(), 0.0).sum(-1).tolist()
+    abs_B = masked_sum(advantages_BT.abs(), rollout.response_mask, dim=-1).tolist()
     tokens_B = rollout.response_mask.sum(-1).tolist()
     totals = {}
     for k in levels:
