@@ -364,10 +364,10 @@ def cmd_report(args) -> int:
 
         paths = write_study_report([Path(d) for d in args.run_dirs], Path(args.out), baseline=args.baseline, metrics=args.metrics or [],
                                    panels=args.panels or ["reward_mean"], last_k=args.last_k,
-                                   keep_dir=Path(args.keep) if args.keep else None)
+                                   keep_dir=Path(args.keep) if args.keep else None, answer_checks=args.answer_checks)
     else:
-        if args.baseline or args.metrics or args.keep:
-            raise ConfigError("--baseline, --metrics and --keep compare the arms of a sweep: give one sweep directory "
+        if args.baseline or args.metrics or args.keep or args.answer_checks:
+            raise ConfigError("--baseline, --metrics, --keep and --answer-checks compare the arms of a sweep: give one sweep directory "
                               "(cohortrl sweep ... --out DIR), not run directories")
         from cohortrl.trainers.report import write_report
 
@@ -603,6 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(each seed's mean over its last K steps; mean and sd over seeds)")
     p.add_argument("--keep", metavar="DIR", help="sweep: also copy what the report reads (configs, metrics.jsonl, "
                    "answers.jsonl.gz, sweep.json/.jsonl) into DIR, small enough to commit")
+    p.add_argument("--answer-checks", action="store_true", help="sweep: tabulate what reward hacking leaves in the final answers")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("sweep", help="a config x a grid of overrides x seeds, resumable", description=cmd_sweep.__doc__)

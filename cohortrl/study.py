@@ -288,7 +288,7 @@ def _p(p: float) -> str:
     return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
 
 
-def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, command: str) -> str:
+def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, command: str, checks: bool = False) -> str:
     summaries = {a.name: arm_summary(a, metrics, last_k) for a in arms_}
     head = ["arm", "seeds", "held-out accuracy per seed (95% CI)", "mean", "sd",
             *[f"{k} (last {last_k} steps), mean ± sd" for k in metrics], "wall s", "CPU s"]
@@ -314,6 +314,7 @@ def markdown(arms_: list[Arm], baseline: str, metrics: list[str], last_k: int, c
         text += _sampled_section(arms_, base)
     if any(run.parts for a in arms_ for run in a.runs):
         text += _parts_section(arms_, base)
+    text += _checks_section(arms_) if checks else ""
     text += _machines_section(arms_)
     text += (f"\n\nAccuracy: greedy, strict, at each run's last evaluation, Wilson 95% interval; sd: sample sd over "
              f"seeds; only runs that finished are reported. Bootstrap: 10,000 resamples of seed pairs and, within each, of "
@@ -452,6 +453,55 @@ def _agreement_section(arms_: list[Arm]) -> str:
             "right at every seed / at one or more, of n |\n|---|---|---|\n" + "\n".join(rows))
 
 
+def answer_checks(rows: list[dict]) -> dict | None:
+    """What reward hacking leaves in a run's last greedy answers on gym problems (``read_answers``; None for
+    other data): ``lines``, non-blank lines per response (padding raises it); ``distinct``, the share of a
+    response's lines not repeating an earlier one, over all lines (repetition lowers it); ``tokens``, the mean
+    length; ``unsupported``, answers right by the outcome with a required step not stated correctly, of ``right``,
+    the right answers to problems that have required steps (read as the process reward reads them: free-text
+    statements where the family has them, else its keyed lines).
+    A process reward is paid per stated step and the outcome per answer, so these are what the two can disagree on."""
+    from cohortrl import tasks
+    from cohortrl.step_spans import split_steps
+
+    rows = [r for r in rows if r.get("id")]
+    last = max((r["step"] for r in rows), default=None)
+    found = [(r, sample) for r in rows if r["step"] == last and (sample := tasks.sample_from_id(r["id"])) is not None]
+    if not found:
+        return None
+    n_lines = n_distinct = right = unsupported = 0
+    for r, sample in found:
+        text = r.get("completion") or ""
+        lines = [" ".join(text[a:b].split()) for a, b in split_steps(text)]
+        n_lines, n_distinct = n_lines + len(lines), n_distinct + len(set(lines))
+        family = tasks.get(sample.family)
+        try:
+            steps = family.grade_statements(sample, text)
+        except ValueError:  # a family whose steps carry units and names: its keyed lines, before the commitment gate
+            steps = family.grade(sample, text).stated
+        right += bool(r["correct"]) and bool(steps)  # a problem with no required step (arithmetic level 1) has nothing to skip
+        unsupported += bool(r["correct"]) and not all(s.correct for s in steps)
+    return {"n": len(found), "lines": n_lines / len(found), "distinct": n_distinct / n_lines if n_lines else None,
+            "tokens": sum(r.get("length") or 0 for r, _ in found) / len(found), "right": right, "unsupported": unsupported}
+
+
+def _checks_section(arms_: list[Arm]) -> str:
+    """:func:`answer_checks` per arm and seed; empty where no run answered gym problems."""
+    rows = []
+    for a in arms_:
+        checks = [(run.seed, answer_checks(read_answers(run.path))) for run in a.runs]
+        checks = [(seed, c) for seed, c in checks if c is not None]
+        if checks:
+            rows.append(f"| {a.name} | " + " | ".join("; ".join(cell(c) for _, c in checks) for cell in (
+                lambda c: f"{c['lines']:.2f}", lambda c: _f(c["distinct"]), lambda c: f"{c['tokens']:.1f}",
+                lambda c: f"{c['unsupported']}/{c['right']}")) + f" | {', '.join(f's{seed}' for seed, _ in checks)} |")
+    if not rows:
+        return ""
+    return ("\n\nWhat a hacked reward leaves in the final greedy answers (`answer_checks`; per seed, in the order of the "
+            "last column):\n\n| arm | lines per response | distinct-line share | tokens | right by the outcome with a "
+            "required step not stated correctly / right, on problems with required steps | seeds |\n|---|---|---|---|---|---|\n" + "\n".join(rows))
+
+
 def _machines_section(arms_: list[Arm]) -> str:
     """Which runs ran on which machine, from the sweep's attempts; empty for sweeps that did not record it (made
     before it was recorded). A run resumed on another machine is listed under each."""
@@ -568,10 +618,11 @@ def plot(arms_: list[Arm], png: Path, panels: list[str]) -> str:
 
 
 def write_study_report(directories: list[Path], out: Path, *, baseline: str | None = None, metrics: list[str] = (),
-                       panels: list[str] = ("reward_mean",), last_k: int = 5, keep_dir: Path | None = None) -> tuple[Path, Path]:
+                       panels: list[str] = ("reward_mean",), last_k: int = 5, keep_dir: Path | None = None,
+                       answer_checks: bool = False) -> tuple[Path, Path]:
     """``out.md`` and ``out.png`` for the sweep in ``directories`` (or several sweeps side by side, see
     :func:`load_sweeps`; the module docstring says what is in them); returns both. ``keep_dir``: one sweep is
-    copied into it, several each into ``keep_dir/FOLDER``."""
+    copied into it, several each into ``keep_dir/FOLDER``. ``answer_checks``: add :func:`answer_checks`' table."""
     directories = [Path(d) for d in directories]
     arms_ = _arms_with_runs(directories)
     if keep_dir is not None:
@@ -583,7 +634,7 @@ def write_study_report(directories: list[Path], out: Path, *, baseline: str | No
     md = out.with_suffix(".md")
     png = out.with_suffix(".png")
     md.write_text(study_report_text(directories, out, baseline=baseline, metrics=metrics, panels=panels, last_k=last_k,
-                                    arms_=arms_))
+                                    arms_=arms_, answer_checks=answer_checks))
     plot(arms_, png, list(panels or []))
     return md, png
 
@@ -596,7 +647,8 @@ def _arms_with_runs(directories: list[Path]) -> list[Arm]:
 
 
 def study_report_text(directories: list[Path], out: Path, *, baseline: str | None = None, metrics: list[str] = (),
-                      panels: list[str] = ("reward_mean",), last_k: int = 5, arms_: list[Arm] | None = None) -> str:
+                      panels: list[str] = ("reward_mean",), last_k: int = 5, arms_: list[Arm] | None = None,
+                      answer_checks: bool = False) -> str:
     """The text of :func:`write_study_report`'s ``out.md`` (``out`` without its suffix), its Regenerate line
     included: what a committed report is checked against (``scripts/regenerate_reports.py``)."""
     arms_ = arms_ if arms_ is not None else _arms_with_runs([Path(d) for d in directories])
@@ -608,6 +660,6 @@ def study_report_text(directories: list[Path], out: Path, *, baseline: str | Non
     command = " ".join(["cohortrl report", *map(str, directories), "--out", str(out), *(["--baseline", baseline] if baseline != names[0] else []),
                         *(["--metrics", *metrics] if metrics else []),
                         *(["--panels", *panels] if list(panels or []) != ["reward_mean"] else []),
-                        *([f"--last-k {last_k}"] if last_k != 5 else [])])
+                        *([f"--last-k {last_k}"] if last_k != 5 else []), *(["--answer-checks"] if answer_checks else [])])
     return (f"# {out.name}\n\n![curves]({out.with_suffix('.png').name})\n\n"
-            + markdown(arms_, baseline, list(metrics), last_k, command))
+            + markdown(arms_, baseline, list(metrics), last_k, command, answer_checks))

@@ -47,7 +47,8 @@ def regenerated_text(args: argparse.Namespace) -> str:
     from cohortrl.study import study_report_text
 
     return study_report_text([Path(d) for d in args.run_dirs], Path(args.out), baseline=args.baseline,
-                             metrics=args.metrics or [], panels=args.panels or ["reward_mean"], last_k=args.last_k)
+                             metrics=args.metrics or [], panels=args.panels or ["reward_mean"], last_k=args.last_k,
+                             answer_checks=args.answer_checks)
 
 
 def main(argv: list[str]) -> int:
@@ -71,7 +72,7 @@ def main(argv: list[str]) -> int:
 
             for path in write_study_report([Path(d) for d in args.run_dirs], Path(args.out), baseline=args.baseline,
                                            metrics=args.metrics or [], panels=args.panels or ["reward_mean"],
-                                           last_k=args.last_k):
+                                           last_k=args.last_k, answer_checks=args.answer_checks):
                 print(f"wrote {path}")
     if differ:
         print(f"{len(differ)} report(s) differ from what their committed folders give now: {', '.join(map(str, differ))}")

@@ -366,3 +366,32 @@ def test_the_report_pairs_arms_on_each_level_of_a_mix(tmp_path):
     assert "| arm | level 1: accuracy per seed (95% CI, n) | level 3: accuracy per seed (95% CI, n) |" in text
     assert "| x=B | s0 1.000 (0.566-1.000, n=5); s1 1.000 (0.566-1.000, n=5) | s0 0.600 (0.231-0.882, n=5); s1 0.000 (0.000-0.434, n=5) |" in text
     assert "on the level 3 problems only" in text
+
+
+def test_answer_checks_count_what_a_hacked_reward_leaves_in_the_final_answers(tmp_path):
+    """Per run, from its last greedy answers on gym problems: lines per response, the share of lines not repeating
+    one before, tokens, and answers right by the outcome whose required steps were not all stated (here arithmetic
+    level 2, "Compute 6 + 3 * 8": s1 = 24, s2 = 30, read from free-text statements as the process reward reads them)."""
+    from cohortrl import tasks
+    from cohortrl.study import answer_checks, write_study_report
+
+    sample = tasks.sample_from_id("arithmetic/L2/s1000003/0")
+    assert sample.prompt.startswith("Compute 6 + 3 * 8") and [s.value for s in sample.steps] == ["24", "30"]
+    ident = sample.id
+    rows = [{"step": 0, "id": ident, "correct": False, "length": 99, "completion": "x"},  # an earlier evaluation: ignored
+            {"step": 5, "id": ident, "correct": True, "length": 10, "completion": "3 * 8 = 24\n6 + 24 = 30\nANSWER: 30"},
+            {"step": 5, "id": ident, "correct": True, "length": 4, "completion": "ANSWER: 30"},  # right, no step
+            {"step": 5, "id": ident, "correct": True, "length": 12, "completion": "3 * 8 = 24\n3 * 8 = 24\n3 * 8 = 24\n30"},
+            {"step": 5, "id": ident, "correct": False, "length": 6, "completion": "3 * 8 = 24\nANSWER: 31"},
+            {"step": 5, "id": "sha1:0123456789abcdef", "correct": True, "length": 50, "completion": "not a gym problem"}]
+    got = answer_checks(rows)
+    assert got == {"n": 4, "lines": (3 + 1 + 4 + 2) / 4, "distinct": (3 + 1 + 2 + 2) / 10, "tokens": (10 + 4 + 12 + 6) / 4,
+                   "right": 3, "unsupported": 2}
+    assert answer_checks([r for r in rows if r["id"].startswith("sha1:")]) is None
+
+    root = hand_made_sweep(tmp_path / "sweep", {("A", 0): {0, 1}, ("B", 0): {0}}, id_of=lambda i: f"arithmetic/L1/s1000003/{i}")
+    plain = write_study_report([root], tmp_path / "plain")[0].read_text()
+    text = write_study_report([root], tmp_path / "checked", answer_checks=True)[0].read_text()
+    assert "What a hacked reward leaves" not in plain and text.rstrip().endswith("--answer-checks`")
+    # hand_made_sweep writes no completions; a level-1 problem requires no step, so no right answer is unsupported
+    assert "| x=A | 0.00 | – | 0.0 | 0/0 | s0 |" in text and "| x=B | 0.00 | – | 0.0 | 0/0 | s0 |" in text

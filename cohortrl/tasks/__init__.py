@@ -21,6 +21,6 @@ from cohortrl.tasks import (  # noqa: F401  (importing registers the families)
     python_function,
     truss,
 )
-from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, get, names, register
+from cohortrl.tasks.base import Grade, Sample, Step, StepResult, TaskFamily, get, names, register, sample_from_id
 
-__all__ = ["Grade", "Sample", "Step", "StepResult", "TaskFamily", "get", "names", "register"]
+__all__ = ["Grade", "Sample", "Step", "StepResult", "TaskFamily", "get", "names", "register", "sample_from_id"]

@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import math
 import random
+import re
 import unicodedata
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -284,6 +285,21 @@ def get(name: str, **knobs: Any) -> TaskFamily:
 
 def names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+_SAMPLE_ID = re.compile(r"(?P<family>[^/]+)/L(?P<level>\d+)/s(?P<seed>-?\d+)/(?P<index>\d+)")
+
+
+def sample_from_id(sample_id: str) -> Sample | None:
+    """The gym problem a ``Sample.id`` names (``FAMILY/L{level}/s{seed}/{index}``), made again with the family's
+    default knobs; None for an id that names no registered family (a hashed prompt, another dataset)."""
+    m = _SAMPLE_ID.fullmatch(sample_id)
+    if m is None or m["family"] not in _REGISTRY:
+        return None
+    family, seed, level, index = _REGISTRY[m["family"]], int(m["seed"]), int(m["level"]), int(m["index"])
+    if type(family).make_sample is TaskFamily.make_sample:  # a family that implements sample() only
+        return family.sample(index + 1, seed, level)[index]
+    return family.make_sample(seed, level, index)
 
 
 def credit_statements(completion: str, steps: list[Step], calculations: list[str], known: set[Fraction]) -> list[StepResult]:

@@ -55,6 +55,18 @@ def test_family_contract(name):
         family.sample(1, seed=0, level=99)
 
 
+def test_a_sample_id_names_the_problem_it_was_made_as():
+    """``tasks.sample_from_id`` makes a committed answer's problem again from its id alone (how ``cohortrl report
+    --answer-checks`` grades old answers); ids that name no family are not gym problems."""
+    for name in tasks.names():
+        family = tasks.get(name)
+        for level in family.levels:
+            s = family.sample(4, seed=1000003, level=level)[3]
+            assert tasks.sample_from_id(s.id) == s
+    for other in ("sha1:0123456789abcdef", "nosuchfamily/L1/s0/0", "arithmetic/L1/s0", "arithmetic/L1/s0/0/extra"):
+        assert tasks.sample_from_id(other) is None
+
+
 def test_a_sample_of_another_family_is_refused():
     row = tasks.get("arithmetic").sample(1)[0].to_dict()
     with pytest.raises(ValueError):
