@@ -242,14 +242,18 @@ def _load_gguf(path: Path, torch_dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
-    # A GGUF-loaded model carries a quantisation config and refuses save_pretrained ("not serializable");
-    # copying its dequantised weights into a plain model of the same config gives a normal, savable model.
-    config = gguf_model.config
-    config.quantization_config = None
-    if hasattr(config, "_name_or_path"):
-        config._name_or_path = str(path)
-    model = type(gguf_model)(config).to(torch_dtype)
+    # Building the plain model below initialises its weights at random before they are overwritten: without the
+    # fork, a run that converts the GGUF (the first on a fresh machine) drew its LoRA init and samples from another
+    # point of the seeded stream than every later run with the same seed, and ended elsewhere.
+    with torch.random.fork_rng(devices=[]):
+        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
+        # A GGUF-loaded model carries a quantisation config and refuses save_pretrained ("not serializable");
+        # copying its dequantised weights into a plain model of the same config gives a normal, savable model.
+        config = gguf_model.config
+        config.quantization_config = None
+        if hasattr(config, "_name_or_path"):
+            config._name_or_path = str(path)
+        model = type(gguf_model)(config).to(torch_dtype)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     model.eval()

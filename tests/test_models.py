@@ -78,7 +78,12 @@ def smollm2_cache(tmp_path_factory):
 
 @pytest.mark.slow
 def test_embedded_default_converts_once_then_loads_from_cache_and_answers(smollm2_cache, monkeypatch):
+    torch.manual_seed(0)
+    seeded = torch.get_rng_state()
     model, tok = load_model("smollm2-135m-instruct")  # converts the GGUF into the cache
+    # ... leaving the seeded stream where it was, as a load from the cache does: the run that converts draws the
+    # same LoRA init and samples as every later run with its seed
+    assert torch.equal(torch.get_rng_state(), seeded)
     assert (smollm2_cache / "models" / "smollm2-135m-instruct" / "config.json").exists()
     assert models.cached_models() == ["smollm2-135m-instruct"]
 
@@ -87,6 +92,7 @@ def test_embedded_default_converts_once_then_loads_from_cache_and_answers(smollm
 
     monkeypatch.setattr(models, "_load_gguf", no_gguf)
     cached, tok2 = load_model("smollm2-135m-instruct")
+    assert torch.equal(torch.get_rng_state(), seeded)
     w = "model.layers.0.mlp.down_proj.weight"
     assert torch.equal(model.state_dict()[w], cached.state_dict()[w])
     assert tok2.padding_side == "left" and tok2.pad_token == "<|endoftext|>"
