@@ -149,16 +149,20 @@ class UpdateTotals:
         """The clipped surrogate's numbers on micro-batch ``mb`` (a ``step.MicroBatch``)."""
         import torch
 
+        from cohortrl.algorithms import masked_sum
+
         w, n_loss_tokens = mb.weights, int(mb.loss_mask.sum())
         self.sums["policy_loss"] += torch.where(w != 0, w * loss_BT.detach(), 0.0).sum().item()
-        self.sums["entropy"] += masked_total(entropy_BT, mb.response_mask)
+        self.sums["entropy"] += masked_sum(entropy_BT, mb.response_mask).item()
         self.sums["clip_frac_low"] += pg_metrics["clip_frac_low"] * n_loss_tokens
         self.sums["clip_frac_high"] += pg_metrics["clip_frac_high"] * n_loss_tokens
 
     def add_extra(self, mb, metrics_BT: dict) -> None:
         """The algorithm's per-token numbers (the algorithm's ``extra_loss`` metrics), summed over response tokens."""
+        from cohortrl.algorithms import masked_sum
+
         for name, value_BT in metrics_BT.items():
-            self.token_sums[name] += masked_total(value_BT.detach(), mb.response_mask)
+            self.token_sums[name] += masked_sum(value_BT.detach(), mb.response_mask).item()
 
     def add_loss(self, mb, loss: float) -> None:
         self.sums["loss"] += loss
@@ -207,6 +211,7 @@ def step_metrics(d, batch, rewards_B, keep_B, targets, update: dict, *, group_si
     per function, accuracy, zero-variance groups, lengths, the algorithm's numbers (``targets.metrics``),
     the process rewards' (``batch.process_metrics``), the update's (``UpdateTotals.result``), LR, timings, memory;
     on a mix of ``levels`` (``data.levels``), each level's accuracy and share of the advantage (``by_level``)."""
+    from cohortrl.algorithms import masked_sum
     from cohortrl.rollout.tools import tool_metrics
 
     rollout, response_mask = batch.rollout, batch.rollout.response_mask
@@ -217,7 +222,7 @@ def step_metrics(d, batch, rewards_B, keep_B, targets, update: dict, *, group_si
     counts = d.sum({
         "tokens": float(response_mask.sum()), "kept": float(keep_B.sum()), "truncated": float(rollout.truncated.sum()),
         "prompts_truncated": float(batch.prompts_truncated),
-        "advantage_abs": masked_total(targets.advantages.abs(), response_mask),
+        "advantage_abs": masked_sum(targets.advantages.abs(), response_mask).item(),
     })
     elapsed = time.perf_counter() - started
     G = group_size
@@ -329,10 +334,3 @@ def _lengths_by_outcome(lengths: torch.Tensor, correctness: list) -> dict:
     right = [n for n, ok in pairs if ok]
     wrong = [n for n, ok in pairs if not ok]
     return {"response_length_correct_mean": mean(right), "response_length_incorrect_mean": mean(wrong)}
-
-
-def masked_total(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
-    """Σ x over the mask's tokens, as a Python float."""
-    import torch
-
-    return torch.where(mask_BT.bool(), x_BT, 0.0).sum().item()
