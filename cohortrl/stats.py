@@ -20,6 +20,19 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """The mean of per-problem fractions (each problem's share of k samples right) with its normal 95% interval,
+    mean ± z·sd/√n clipped to [0, 1]: (mean, low, high); (mean, 0, 1) for fewer than two values. The problems are
+    the units, so the interval is over problems, not over the n·k samples (which are not independent)."""
+    n = len(values)
+    mean = math.fsum(values) / n if n else 0.0
+    if n < 2:
+        return mean, 0.0, 1.0
+    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+    half = z * sd / math.sqrt(n)
+    return mean, max(0.0, mean - half), min(1.0, mean + half)
+
+
 def mcnemar_exact(only_a: int, only_b: int) -> float:
     """Two-sided exact McNemar p-value for two evaluations of the same problems: ``only_a`` problems right in A
     and wrong in B, ``only_b`` the reverse (the problems both got right or both wrong carry no information).

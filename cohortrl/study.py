@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cohortrl import machine
-from cohortrl.stats import mcnemar_exact, paired_bootstrap, wilson_interval
+from cohortrl.stats import mcnemar_exact, mean_interval, paired_bootstrap, wilson_interval
 from cohortrl.sweep import ATTEMPTS, SPEC, arms, read_attempts
 from cohortrl.trainers.evaluate import ANSWERS, export_answers, read_answers
 from cohortrl.trainers.metrics import read_metrics
@@ -402,10 +402,8 @@ def _sampled_section(arms_: list[Arm], base: Arm) -> str:
         cells = []
         for run in a.runs:
             if run.sampled:
-                values = list(run.sampled.values())
-                mean = statistics.fmean(values)
-                half = 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 1.0
-                cells.append(f"s{run.seed} {mean:.3f} ({max(0.0, mean - half):.3f}-{min(1.0, mean + half):.3f}, n={len(values)})")
+                mean, low, high = mean_interval(list(run.sampled.values()))
+                cells.append(f"s{run.seed} {mean:.3f} ({low:.3f}-{high:.3f}, n={len(run.sampled)})")
         lines.append(f"| {a.name} | {'; '.join(cells) or '–'} |")
     text = (f"\n\nSampled accuracy: {' or '.join(map(str, ks))} samples per held-out problem at the evaluation's temperature "
             "(`eval.pass_k`), each problem's fraction right; the greedy tables above do not see a policy that only "

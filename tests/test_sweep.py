@@ -302,6 +302,18 @@ def test_the_report_says_which_runs_shared_a_machine(tmp_path):
     assert f"| {label(one)} | x=A s0, x=A s1 |" in text and "| not recorded | x=B s0 |" in text
 
 
+def test_the_sampled_accuracy_interval_is_over_problems_as_computed_by_hand():
+    """``stats.mean_interval``, which both the trainer's evaluation (``eval/sampled_accuracy_ci_*``) and the report use:
+    mean ± 1.96·sd/√n of the per-problem fractions, clipped to [0, 1]."""
+    from cohortrl.stats import mean_interval
+
+    # sd of (0, .5, 1, .5) = √(0.5 / 3) = 0.408248; half = 1.96 · 0.408248 / 2 = 0.400083
+    assert mean_interval([0.0, 0.5, 1.0, 0.5]) == pytest.approx((0.5, 0.099917, 0.900083), abs=1e-6)
+    # sd of (1, 1, 1, .75) = 0.125; half 0.1225: the upper end clipped at 1
+    assert mean_interval([1.0, 1.0, 1.0, 0.75]) == pytest.approx((0.9375, 0.815, 1.0))
+    assert mean_interval([0.25]) == (0.25, 0.0, 1.0)
+
+
 def test_mcnemar_and_the_paired_bootstrap_by_hand():
     from cohortrl.stats import mcnemar_exact, paired_bootstrap
 

@@ -16,7 +16,7 @@ from cohortrl.rewards.error_categories import category_fractions, row_category
 from cohortrl.rewards.scoring import TrainerState, WeightedReward, score_rollout
 from cohortrl.rollout.hf import Sampling, generate, response_logits
 from cohortrl.rollout.tools import toolset
-from cohortrl.stats import wilson_interval
+from cohortrl.stats import mean_interval, wilson_interval
 
 progress = logging.getLogger("cohortrl.progress")  # printed by the command line (cli._progress_on_stderr)
 
@@ -177,12 +177,11 @@ def evaluate(
             assert len(greedy) == len(hits_PK), f"{len(greedy)} greedy responses for {len(hits_PK)} sampled prompts"
             for response, hits in zip(greedy, hits_PK.sum(-1).tolist()):
                 response.update(sampled_correct=int(hits), samples=pass_k)
-        mean_P = hits_PK.mean(-1)
-        half = 1.96 * mean_P.std().item() / len(mean_P) ** 0.5 if len(mean_P) > 1 else 1.0
+        mean, low, high = mean_interval(hits_PK.mean(-1).tolist())
         out[f"eval/pass@{pass_k}"] = hits_PK.max(-1).values.mean().item()
-        out["eval/sampled_accuracy"] = mean_P.mean().item()
-        out["eval/sampled_accuracy_ci_low"] = max(0.0, mean_P.mean().item() - half)
-        out["eval/sampled_accuracy_ci_high"] = min(1.0, mean_P.mean().item() + half)
+        out["eval/sampled_accuracy"] = mean
+        out["eval/sampled_accuracy_ci_low"] = low
+        out["eval/sampled_accuracy_ci_high"] = high
         if kl_rows:
             kl_sum = torch.cat([k for k, _ in kl_rows])
             n_tokens = torch.cat([n for _, n in kl_rows])
