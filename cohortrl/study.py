@@ -460,7 +460,7 @@ def answer_checks(rows: list[dict]) -> dict | None:
     statements where the family has them, else its keyed lines).
     A process reward is paid per stated step and the outcome per answer, so these are what the two can disagree on."""
     from cohortrl import tasks
-    from cohortrl.step_spans import split_steps
+    from cohortrl.rewards.process import normalised_steps
 
     rows = [r for r in rows if r.get("id")]
     last = max((r["step"] for r in rows), default=None)
@@ -470,7 +470,7 @@ def answer_checks(rows: list[dict]) -> dict | None:
     n_lines = n_distinct = right = unsupported = 0
     for r, sample in found:
         text = r.get("completion") or ""
-        lines = [" ".join(text[a:b].split()) for a, b in split_steps(text)]
+        lines = normalised_steps(text)  # as the training step's unique_step_ratio reads them
         n_lines, n_distinct = n_lines + len(lines), n_distinct + len(set(lines))
         family = tasks.get(sample.family)
         try:

@@ -167,6 +167,12 @@ def _normalised(text: str) -> str:
     return re.sub(r"\s+", " ", text.strip().lower())
 
 
+def normalised_steps(completion: str) -> list[str]:
+    """The completion's steps (`split_steps`: its non-blank lines) as the repetition guard and the detectors compare
+    them: lower-cased, whitespace collapsed."""
+    return [_normalised(completion[a:b]) for a, b in split_steps(completion)]
+
+
 def guard_steps(completion: str, steps: StepScores, *, cap: float, max_steps: int, require_answer: bool) -> StepScores:
     """The step rewards a response may keep: each score capped at ``cap``; nothing positive for a step whose
     text repeats an earlier step's, for steps beyond the first ``max_steps``, or in a response without a
@@ -202,7 +208,7 @@ def step_detectors(completions: Sequence[str], step_rewards: Sequence[Sequence[f
     * ``step_outcome_corr``: Pearson correlation of a response's mean step reward with its outcome (step
       rewards that stop predicting the outcome are being farmed).
     """
-    lines = [[_normalised(c[a:b]) for a, b in split_steps(c)] for c in completions]
+    lines = [normalised_steps(c) for c in completions]
     n_lines = sum(len(x) for x in lines)
     flat = [r for rs in step_rewards for r in rs]
     per_response = [sum(rs) / len(rs) if rs else 0.0 for rs in step_rewards]
