@@ -168,8 +168,9 @@ def cmd_eval(args) -> int:
     from cohortrl.trainers.setup import build_fast_path, fast_kernels, load_configured_model, start_reference
 
     run_dir = Path(args.config) if Path(args.config).is_dir() else None
+    start = None  # a full-weight run's own model section: what eval.kl_to_reference measures it against
     if run_dir is not None:
-        cfg, args.adapter = _run_evaluation(run_dir, args)
+        cfg, args.adapter, start = _run_evaluation(run_dir, args)
     else:
         cfg = _load_config(args.config, args.overrides)
     if args.adapter:
@@ -189,7 +190,6 @@ def cmd_eval(args) -> int:
         if run_dir is None and not args.adapter:
             raise ConfigError("eval.kl_to_reference measures a trained model against the one it started from: give a "
                               "run directory (cohortrl eval RUN_DIR) or --adapter, not a config's own model")
-        start = None if args.adapter else _load_config(str(run_dir / "config.yaml"), args.overrides).model
         reference = start_reference(model, start, cfg.train.seed, process_device(cfg.train.device))
     fn = next(f for f in cfg.reward.functions if f.name == cfg.reward.correctness)
     saved = run_dir / EVAL_ROWS if run_dir is not None and cfg.data.source.startswith("python:") else None
@@ -223,9 +223,9 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _run_evaluation(run_dir: Path, args) -> tuple[Config, str | None]:
-    """``cohortrl eval RUN_DIR``: the run's config (with the overrides) set to load its final/, and the adapter
-    to apply (a LoRA run's final/) or None."""
+def _run_evaluation(run_dir: Path, args) -> tuple[Config, str | None, object]:
+    """``cohortrl eval RUN_DIR``: the run's config (with the overrides) set to load its final/, the adapter to
+    apply (a LoRA run's final/) or None, and for a full-weight run the model section it started from (else None)."""
     config, final = run_dir / "config.yaml", run_dir / "final"
     if not config.is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give a run directory or a CONFIG file")
@@ -236,8 +236,8 @@ def _run_evaluation(run_dir: Path, args) -> tuple[Config, str | None]:
         raise ConfigError(f"--adapter does not go with RUN_DIR: {run_dir}/final is what is evaluated")
     cfg = _load_config(str(config), args.overrides)
     if (final / "adapter_config.json").is_file():  # LoRA: the adapter on the run's own base (and model.init)
-        return cfg, str(final)
-    return cfg.with_overrides(f"model.name={final}", "model.init=null"), None  # all the weights: init already in them
+        return cfg, str(final), None
+    return cfg.with_overrides(f"model.name={final}", "model.init=null"), None, cfg.model  # all the weights: init in them
 
 
 def _held_out_set(cfg: Config) -> str:
