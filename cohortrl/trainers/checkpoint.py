@@ -235,7 +235,11 @@ def _fsync(path: Path) -> None:
 def _os_error(exc: BaseException) -> OSError | None:
     """The operating system's error behind ``exc``, if it is one: ``exc`` itself, an error it was raised from
     or while handling (torch.save reports a failed write as a RuntimeError raised while handling the
-    OSError), or the ``os error N`` that safetensors' Rust writer puts in its message."""
+    OSError), or the ``os error N`` that safetensors' Rust writer puts in its message. Never for Ctrl-C or an
+    exit: Python handles errors inside the libraries (``Path.mkdir(exist_ok=True)`` catches a FileExistsError),
+    and a KeyboardInterrupt that lands in such a handler carries that error as its context."""
+    if not isinstance(exc, Exception):
+        return None
     seen = exc
     while seen is not None:
         if isinstance(seen, OSError):

@@ -219,6 +219,21 @@ def test_a_crash_between_the_two_renames_leaves_the_old_contents_where_the_next_
     assert [p.name for p in path.parent.iterdir()] == ["step_000001"]
 
 
+def test_ctrl_c_inside_a_handled_os_error_stays_ctrl_c(tmp_path):
+    """A KeyboardInterrupt that lands while a library handles an OSError of its own (Path.mkdir(exist_ok=True)
+    on an existing directory) carries that error as its context; it is an interrupt, not a failed write."""
+    def write(tmp):
+        try:
+            raise FileExistsError(17, "File exists", str(tmp))
+        except FileExistsError:
+            raise KeyboardInterrupt  # what Ctrl-C raises, wherever the main thread is
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        checkpoint.write_dir(tmp_path / "step_000001", write, step=1)
+    assert isinstance(raised.value.__context__, FileExistsError)  # the case: the context is an OS error
+    assert list(tmp_path.iterdir()) == []  # the temporary directory is gone too
+
+
 def test_leftovers_of_an_interrupted_write_are_removed_by_the_next(tmp_path):
     path = saved(tmp_path, 1)
     for name in (".tmp-step_000002-abc", ".tmp-old-step_000002-def", ".tmp-old-xyz"):
