@@ -19,6 +19,7 @@ GSM8K responses are free text, so that family reads arithmetic statements ``a op
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -367,17 +368,103 @@ def _statement_at(lhs_text: str, rhs_text: str, span: tuple[int, int]) -> Statem
     return None
 
 
-def find_statements(text: str) -> list[Statement]:
-    """Every ``a op b = c`` in ``text``, in order. Chains ``2 * 3 = 6 * 4 = 24`` give two statements."""
+def find_statements(text: str, rewrites: bool = False) -> list[Statement]:
+    """Every ``a op b = c`` in ``text``, in order. Chains ``2 * 3 = 6 * 4 = 24`` give two statements.
+
+    ``rewrites``: also read a rewriting chain, ``7 * 8 + 9 = 56 + 9 = 65``, where the right-hand side of an
+    ``=`` is the left's expression with sub-expressions replaced by their values. Read plainly its first
+    ``=`` is the wrong claim ``7 * 8 + 9 = 56``; read as a rewrite it states ``7 * 8 = 56`` (`_rewritten`)."""
     found: list[Statement] = []
     line_start = 0
     for line in text.split("\n"):  # a statement never spans lines
-        found += _statements_in(line, line_start)
+        found += _statements_in(line, line_start, rewrites)
         line_start += len(line) + 1
     return found
 
 
-def _statements_in(line: str, offset: int) -> list[Statement]:
+MAX_REWRITTEN = 15  # tokens of one sub-expression a rewrite replaces by its value
+_CONTINUATION_END = re.compile(r"[ \t.,;:!?]*$")
+
+
+def _rewritten(line: str, offset: int, statement: Statement, lhs_end: int, rhs_start: int) -> list[Statement]:
+    """The statements a rewrite ``E1 = E2`` makes, one per sub-expression of E1 that E2 writes as a number
+    (``7 * 8 + 9 = 56 + 9``: ``7 * 8 = 56``); none unless E2 (the text up to the next ``=``) is E1 with
+    each replaced span's exact value written in its place and E2's value is E1's, so a wrong value, a
+    span taken against precedence (``2 + 3 * 4 = 5 * 4``) or prose after the numbers is not read as one."""
+    following = line.find("=", rhs_start)
+    continuation = line[rhs_start: following if following >= 0 else len(line)]
+    continuation = continuation[: _CONTINUATION_END.search(continuation).start()]
+    if len(continuation) > MAX_NESTING + MAX_LHS:  # bounded as a left-hand side is
+        return []
+    evaluated = evaluate(continuation)
+    if evaluated is None or evaluated[0] != statement.exact:
+        return []
+    lhs_start = statement.span[0] - offset
+    left, right = _spanned_tokens(line, lhs_start, lhs_end), _spanned_tokens(line, rhs_start, rhs_start + len(continuation))
+    if left is None or right is None:
+        return []
+    found = []
+    for i, k, j in _reductions(line, left, right) or []:
+        start, end = left[i][1], left[k - 1][2]
+        text = line[start:end]
+        if text.startswith("(") and text.endswith(")") and evaluate(text[1:-1]) is not None:
+            text = text[1:-1]  # (7 * 8) = 56 states 7 * 8 = 56
+        exact, operands = evaluate(text)
+        written_text = line[right[j][1]:right[j][2]]
+        found.append(Statement(normalize_lhs(text), exact, right[j][0], written_text, True,
+                               is_identity(right[j][0], operands), tuple(operands),
+                               (offset + start, offset + right[j][2])))
+    return found
+
+
+def _spanned_tokens(line: str, start: int, end: int) -> list[tuple[str | Fraction, int, int]] | None:
+    """`_tokenize`'s tokens of ``line[start:end]``, each with its span in ``line``."""
+    tokens, pos = [], start
+    end = start + len(line[start:end].rstrip())
+    while pos < end:
+        match = _TOKEN.match(line, pos, end)
+        if match is None:
+            return None
+        value = parse_number(match["num"]) if match["num"] is not None else _OPS.get(match["op"], match["op"])
+        tokens.append((value, match.start("num") if match["num"] is not None else match.start("op"), match.end()))
+        pos = match.end()
+    return tokens
+
+
+def _reductions(line: str, left: list, right: list) -> list[tuple[int, int, int]] | None:
+    """Spans ``left[i:k]`` (tokens with their spans in ``line``) that ``right[j]`` replaces by their exact
+    value, at least one, every other token equal; ``None`` if ``right`` is not ``left`` so rewritten."""
+    values: dict[tuple[int, int], Fraction | None] = {}
+
+    def value(i: int, k: int) -> Fraction | None:
+        if (i, k) not in values:
+            evaluated = evaluate(line[left[i][1]:left[k - 1][2]])
+            values[i, k] = evaluated[0] if evaluated is not None else None
+        return values[i, k]
+
+    @functools.lru_cache(maxsize=None)
+    def align(i: int, j: int) -> tuple[tuple[int, int, int], ...] | None:
+        if i == len(left) or j == len(right):
+            return () if i == len(left) and j == len(right) else None
+        if left[i][0] == right[j][0]:
+            rest = align(i + 1, j + 1)
+            if rest is not None:
+                return rest
+        if isinstance(right[j][0], Fraction) and (isinstance(left[i][0], Fraction) or left[i][0] in "(-"):
+            # a replaced span holds a binary operation, so three tokens at least; MAX_REWRITTEN at most
+            for k in range(i + 3, min(len(left), i + MAX_REWRITTEN) + 1):
+                if (isinstance(left[k - 1][0], Fraction) or left[k - 1][0] == ")") and value(i, k) == right[j][0]:
+                    rest = align(k, j + 1)
+                    if rest is not None:
+                        return ((i, k, j), *rest)
+        return None
+
+    if len(right) >= len(left):  # nothing replaced: E2 restates E1 (or is longer), no step in it
+        return None
+    return list(align(0, 0) or ()) or None
+
+
+def _statements_in(line: str, offset: int, rewrites: bool = False) -> list[Statement]:
     """The statements of one line, as searching ``_STATEMENT`` from the line's start, match after match, finds
     them; but each search is confined to the window before one "=" where a left-hand side ending there can
     start (it contains no "=" and is at most MAX_NESTING + MAX_LHS + 2 characters before its spaces). Over the
@@ -394,8 +481,9 @@ def _statements_in(line: str, offset: int) -> list[Statement]:
         match = _STATEMENT.search(line, window, rhs.end()) if rhs is not None and equals >= pos else None
         if match is not None:
             statement = _statement_at(match["lhs"], match["rhs"], (offset + match.start(), offset + match.end()))
-            if statement is not None:
-                found.append(statement)
+            made = (_rewritten(line, offset, statement, match.end("lhs"), match.start("rhs"))
+                    if rewrites and statement is not None and not statement.correct else [])
+            found += made or ([statement] if statement is not None else [])
             pos = match.start("rhs")  # the right-hand side may start the next statement of a chain
         equals = line.find("=", equals + 1)
     return found

@@ -31,7 +31,7 @@ from cohortrl.step_spans import Span, StepScores, StepSource, split_steps
 from cohortrl.tools.text import render, render_with_origins
 
 
-def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callable[..., list[StepScores]]:
+def make_task_steps(require_commit: bool = True, read: str = "keyed", rewrites: bool = False) -> Callable[..., list[StepScores]]:
     """The gym family's step grades, one entry per required step (in the sample's order).
 
     ``require_commit`` (the gym's rule): a step counts only in a response with an ``ANSWER:`` line. Off, a
@@ -42,11 +42,15 @@ def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callabl
     ``read``: ``keyed``, the family's own ``KEY = expression = value`` lines; ``statements``, arithmetic
     statements such as "2 + 8 = 10" anywhere in the text (`TaskFamily.grade_statements`: arithmetic and
     gsm8k), for a policy that computes the steps but does not write the keys, with gsm8k's guards against
-    farming (grounded operands, no contradictions, at most 2R + 2 statements read)."""
+    farming (grounded operands, no contradictions, at most 2R + 2 statements read). ``rewrites`` (with
+    ``statements``): a rewriting chain ``7 * 8 + 9 = 56 + 9 = 65`` also states ``7 * 8 = 56``, the way
+    SmolLM2 writes two operations; without it the chain's first ``=`` reads as the wrong ``7 * 8 + 9 = 56``."""
     from cohortrl import tasks
 
     if read not in ("keyed", "statements"):
         raise ValueError(f"task_steps: read must be 'keyed' or 'statements', not {read!r}")
+    if rewrites and read != "statements":
+        raise ValueError("task_steps: rewrites reads free-text statements; give read: statements with it")
 
     def step_scores(family, problem, completion) -> StepScores:
         # Graded as the outcome is, with tool calls rendered (`A = pi*19^2/4 = 283.5 mm^2`), so a step written
@@ -56,7 +60,7 @@ def make_task_steps(require_commit: bool = True, read: str = "keyed") -> Callabl
             grade = family.grade(problem, text)
             steps = grade.steps if require_commit else grade.stated
         else:  # the full grade only for its commitment flag, and only when the gate is on
-            steps = family.grade_statements(problem, text)
+            steps = family.grade_statements(problem, text, rewrites)
             if require_commit and not family.grade(problem, text).committed:
                 steps = [dataclasses.replace(step, correct=False) for step in steps]
         return [(1.0 if step.correct else 0.0, _generated_span(step.span, origins)) for step in steps]

@@ -146,7 +146,7 @@ class Arithmetic(TaskFamily):
         return Sample(self.name, level, seed, index, prompt, answer, reference, target=steps[-1], steps=steps,
                       extra={"expression": text, "calculations": [expr for expr, _ in ops]})
 
-    def grade_statements(self, sample: Sample, completion: str) -> list[StepResult]:
+    def grade_statements(self, sample: Sample, completion: str, rewrites: bool = False) -> list[StepResult]:
         """Steps read from statements such as "2 + 8 = 10" wherever the response writes them, with or without
         the ``s1 =`` key; the grounding numbers are the expression's."""
         if not sample.steps:  # level 1: one operation, no steps (and no expression kept to ground them)
@@ -154,4 +154,4 @@ class Arithmetic(TaskFamily):
         if "calculations" not in sample.extra:  # a sample saved before they were recorded: regenerate it
             sample = self.make_sample(sample.seed, sample.level, sample.index)
         known = set(evaluate(sample.extra["expression"])[1])
-        return credit_statements(completion, sample.steps, sample.extra["calculations"], known)
+        return credit_statements(completion, sample.steps, sample.extra["calculations"], known, rewrites)

@@ -241,10 +241,10 @@ class TaskFamily:
     def answer_ok(self, sample: Sample, value: Fraction | None, unit: str) -> bool:
         return sample.target.matches(value, unit, self.rel_tol)
 
-    def grade_statements(self, sample: Sample, completion: str) -> list[StepResult]:
-        """The required steps read from free-text statements ``a op b = c`` (`credit_statements`), for families
-        whose steps are plain arithmetic; before the commitment gate. Others have units and named quantities
-        that a bare statement cannot carry."""
+    def grade_statements(self, sample: Sample, completion: str, rewrites: bool = False) -> list[StepResult]:
+        """The required steps read from free-text statements ``a op b = c`` (`credit_statements`; ``rewrites``
+        also reads rewriting chains, `find_statements`), for families whose steps are plain arithmetic; before
+        the commitment gate. Others have units and named quantities that a bare statement cannot carry."""
         raise ValueError(f"the {self.name} family's steps are KEY = value unit lines, not free-text statements: "
                          "read them with the default (keyed) step reading")
 
@@ -302,14 +302,16 @@ def sample_from_id(sample_id: str) -> Sample | None:
     return family.make_sample(seed, level, index)
 
 
-def credit_statements(completion: str, steps: list[Step], calculations: list[str], known: set[Fraction]) -> list[StepResult]:
+def credit_statements(completion: str, steps: list[Step], calculations: list[str], known: set[Fraction],
+                      rewrites: bool = False) -> list[StepResult]:
     """Required steps credited from free-text arithmetic statements ``a op b = c`` instead of ``KEY = …`` lines
     (the rules are gsm8k's, module docstring of `cohortrl.tasks.gsm8k`): a statement counts if it is right,
     grounded (each operand is in ``known`` or a result the response derived earlier), not an identity (unless
     the step's own calculation is one, as arithmetic's "0 + 2" can be), not contradicted (one left-hand side, one result) and among the first 2R + 2; each required step is matched
     to a distinct statement, first one writing the same calculation (``calculations[i]``), then any with the
-    step's value. The verdicts before the commitment gate: callers apply it (``make_grade``) or not."""
-    statements = find_statements(completion)[: 2 * len(steps) + 2]
+    step's value. ``rewrites``: a rewriting chain ``7 * 8 + 9 = 56 + 9 = 65`` states ``7 * 8 = 56``
+    (`find_statements`). The verdicts before the commitment gate: callers apply it (``make_grade``) or not."""
+    statements = find_statements(completion, rewrites)[: 2 * len(steps) + 2]
     results_by_lhs: dict[str, set[Fraction]] = {}
     for s in statements:
         results_by_lhs.setdefault(s.lhs, set()).add(s.written)

@@ -157,9 +157,10 @@ class GSM8K(TaskFamily):
 
         return make_grade(outcome, self.grade_statements(sample, completion), commit.committed, self.step_weight)
 
-    def grade_statements(self, sample: Sample, completion: str) -> list[StepResult]:
+    def grade_statements(self, sample: Sample, completion: str, rewrites: bool = False) -> list[StepResult]:
         # Numbers a statement may use: the question's, the constants the dataset's own calculations use
         # (2 for "twice", 60, 100, ...), and results the response has already derived.
         known = {parse_number(g) for g in sample.givens}
         known |= {o for step in sample.steps for o in evaluate(step.key.rsplit("=", 1)[0])[1]}
-        return credit_statements(completion, sample.steps, [step.key.rsplit("=", 1)[0] for step in sample.steps], known)
+        return credit_statements(completion, sample.steps, [step.key.rsplit("=", 1)[0] for step in sample.steps], known,
+                                 rewrites)

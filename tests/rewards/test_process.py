@@ -175,6 +175,28 @@ def test_statement_reading_credits_free_text_steps_and_resists_farming():
         make_task_steps(read="lines")
 
 
+def test_rewrite_reading_credits_both_steps_of_a_chain_only_when_asked():
+    """SmolLM2 writes two operations as one chain, "2 + 8 - 6 = 10 - 6 = 4": read plainly its first "=" is the
+    wrong "2 + 8 - 6 = 10" and only the second step counts; with rewrites it also states "2 + 8 = 10"."""
+    sample = tasks.get("arithmetic").sample(1, seed=0, level=2)[0]  # s1 = 2 + 8 = 10, s2 = 10 - 6 = 4
+    rows = [sample.to_dict()]
+    plain = make_task_steps(require_commit=False, read="statements")
+    rewrites = make_task_steps(require_commit=False, read="statements", rewrites=True)
+
+    def credit(read, c):
+        return [s for s, _ in read([sample.prompt], [c], sample=rows)[0]]
+
+    chain = "2 + 8 - 6 = 10 - 6 = 4"
+    assert credit(plain, chain) == [0.0, 0.0]  # 10 was never derived, so "10 - 6 = 4" is not grounded either
+    assert credit(rewrites, chain) == [1.0, 1.0]
+    (s1, span), (s2, _) = rewrites([sample.prompt], [chain], sample=rows)[0]
+    assert chain[span[0]:span[1]] == "2 + 8 - 6 = 10"  # the rewritten expression up to the value written for it
+    assert credit(rewrites, "2 + 8 - 6 = 11 - 6 = 5") == [0.0, 0.0]  # a wrong value is no rewrite
+    assert credit(rewrites, "First 2 + 8 = 10, then 10 - 6 = 4.") == [1.0, 1.0]  # plain statements as before
+    with pytest.raises(ValueError, match="give read: statements with it"):
+        make_task_steps(rewrites=True)
+
+
 def test_a_grader_that_raises_scores_every_step_0_and_is_reported(monkeypatch):
     from cohortrl.rewards import grader_errors
 

@@ -84,6 +84,37 @@ def test_statements_in_free_text():
     ]
 
 
+def test_rewriting_chains_state_the_sub_expressions_they_replace():
+    def read(text):
+        return [(s.lhs, s.written_text, s.correct) for s in find_statements(text, rewrites=True)]
+
+    assert read("7 * 8 + 9 = 56 + 9 = 65") == [("7*8", "56", True), ("56+9", "65", True)]
+    assert [(s.lhs, s.written_text, s.correct) for s in find_statements("7 * 8 + 9 = 56 + 9 = 65")] == [
+        ("7*8+9", "56", False), ("56+9", "65", True)]  # without rewrites: the first "=" is a wrong claim
+    assert read("7*8 + 3*4 = 56 + 12 = 68.") == [("7*8", "56", True), ("3*4", "12", True), ("56+12", "68", True)]
+    assert read("(7 * 8) + 9 = 56 + 9") == [("7*8", "56", True)]  # the brackets go with the value
+    assert read("-(3 * 4) + 20 = -12 + 20 = 8") == [("3*4", "12", True), ("-12+20", "8", True)]
+    assert read("7*8+9*2 = 56+9*2 = 56+18 = 74")[:2] == [("7*8", "56", True), ("9*2", "18", True)]
+    # not rewrites: a wrong value, a span taken against precedence, prose after the numbers, a restatement
+    assert read("7 * 8 + 9 = 57 + 9 = 66")[0] == ("7*8+9", "57", False)
+    assert read("2 + 3 * 4 = 5 * 4 = 20")[0] == ("2+3*4", "5", False)
+    assert read("7 * 8 + 9 = 56 + 9 apples")[0] == ("7*8+9", "56", False)
+    assert read("7 * 8 + 9 = 7 * 8 + 9") == [("7*8+9", "7", False)]
+
+
+def test_rewrite_reading_stays_fast_on_long_chains():
+    """Every alignment of a 90-token chain is tried at most once (memoised): far below the grader's budget."""
+    import time
+
+    left = "+".join(["2*1"] * 30)
+    lines = [f"{left} = {right}" for right in ("2+" + "+".join(["2*1"] * 29), "+".join(["2"] * 30), left)]
+    start = time.process_time()
+    found = find_statements("\n".join(lines * 5), rewrites=True)
+    assert time.process_time() - start < 1.0
+    # per pass over the three lines: one span rewritten, then thirty, then none (the third restates its left side)
+    assert [s.lhs == "2*1" and s.correct for s in found] == ([True] * 31 + [False]) * 5
+
+
 def test_rounds_to():
     assert rounds_to(F(10, 3), "3.33") and rounds_to(F(10, 3), "3.333") and not rounds_to(F(10, 3), "3.3")
     assert rounds_to(F(24), "24.00") and not rounds_to(F(24), "24.4")
