@@ -457,7 +457,8 @@ def answer_checks(rows: list[dict]) -> dict | None:
     response's lines not repeating an earlier one, over all lines (repetition lowers it); ``tokens``, the mean
     length; ``unsupported``, answers right by the outcome with a required step not stated correctly, of ``right``,
     the right answers to problems that have required steps (read as the process reward reads them: free-text
-    statements where the family has them, else its keyed lines).
+    statements where the family has them, else its keyed lines); ``unsupported_rewrites``, the same with rewriting
+    chains (``7 * 8 + 9 = 56 + 9 = 65``) read as steps, as ``task_steps`` does with ``rewrites``.
     A process reward is paid per stated step and the outcome per answer, so these are what the two can disagree on."""
     from cohortrl import tasks
     from cohortrl.rewards.process import normalised_steps
@@ -467,7 +468,7 @@ def answer_checks(rows: list[dict]) -> dict | None:
     found = [(r, sample) for r in rows if r["step"] == last and (sample := tasks.sample_from_id(r["id"])) is not None]
     if not found:
         return None
-    n_lines = n_distinct = right = unsupported = 0
+    n_lines = n_distinct = right = unsupported = unsupported_rewrites = 0
     for r, sample in found:
         text = r.get("completion") or ""
         lines = normalised_steps(text)  # as the training step's unique_step_ratio reads them
@@ -475,12 +476,15 @@ def answer_checks(rows: list[dict]) -> dict | None:
         family = tasks.get(sample.family)
         try:
             steps = family.grade_statements(sample, text)
+            chained = family.grade_statements(sample, text, rewrites=True)
         except ValueError:  # a family whose steps carry units and names: its keyed lines, before the commitment gate
-            steps = family.grade(sample, text).stated
+            steps = chained = family.grade(sample, text).stated
         right += bool(r["correct"]) and bool(steps)  # a problem with no required step (arithmetic level 1) has nothing to skip
         unsupported += bool(r["correct"]) and not all(s.correct for s in steps)
+        unsupported_rewrites += bool(r["correct"]) and not all(s.correct for s in chained)
     return {"n": len(found), "lines": n_lines / len(found), "distinct": n_distinct / n_lines if n_lines else None,
-            "tokens": sum(r.get("length") or 0 for r, _ in found) / len(found), "right": right, "unsupported": unsupported}
+            "tokens": sum(r.get("length") or 0 for r, _ in found) / len(found), "right": right, "unsupported": unsupported,
+            "unsupported_rewrites": unsupported_rewrites}
 
 
 def _checks_section(arms_: list[Arm]) -> str:
@@ -492,12 +496,14 @@ def _checks_section(arms_: list[Arm]) -> str:
         if checks:
             rows.append(f"| {a.name} | " + " | ".join("; ".join(cell(c) for _, c in checks) for cell in (
                 lambda c: f"{c['lines']:.2f}", lambda c: _f(c["distinct"]), lambda c: f"{c['tokens']:.1f}",
-                lambda c: f"{c['unsupported']}/{c['right']}")) + f" | {', '.join(f's{seed}' for seed, _ in checks)} |")
+                lambda c: f"{c['unsupported']}/{c['right']}", lambda c: f"{c['unsupported_rewrites']}/{c['right']}"))
+                + f" | {', '.join(f's{seed}' for seed, _ in checks)} |")
     if not rows:
         return ""
     return ("\n\nWhat a hacked reward leaves in the final greedy answers (`answer_checks`; per seed, in the order of the "
             "last column):\n\n| arm | lines per response | distinct-line share | tokens | right by the outcome with a "
-            "required step not stated correctly / right, on problems with required steps | seeds |\n|---|---|---|---|---|---|\n" + "\n".join(rows))
+            "required step not stated correctly / right, on problems with required steps | the same, rewriting chains "
+            "(`7 * 8 + 9 = 56 + 9`) read as steps | seeds |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
 def _machines_section(arms_: list[Arm]) -> str:

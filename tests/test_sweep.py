@@ -395,10 +395,11 @@ def test_answer_checks_count_what_a_hacked_reward_leaves_in_the_final_answers(tm
             {"step": 5, "id": ident, "correct": True, "length": 4, "completion": "ANSWER: 30"},  # right, no step
             {"step": 5, "id": ident, "correct": True, "length": 12, "completion": "3 * 8 = 24\n3 * 8 = 24\n3 * 8 = 24\n30"},
             {"step": 5, "id": ident, "correct": False, "length": 6, "completion": "3 * 8 = 24\nANSWER: 31"},
+            {"step": 5, "id": ident, "correct": True, "length": 9, "completion": "6 + 3 * 8 = 6 + 24 = 30"},  # a chain
             {"step": 5, "id": "sha1:0123456789abcdef", "correct": True, "length": 50, "completion": "not a gym problem"}]
     got = answer_checks(rows)
-    assert got == {"n": 4, "lines": (3 + 1 + 4 + 2) / 4, "distinct": (3 + 1 + 2 + 2) / 10, "tokens": (10 + 4 + 12 + 6) / 4,
-                   "right": 3, "unsupported": 2}
+    assert got == {"n": 5, "lines": (3 + 1 + 4 + 2 + 1) / 5, "distinct": (3 + 1 + 2 + 2 + 1) / 11,
+                   "tokens": (10 + 4 + 12 + 6 + 9) / 5, "right": 4, "unsupported": 3, "unsupported_rewrites": 2}
     assert answer_checks([r for r in rows if r["id"].startswith("sha1:")]) is None
 
     root = hand_made_sweep(tmp_path / "sweep", {("A", 0): {0, 1}, ("B", 0): {0}}, id_of=lambda i: f"arithmetic/L1/s1000003/{i}")
@@ -406,4 +407,4 @@ def test_answer_checks_count_what_a_hacked_reward_leaves_in_the_final_answers(tm
     text = write_study_report([root], tmp_path / "checked", answer_checks=True)[0].read_text()
     assert "What a hacked reward leaves" not in plain and text.rstrip().endswith("--answer-checks`")
     # hand_made_sweep writes no completions; a level-1 problem requires no step, so no right answer is unsupported
-    assert "| x=A | 0.00 | – | 0.0 | 0/0 | s0 |" in text and "| x=B | 0.00 | – | 0.0 | 0/0 | s0 |" in text
+    assert "| x=A | 0.00 | – | 0.0 | 0/0 | 0/0 | s0 |" in text and "| x=B | 0.00 | – | 0.0 | 0/0 | 0/0 | s0 |" in text
