@@ -80,7 +80,11 @@ def check(family, sample, completion: str) -> Grade:
     assert elapsed < SLOW_S, f"{family.name} took {elapsed:.1f} s of CPU on {completion[:200]!r}"
     assert waited < HANG_S, f"{family.name} took {waited:.1f} s on {completion[:200]!r}"
     if family.name in ("arithmetic", "gsm8k"):  # their free-text statement reading (task_steps read=statements)
-        assert len(family.grade_statements(sample, completion)) == len(sample.steps)
+        for rewrites in (False, True):
+            start = time.process_time()
+            assert len(family.grade_statements(sample, completion, rewrites)) == len(sample.steps)
+            elapsed = time.process_time() - start
+            assert elapsed < SLOW_S, f"statements (rewrites={rewrites}) took {elapsed:.1f} s of CPU on {completion[:200]!r}"
     return grade
 
 
@@ -109,7 +113,9 @@ def lines(keys: list[str]):
     step = st.tuples(decoration, key, st.sampled_from([" = ", "=", " := ", ": ", " = 2 * 3 = "]), value, st.sampled_from([" ", ""]), UNITS)
     answer = st.tuples(st.sampled_from(["ANSWER:", "answer :", "**ANSWER**:", "ANSWER: x =", "VERDICT:", "verdict: "]),
                        st.just(" "), value, st.just(" "), UNITS)
-    statement = st.tuples(NUMBERS, st.sampled_from([" + ", " * ", " / ", " - ", " x ", "÷", "×"]), NUMBERS, st.just(" = "), NUMBERS)
+    op = st.sampled_from([" + ", " * ", " / ", " - ", " x ", "÷", "×"])
+    statement = st.tuples(NUMBERS, op, NUMBERS, st.just(" = "), NUMBERS)
+    chain = st.tuples(NUMBERS, op, NUMBERS, op, NUMBERS, st.just(" = "), NUMBERS, op, NUMBERS, st.just(" = "), NUMBERS)
     repeated = st.tuples(st.one_of(answer.map("".join), step.map("".join)), st.integers(2, 300)).map(lambda t: "\n".join([t[0]] * t[1]))
     nested = st.tuples(st.sampled_from(["(", "[", "{", "-", "((", "$("]), st.integers(1, 5000), st.sampled_from(["1 + 1", "2"]),
                        st.sampled_from([")", "]", ""]), st.sampled_from([" = 2", "", " = 2 = 2"]))
@@ -117,7 +123,8 @@ def lines(keys: list[str]):
     gigantic = st.tuples(st.sampled_from(["1", " ", "x", "(", "=", "1+", "ANSWER: ", "\u00a0", "```", "F = 1 ", ",", "9."]),
                          st.integers(1000, 30000)).map(lambda t: t[0] * t[1])
     noise = st.text(ANY_CHAR, max_size=60)
-    return st.one_of(step.map("".join), answer.map("".join), statement.map("".join), repeated, nested, gigantic, noise)
+    return st.one_of(step.map("".join), answer.map("".join), statement.map("".join), chain.map("".join), repeated, nested,
+                     gigantic, noise)
 
 
 def adversarial(keys: list[str]):
