@@ -226,19 +226,8 @@ _OPS = {"x": "*", "×": "*", "÷": "/"}
 
 
 def _tokenize(text: str) -> list[str | Fraction] | None:
-    tokens: list[str | Fraction] = []
-    pos = 0
-    text = text.rstrip()
-    while pos < len(text):
-        match = _TOKEN.match(text, pos)
-        if match is None:
-            return None
-        if match["num"] is not None:
-            tokens.append(parse_number(match["num"]))  # type: ignore[arg-type]  # the regex admits only numbers
-        else:
-            tokens.append(_OPS.get(match["op"], match["op"]))
-        pos = match.end()
-    return tokens
+    spanned = _spanned_tokens(text, 0, len(text))
+    return None if spanned is None else [token for token, _, _ in spanned]
 
 
 def evaluate(text: str) -> tuple[Fraction, list[Fraction]] | None:
@@ -418,7 +407,8 @@ def _rewritten(line: str, offset: int, statement: Statement, lhs_end: int, rhs_s
 
 
 def _spanned_tokens(line: str, start: int, end: int) -> list[tuple[str | Fraction, int, int]] | None:
-    """`_tokenize`'s tokens of ``line[start:end]``, each with its span in ``line``."""
+    """The numbers and operators of ``line[start:end]`` (trailing space ignored), each with its span in ``line``;
+    ``None`` where something else is written."""
     tokens, pos = [], start
     end = start + len(line[start:end].rstrip())
     while pos < end:
