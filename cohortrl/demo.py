@@ -64,7 +64,11 @@ def demo_summary(sft: Config, rl: Config, warm, rl_evals: list[dict], run_dir: P
         n = rl_evals[-1]["step"]
         rows.append((f"after {name} ({n} step{'s' * (n != 1)})", acc(rl_evals[-1]), "this run"))
     width = max(len(r[0]) for r in rows)
-    lines = [f"summary: held-out greedy accuracy by reward.correctness {how}; the same held-out problems in every line",
+    ns = {r["eval/n"] for r in (base, after_sft, *rl_evals) if r}
+    same = ("the same held-out problems in every line" if len(ns) <= 1 else
+            f"the same held-out problems in every line, the base model on the first {base['eval/n']} of them "
+            f"(eval.before_n_prompts)" if base and base["eval/n"] == min(ns) else "held-out problems: see n")
+    lines = [f"summary: held-out greedy accuracy by reward.correctness {how}; {same}",
              *(f"  {label:<{width}}  {value}  [{where}]" for label, value, where in rows)]
     if not rl_before:
         lines.append(f"  ({name} starts from the warm start: its 'before' is the warm start's line, not evaluated again)")

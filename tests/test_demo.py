@@ -86,6 +86,30 @@ def test_first_run_trains_the_warm_start_and_the_second_reuses_it(demo, tmp_path
         demo("--run-dir", "runs/c")
 
 
+def test_the_base_model_can_be_measured_on_the_first_n_held_out_problems(demo, tmp_path):
+    """eval.before_n_prompts: the step-0 evaluation on the first N held-out problems only (its answers and n say so),
+    every later one on all of them; the summary says which lines are on fewer."""
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump({**SFT, "eval": {**SFT["eval"], "before_n_prompts": 2}}))
+    code, out, err = demo("--run-dir", "runs/a")
+    assert code == 0, err
+    summary = out[out.index("summary:"):]
+    assert "the base model on the first 2 of them (eval.before_n_prompts)" in summary.splitlines()[0]
+    assert re.search(r"base model \(tiny-llama\)\s+\d\.\d{3} \(95% CI \d\.\d{3}-\d\.\d{3}, n=2\)", summary)
+    assert re.search(rf"after the warm start \(2 SFT steps\)\s+{NUMBER}", summary)
+    [cached] = (tmp_path / "home" / "demo").iterdir()
+    answers = read_answers(cached)
+    first = [r["id"] for r in answers if r["step"] == 2][:2]
+    assert [r["id"] for r in answers if r["step"] == 0] == first  # the first two of the same held-out problems
+
+
+def test_eval_before_n_prompts_outside_1_to_n_prompts_is_refused():
+    from cohortrl.config import Config, ConfigError
+
+    for bad in (0, 5):
+        with pytest.raises(ConfigError, match=r"eval.before_n_prompts.*between 1 and eval.n_prompts \(4\)"):
+            Config.from_dict({**SFT, "eval": {**SFT["eval"], "before_n_prompts": bad}})
+
+
 def test_phases_that_would_not_be_evaluated_alike_are_refused_before_any_model_loads(demo, tmp_path, monkeypatch):
     monkeypatch.setattr(SFTTrainer, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
     code, _, err = demo("data.seed=1")  # the GRPO phase's held-out problems would be other ones

@@ -567,6 +567,10 @@ class EvalConfig:
     """Generation budget for evaluation (default: sampling.max_new_tokens)."""
     before: bool = True
     """Evaluate before the first training step."""
+    before_n_prompts: Optional[int] = None
+    """That evaluation on only the first N of the held-out prompts (null: all ``n_prompts``): a cheaper measure of
+    the start, with a wider interval, where the start is slow to evaluate (a base model that writes to the token
+    budget). Later evaluations use all ``n_prompts``."""
     kl_to_reference: bool = False
     """Also measure the policy's KL to the reference (exact over the vocabulary, at ``temperature``) on the first
     of the k samples of each prompt: one measure for every run, whatever KL estimator or β it trained with. Two
@@ -577,6 +581,8 @@ class EvalConfig:
         require(not self.kl_to_reference or self.pass_k > 0, "eval.kl_to_reference", self.kl_to_reference,
                 "needs eval.pass_k > 0: the KL is measured on the policy's own samples")
         require(self.n_prompts >= 0, "eval.n_prompts", self.n_prompts, "must be >= 0")
+        require(self.before_n_prompts is None or 1 <= self.before_n_prompts <= self.n_prompts, "eval.before_n_prompts",
+                self.before_n_prompts, f"must be null or between 1 and eval.n_prompts ({self.n_prompts})")
         require(self.pass_k >= 0, "eval.pass_k", self.pass_k, "must be >= 0")
         require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be at least 1")
 

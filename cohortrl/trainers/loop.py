@@ -94,8 +94,9 @@ class Trainer:
         """One step of training; returns its metrics (a row of ``metrics.jsonl`` without ``step``)."""
         raise NotImplementedError
 
-    def evaluate(self, responses: list | None = None) -> dict:
-        """Held-out metrics; ``responses`` (rank 0) receives each evaluated response."""
+    def evaluate(self, responses: list | None = None, rows: list[dict] | None = None) -> dict:
+        """Held-out metrics; ``responses`` (rank 0) receives each evaluated response; ``rows``: these held-out rows
+        instead of the run's (a part of them: ``eval.before_n_prompts``)."""
         raise NotImplementedError
 
     def _open_run(self, resume: bool, callbacks, logs: tuple[MetricsLog, ...] = ()) -> None:
@@ -187,7 +188,7 @@ class Trainer:
         rows = []
         self.stop_reason = None
         if self.step_count == 0 and self.cfg.eval.before and self.eval_rows:
-            rows.append(self._log_eval())
+            rows.append(self._log_eval(self.eval_rows[: self.cfg.eval.before_n_prompts]))  # None: all of them
         bar = _progress(self.step_count, total, self.cfg.train.progress, self.name)
         every_eval, every_ckpt = self.cfg.eval.every, self.cfg.train.checkpoint_every
         try:  # closed however the loop ends: an error's line then starts a line of its own, not the bar's
@@ -255,17 +256,17 @@ class Trainer:
             f"(cohortrl {self.command} --run-dir {self.run_dir} --resume {further})"
         )
 
-    def _log_eval(self) -> dict:
+    def _log_eval(self, rows: list[dict] | None = None) -> dict:
         responses: list[dict] = []
-        row = self._log({"step": self.step_count, **self._eval_metrics(responses)})
+        row = self._log({"step": self.step_count, **self._eval_metrics(responses, rows)})
         for response in responses:  # filled on rank 0 only
             self.eval_log.write({"step": self.step_count, **response})
         self._fire("on_evaluate", row)
         return row
 
-    def _eval_metrics(self, responses: list) -> dict:
-        """An evaluation's row of ``metrics.jsonl`` (without ``step``)."""
-        return self.evaluate(responses)
+    def _eval_metrics(self, responses: list, rows: list[dict] | None = None) -> dict:
+        """An evaluation's row of ``metrics.jsonl`` (without ``step``), on ``rows`` (None: the run's held-out rows)."""
+        return self.evaluate(responses, rows)
 
     def _log(self, row: dict) -> dict:
         if self.dist.is_main:

@@ -258,18 +258,18 @@ class RLTrainer(Trainer):
         shown = self.algorithm.progress_metric
         return {"reward": f"{metrics['reward_mean']:.3f}", "acc": f"{metrics['accuracy']:.2f}", shown: f"{metrics[shown]:.4f}"}
 
-    def evaluate(self, responses: list | None = None) -> dict:
+    def evaluate(self, responses: list | None = None, rows: list[dict] | None = None) -> dict:
         """Held-out accuracy; under torchrun rank 0 evaluates and every rank gets its numbers. ``responses``
-        (rank 0) receives each greedy response (``evaluate.evaluate``)."""
+        (rank 0) receives each greedy response (``evaluate.evaluate``); ``rows``: these instead of the run's."""
         # FSDP2: rank 0 runs forward passes the others do not
         with self.dist.gathered(self.model), fast_kernels(self.fast_path, self.model):
-            metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
-                                      self.trainer_state, tools=self.tools, responses=responses,
+            metrics = evaluate_config(self.model, self.tokenizer, self.eval_rows if rows is None else rows,
+                                      self.correctness, self.cfg, self.trainer_state, tools=self.tools, responses=responses,
                                       fast_path=self.fast_path, reference=self.eval_reference) if self.dist.is_main else None
         return self.dist.broadcast(metrics)
 
-    def _eval_metrics(self, responses: list) -> dict:
-        metrics = self.evaluate(responses)
+    def _eval_metrics(self, responses: list, rows: list[dict] | None = None) -> dict:
+        metrics = self.evaluate(responses, rows)
         return {**metrics, "eval/grader_errors": log_grader_errors(self.dist, self.grader_log, self.step_count)}
 
     def _extra_state(self) -> dict:

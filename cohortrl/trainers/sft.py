@@ -452,11 +452,12 @@ class SFTTrainer(Trainer):
             )
 
     # ------------------------------------------------------------------------------------------ the run (loop.Trainer)
-    def evaluate(self, responses: list | None = None) -> dict:
+    def evaluate(self, responses: list | None = None, rows: list[dict] | None = None) -> dict:
         """Held-out accuracy by ``reward.correctness``, as the RL trainers measure it; ``responses`` receives each
-        greedy response (``evaluate.evaluate``)."""
+        greedy response (``evaluate.evaluate``); ``rows``: these held-out rows instead of the run's."""
         with fast_kernels(self.fast_path, self.model):
-            return evaluate_config(self.model, self.tokenizer, self.eval_rows, self.correctness, self.cfg,
+            return evaluate_config(self.model, self.tokenizer, self.eval_rows if rows is None else rows,
+                                   self.correctness, self.cfg,
                                    tools=self.tools, responses=responses, fast_path=self.fast_path)
 
     def _extra_state(self) -> dict:
