@@ -462,7 +462,8 @@ def cmd_demo(args) -> int:
             config=str(REPO_CONFIGS / "demo_arithmetic.yaml"), overrides=args.overrides, run_dir=str(run_dir),
             steps=None, resume=False, overwrite=args.overwrite,
         ))
-    from cohortrl.demo import DEMO_STUDY, DEMO_STUDY_ARMS, check_same_evaluation, demo_summary, mtime, study_line
+    from cohortrl.demo import (DEMO_STUDY, DEMO_STUDY_ARMS, DEMO_STUDY_REPORT, check_same_evaluation, demo_summary, mtime,
+                               study_line)
     from cohortrl.models import cohortrl_home
     from cohortrl.trainers import make_trainer
     from cohortrl.trainers.run_dir import RunDirectoryError, run_files
@@ -503,7 +504,7 @@ def cmd_demo(args) -> int:
     shutil.copyfile(warm.path / "curves.png", run_dir / "warm_start_curves.png")
     summary = demo_summary(sft_cfg, rl_cfg, warm, [r for r in rl_rows if "eval/accuracy" in r], run_dir)
     if args.sft_config is None and args.grpo_config is None:  # the shipped design: what its study's controls showed
-        line = study_line(DEMO_STUDY, DEMO_STUDY_ARMS, "docs/engineering/pyfunc_study.md")
+        line = study_line(DEMO_STUDY, DEMO_STUDY_ARMS, DEMO_STUDY_REPORT)
         summary += f"\n{line}" if line else ""
     (run_dir / "demo_summary.txt").write_text(summary + "\n")
     print(summary)

@@ -101,10 +101,13 @@ def paired_line(warm_dir: Path, rl_dir: Path, name: str) -> str | None:
 
 
 # The study behind the shipped demo: its design at 3 seeds per arm (docs/engineering.md, python_function level 1
-# from level-2 references), the folders `cohortrl report --keep` committed, and what each arm is, in words.
-DEMO_STUDY = Path(__file__).resolve().parent.parent / "docs" / "engineering" / "pyfunc_study_runs"
-DEMO_STUDY_ARMS = (("pf_grpo", "GRPO"), ("pf_control", "the warm start continued by SFT for GRPO's wall time"),
-                   ("pf_rft", "rejection-sampling fine-tuning (RFT) for GRPO's steps"))
+# from level-2 references, the cosine warm start), the folders `cohortrl report --keep` committed, the report made
+# from them, and what each arm is, in words.
+DEMO_STUDY = Path(__file__).resolve().parent.parent / "docs" / "engineering" / "pyfunc_cos_runs"
+DEMO_STUDY_REPORT = "docs/engineering/pyfunc_cos_g16.md"
+DEMO_STUDY_ARMS = (("pf_ws_cos", "the warm start"), ("pf_grpo_cos_g16", "GRPO at G 16"),
+                   ("pf_control_cos", "the warm start continued by SFT for GRPO's wall time"),
+                   ("pf_grpo_cos", "GRPO at G 8"))
 
 
 def study_line(study: Path, arms: tuple[tuple[str, str], ...], where: str) -> str | None:

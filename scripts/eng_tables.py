@@ -232,6 +232,16 @@ TABLES: dict[str, Table] = {
          Row("GRPO (20 steps, strict outcome)", f"{E}/pyfunc_study_runs/pf_grpo"),
          Row("control: the warm start continued to 53 SFT steps", f"{E}/pyfunc_study_runs/pf_control"),
          Row("RFT (20 steps, the supervised loss on the passing samples)", f"{E}/pyfunc_study_runs/pf_rft"))),
+    "pyfunc_cos": Table(
+        ("arm", ACC_L1, "paired with the same seed's warm start: only warm start / only this arm right (exact McNemar "
+         "p); mean difference (bootstrap 95% CI)", "paired with GRPO at G 16: only GRPO / only this arm right (p)",
+         "circle_area right (of 48)", "axial_stress right (of 57)", "hydrostatic_pressure right (of 49)", "CPU s, 3 runs"),
+        ("acc", "vsb=warm start, 8 steps, 2 warm-up, cosine to 0", "vs=GRPO from it, G 16, 20 steps",
+         "kind=circle_area", "kind=axial_stress", "kind=hydrostatic_pressure", "cpu"),
+        (Row("warm start, 8 steps, 2 warm-up, cosine to 0", f"{E}/pyfunc_cos_runs/pf_ws_cos"),
+         Row("GRPO from it, G 8, 20 steps", f"{E}/pyfunc_cos_runs/pf_grpo_cos"),
+         Row("GRPO from it, G 16, 20 steps", f"{E}/pyfunc_cos_runs/pf_grpo_cos_g16"),
+         Row("the warm start continued by 100 SFT steps", f"{E}/pyfunc_cos_runs/pf_control_cos"))),
 }
 
 
