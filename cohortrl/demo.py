@@ -147,10 +147,10 @@ def accuracy_plot(rows: list[tuple[str, str, str]], png: Path, evals: list[dict 
         ax.errorbar([x], [acc], yerr=[[acc - e["eval/accuracy_ci_low"]], [e["eval/accuracy_ci_high"] - acc]],
                     fmt="o", capsize=4, color="C0")
         ax.annotate(f"{acc:.3f}", (x, acc), textcoords="offset points", xytext=(8, 0), va="center")
-    ax.set_xticks(range(len(points)), [label for label, _ in points], fontsize=8)
+    ax.set_xticks(range(len(points)), [f"{label}\n(n={e['eval/n']})" for label, e in points], fontsize=8)
     ax.set_xlim(-0.5, len(points) - 0.5)
     ax.set_ylim(0, 1)
-    ax.set_ylabel(f"held-out accuracy (n={points[-1][1]['eval/n']})")
+    ax.set_ylabel("held-out accuracy")  # each point's n under its name: the base model may be on fewer
     ax.set_title("the same held-out problems, 95% Wilson intervals", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=90)
