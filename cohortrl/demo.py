@@ -64,10 +64,11 @@ def demo_summary(sft: Config, rl: Config, warm, rl_evals: list[dict], run_dir: P
         n = rl_evals[-1]["step"]
         rows.append((f"after {name} ({n} step{'s' * (n != 1)})", acc(rl_evals[-1]), "this run"))
     width = max(len(r[0]) for r in rows)
-    ns = {r["eval/n"] for r in (base, after_sft, *rl_evals) if r}
-    same = ("the same held-out problems in every line" if len(ns) <= 1 else
-            f"the same held-out problems in every line, the base model on the first {base['eval/n']} of them "
-            f"(eval.before_n_prompts)" if base and base["eval/n"] == min(ns) else "held-out problems: see n")
+    # check_same_evaluation makes the warm start's and the RL run's problems the same; only the base model's
+    # evaluation can hold fewer of them (its first eval.before_n_prompts)
+    fewer = base is not None and any(base["eval/n"] < r["eval/n"] for r in (after_sft, *rl_evals) if r)
+    same = "the same held-out problems in every line" + (
+        f", the base model on the first {base['eval/n']} of them (eval.before_n_prompts)" if fewer else "")
     lines = [f"summary: held-out greedy accuracy by reward.correctness {how}; {same}",
              *(f"  {label:<{width}}  {value}  [{where}]" for label, value, where in rows)]
     if not rl_before:
