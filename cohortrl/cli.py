@@ -395,7 +395,7 @@ PLAN_FIELDS = ("algorithm", "gpus", "sharding", "dtype", "lora_rank", "prompt_le
 
 
 def cmd_plan(args) -> int:
-    """Memory per device and time per step of a PPO / GRPO / RLOO step (``cohortrl.planner``)."""
+    """Memory per device and time per step of a PPO / GRPO / RLOO / RFT step (``cohortrl.planner``)."""
     from cohortrl.planner import (GPU_PEAK_FLOPS, PlanError, RunSpec, plan, resolve_shape, run_spec_from_config,
                                   uniform_cpu_rates, validate)
     from cohortrl.planner.tables import format_plan
@@ -628,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default with --config: its model.name)")
     p.add_argument("--config", default=None, help="a cohortrl YAML config: its algorithm, P, G, beta, LoRA, dtype, "
                                                   "micro-batches, max_new_tokens and max_prompt_tokens")
-    p.add_argument("--algorithm", default=None, help="ppo, grpo or rloo (default grpo)")
+    p.add_argument("--algorithm", default=None, help="ppo, grpo, rloo or rft (default grpo)")
     p.add_argument("--gpus", type=int, default=None, help="data-parallel devices (default 1)")
     p.add_argument("--sharding", default=None, help="none, zero1, zero2, zero3 (= fsdp full shard)")
     p.add_argument("--dtype", default=None, help="bf16 (fp32 master weights in AdamW) or fp32 (default bf16)")

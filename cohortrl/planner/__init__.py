@@ -1,4 +1,4 @@
-"""Memory and compute model of one RL step: PPO or GRPO (or RLOO), and which G.
+"""Memory and compute model of one RL step: PPO, GRPO (or RLOO) or rejection-sampling fine-tuning (RFT), and which G.
 
 ``plan(model, run)`` returns per-device memory by component and FLOPs per step by phase, as dataclasses;
 ``cohortrl plan`` only formats them (``planner/tables.py``). Every formula cites its source; where cohortrl's own
@@ -51,7 +51,9 @@ MIB = 1024**2
 
 
 # ---------------------------------------------------------------------------------------------- the run
-ALGORITHMS = ("ppo", "grpo", "rloo")
+# rft: trainers/rft.py, the supervised loss on the passing samples; no reference (the trainer requires β = 0), and
+# an update that runs its own forward over every sampled row (its loss is at temperature 1, not decoding's)
+ALGORITHMS = ("ppo", "grpo", "rloo", "rft")
 SHARDING = ("none", "zero1", "zero2", "zero3")
 SHARDING_ALIASES = {"fsdp": "zero3", "full_shard": "zero3", "fsdp-full-shard": "zero3"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -141,8 +143,9 @@ class RunSpec:
 
 def replay_possible(run: RunSpec) -> bool:
     """Whether the trainer's update differentiates decoding's own forward (``RLTrainer._reuse_rollout_forward``
-    with ``train.reuse_rollout_forward`` on): the lean decoder (a CPU in fp32), a critic-free algorithm, one
-    epoch, one process, one micro-batch holding the whole batch."""
+    with ``train.reuse_rollout_forward`` on): the lean decoder (a CPU in fp32), GRPO or RLOO (not PPO's critic, nor
+    RFT's loss at temperature 1, which decoding did not compute), one epoch, one process, one micro-batch holding the
+    whole batch."""
     return (run.device == "cpu" and run.dtype == "fp32" and run.algorithm in ("grpo", "rloo") and run.epochs == 1
             and run.gpus == 1 and run.micro_batch >= run.sequences)
 
@@ -199,7 +202,10 @@ def validate(run: RunSpec) -> RunSpec:
         raise PlanError("the update reuses decoding's forward only on a CPU in fp32, for grpo or rloo, with one epoch, "
                         "one device and one micro-batch holding the whole batch: drop --reuse-rollout-forward or "
                         "change those settings")
-    return replace(run, sharding=sharding, reuse_rollout_forward=replay if run.reuse_rollout_forward is None else run.reuse_rollout_forward)
+    # RFT never has a reference (config: algorithm.beta must be 0 for rft); RunSpec's default, β > 0, is PPO's and GRPO's
+    reference = run.reference and run.algorithm != "rft"
+    return replace(run, sharding=sharding, reference=reference,
+                   reuse_rollout_forward=replay if run.reuse_rollout_forward is None else run.reuse_rollout_forward)
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -664,7 +670,7 @@ def run_spec_from_config(cfg, *, bf16_units: bool = False, **sizes) -> RunSpec:
     machine the run trains on multiplies bf16 in hardware, with oneDNN (``trainers.setup.cpu_bf16_products``
     asks this one), where ``train.cpu_decode_dtype: auto`` decodes with bf16 products."""
     a, t = cfg.algorithm, cfg.train
-    algorithm = a.name if a.name == "ppo" else ("rloo" if a.estimator == "rloo" else "grpo")
+    algorithm = a.name if a.name in ("ppo", "rft") else ("rloo" if a.estimator == "rloo" else "grpo")
     device = sizes.pop("device", "cpu" if t.device in ("auto", "cpu") else "gpu")
     spec = dict(
         algorithm=algorithm, dtype={"float32": "fp32"}.get(cfg.model.dtype, "bf16"),

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
+
+from dataclasses import replace
 
 from cohortrl.config import ConfigError
 from cohortrl.data import DataError
+from cohortrl.planner import PlanError, plan, run_spec_from_config, shape_from_config
 from cohortrl.rollout.hf import check_prompt_lengths
+from cohortrl.trainers.setup import cpu_bf16_products
 
 log = logging.getLogger("cohortrl")
 
@@ -64,6 +69,68 @@ def check_prompts_fit(cfg, tokenizer, tools, splits: dict[str, list[dict]]) -> N
     for what, rows in splits.items():
         check_prompt_lengths(tokenizer, [r["prompt"] for r in rows], what, system_prompt=cfg.model.system_prompt,
                              max_prompt_tokens=cfg.data.max_prompt_tokens, tools=tools)
+
+
+# A trainer process before any model: imports and the allocator (cohortrl plan's --cpu-baseline-mb default)
+PROCESS_BASELINE_BYTES = 350 * 2**20
+
+
+def warn_if_memory_short(cfg, model) -> None:
+    """On a CPU, ``memory_warning``'s line in the log before step 1 (a log that ends in a SIGKILL then says why)."""
+    available = memory_available_bytes()
+    if available is None:
+        return
+    warning = memory_warning(cfg, model.config.to_dict(), available, bf16_units=cpu_bf16_products())
+    if warning:
+        log.warning(warning)
+
+
+def memory_available_bytes() -> int | None:
+    """What this process could grow to on Linux: its resident memory now plus the kernel's MemAvailable (the
+    memory other processes leave, page cache it can drop included); None where /proc does not tell."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024 + resident_pages * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def memory_warning(cfg, model_config: dict, available_bytes: int, bf16_units: bool = False) -> str | None:
+    """One line when the planner (``cohortrl.planner``) puts a CPU step of this run at its longest (every prompt
+    ``data.max_prompt_tokens``, every response ``sampling.max_new_tokens``) above ``available_bytes``, naming
+    the settings that fit; else None. On a CPU the kernel's OOM killer ends such a run with SIGKILL and no word of
+    why, possibly hours in; a GPU raises its own out-of-memory error. The plan is a model, within about 20% of
+    measured peaks (docs/planner.md), and real steps are mostly shorter than the longest: hence a warning, not a
+    refusal."""
+    try:
+        shape = shape_from_config(model_config, cfg.model.name)
+        run = run_spec_from_config(cfg, bf16_units=bf16_units, device="cpu", cpu_baseline_bytes=PROCESS_BASELINE_BYTES)
+        peak = plan(shape, run).memory.peak
+    except PlanError:  # a model the planner cannot describe: nothing to say
+        return None
+    if peak <= available_bytes:
+        return None
+    gib = 1024**3
+    fits = []
+    b = run.sequences // 2
+    while b >= 1 and not fits:  # the largest power-of-two micro-batch whose step fits
+        smaller = plan(shape, replace(run, micro_batch_size=b, reuse_rollout_forward=False)).memory.peak
+        if smaller <= available_bytes:
+            fits.append(f"algorithm.micro_batch_size={b} (about {smaller / gib:.1f} GiB)")
+        b //= 2
+    if not run.reuse_rollout_forward and not run.checkpointing:
+        ckpt = plan(shape, replace(run, checkpointing=True)).memory.peak
+        if ckpt <= available_bytes:
+            fits.append(f"train.activation_checkpointing=true (about {ckpt / gib:.1f} GiB)")
+    fix = " or ".join(fits) if fits else "fewer sequences per step (algorithm.prompts_per_step, algorithm.group_size) or a shorter sampling.max_new_tokens"
+    return (f"memory: a step at its longest ({run.sequences} sequences of {run.prompt_len} prompt + {run.response_len} response "
+            f"tokens) needs about {peak / gib:.1f} GiB by the planner, more than the {available_bytes / gib:.1f} GiB this "
+            f"process can have here; the kernel may kill the run without a message. Set {fix} "
+            f"(cohortrl plan --config shows the breakdown)")
 
 
 class NonfiniteGuard:
