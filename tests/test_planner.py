@@ -101,17 +101,21 @@ def test_ppo_adds_exactly_the_critic_and_its_activations():
     assert ppo.gradients - grpo.gradients == pytest.approx(ppo.critic.gradients)
 
 
-def test_rft_plans_its_own_forward_over_every_row_and_no_reference():
-    """RFT (``trainers/rft.py``): the supervised loss at temperature 1, which decoding did not compute, so the update
-    runs its own forward (no recording) over all B rows, as GRPO's does without the recording; never a reference."""
+def test_rft_plans_grpos_update_on_the_recording_plus_the_head_at_temperature_1_and_no_reference():
+    """RFT (``trainers/rft.py``): no reference ever; on a CPU in fp32 its update differentiates decoding's recording
+    as GRPO's does, and its log-probs at temperature 1 (not decoding's) run the head again over every position.
+    Without the recording (or with micro-batches) its update runs its own forward over every row."""
     rft = RunSpec(algorithm="rft", device="cpu", dtype="fp32", lora_rank=16, group_size=16, prompts_per_step=4,
                   prompt_len=200, response_len=256)
-    m = plan(SMOL, rft).memory
-    assert m.reference == 0.0 and m.recording == 0.0 and m.critic is None
+    grpo = replace(rft, algorithm="grpo", reference=False)
+    on, on_grpo = plan(SMOL, rft), plan(SMOL, grpo)
+    assert on.run.reuse_rollout_forward and not on.run.reference and on.memory.critic is None
+    assert on.memory.peak == on_grpo.memory.peak and on.memory.recording > 0 and on.memory.activations == 0
+    assert on.flops.policy == on_grpo.flops.policy + SMOL.vocab_size * SMOL.hidden_size * 2 * 64 * 256  # the head
+    own = plan(SMOL, replace(rft, reuse_rollout_forward=False)).memory
     # 4 distinct prompts once each plus 64 responses of 256 tokens: 17,184 tokens × (11h + 4f)·L fp32 values
-    assert m.activations == 17_184 * 30 * (11 * 576 + 4 * 1536) * 4
-    grpo_own_forward = plan(SMOL, replace(rft, algorithm="grpo", reference=False, reuse_rollout_forward=False)).memory
-    assert m.peak == grpo_own_forward.peak
+    assert own.recording == 0 and own.activations == 17_184 * 30 * (11 * 576 + 4 * 1536) * 4
+    assert own.peak == plan(SMOL, replace(grpo, reuse_rollout_forward=False)).memory.peak
     quarter = plan(SMOL, replace(rft, micro_batch_size=16)).memory  # one prompt's group per micro-batch
     assert quarter.activations == (200 + 16 * 256) * 30 * (11 * 576 + 4 * 1536) * 4
 
@@ -577,7 +581,7 @@ def test_run_spec_from_config_takes_the_trainers_settings():
     off = run_spec_from_config(cfg.with_overrides("train.reuse_rollout_forward=false"), prompt_len=185)
     assert not plan(SMOL, off).run.reuse_rollout_forward
     rft = run_spec_from_config(cfg.with_overrides("algorithm.name=rft"), prompt_len=185)
-    assert rft.algorithm == "rft" and not plan(SMOL, rft).run.reuse_rollout_forward and not rft.reference
+    assert rft.algorithm == "rft" and plan(SMOL, rft).run.reuse_rollout_forward and not rft.reference
 
 
 def test_run_spec_from_config_resolves_the_decoders_dtype_as_the_trainer(monkeypatch):

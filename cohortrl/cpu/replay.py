@@ -1,4 +1,4 @@
-"""The update's backward through the rollout's own forward: on-policy GRPO without a second forward pass.
+"""The update's backward through the rollout's own forward: on-policy GRPO (and RFT) without a second forward pass.
 
 With one update per rollout (μ = 1, one minibatch, one micro-batch) the policy that sampled the responses is
 the policy the update differentiates, with the same weights. The forward the update would run, every
@@ -196,20 +196,33 @@ class Recording:
         weight, bias = _weight_and_bias(head)  # as decoding multiplied it: adapters folded in fp32, then cast
         return F.linear(h.to(self.dtype), weight.to(self.dtype), None if bias is None else bias.to(self.dtype)).float()
 
-    def _check(self, response_ids_BT, temperature) -> None:
+    def _check(self, response_ids_BT) -> None:
         if tuple(response_ids_BT.shape) != (self.B, self.S):
             raise ValueError(f"recording of {self.B} rows × {self.S} steps, asked for {tuple(response_ids_BT.shape)}")
-        if float(temperature or 1.0) != self.temperature:
-            raise ValueError(f"recorded at temperature {self.temperature}, asked for {temperature}")
 
     @torch.no_grad()
     def logprobs(self, response_ids_BT, response_mask_BT, temperature: float):
-        """Log-probabilities (B, T) of the response tokens and their entropies (B, T), from what decoding
-        computed at ``temperature`` (0 on positions outside ``response_mask``), as ``response_logprobs``."""
-        self._check(response_ids_BT, temperature)
+        """Log-probabilities (B, T) of the response tokens and their entropies (B, T) at ``temperature`` (0 on
+        positions outside ``response_mask``), as ``response_logprobs``: decoding's own numbers at the sampling
+        temperature; at another (RFT's supervised loss is at 1) from the logits, kept or recomputed from the
+        final hidden states, a chunk of positions at a time."""
+        self._check(response_ids_BT)
         keep = response_mask_BT.bool()
-        logp_BT = (self.target_SB - self.logz_SB).t().masked_fill(~keep, 0.0).contiguous()
-        return logp_BT, self.entropy_SB.t().masked_fill(~keep, 0.0).contiguous()
+        temperature = float(temperature or 1.0)
+        if temperature == self.temperature:
+            logp_BT = (self.target_SB - self.logz_SB).t().masked_fill(~keep, 0.0).contiguous()
+            return logp_BT, self.entropy_SB.t().masked_fill(~keep, 0.0).contiguous()
+        rows = keep.t().reshape(-1).nonzero().squeeze(-1)  # step-major, as the recording's rows
+        target_N = response_ids_BT.t().reshape(-1)
+        logp_N, entropy_N = torch.zeros(self.S * self.B), torch.zeros(self.S * self.B)
+        chunk = max(1, CHUNK_BYTES // (4 * self.V))
+        for s in range(0, len(rows), chunk):
+            r = rows[s:s + chunk]
+            z = self._logits(r) / temperature  # a new tensor: the kept logits stay for the backward
+            logz = z.logsumexp(-1)
+            logp_N[r] = z.gather(-1, target_N[r, None]).squeeze(-1) - logz
+            entropy_N[r] = logz - (z.sub(logz[:, None]).exp_() * z).sum(-1)  # H = log Z − Σ p·z
+        return logp_N.view(self.S, self.B).t().contiguous(), entropy_N.view(self.S, self.B).t().contiguous()
 
     @staticmethod
     def can_score(model) -> bool:
@@ -224,7 +237,7 @@ class Recording:
         computed on the recording's rows in one pass. Every product sees all rows at once (each distinct
         prompt's prefix once, then every row's fed tokens), the attention is the recording's, and the LM head
         runs on the real response positions only, a chunk at a time."""
-        self._check(response_ids_BT, self.temperature)
+        self._check(response_ids_BT)
         base = _base_model(model)
         x = F.embedding(torch.cat([self.prefix_ids, self.fed]), base.get_input_embeddings().weight)  # (N, d)
         for layer in base.model.layers:
@@ -400,10 +413,12 @@ class Recording:
     @torch.no_grad()
     def backward(self, grad_logp_BT: torch.Tensor, response_ids_BT: torch.Tensor, temperature: float) -> None:
         """Accumulate dL/dθ into the model's ``.grad`` given dL/d logp (B, T) of :meth:`logprobs`' values for
-        ``response_ids``. Uses up the recording."""
-        self._check(response_ids_BT, temperature)
+        ``response_ids`` at ``temperature`` (the sampling one, or another as :meth:`logprobs` computed). Uses up the
+        recording."""
+        self._check(response_ids_BT)
         base = self.base
-        temperature = self.temperature
+        temperature = float(temperature or 1.0)
+        recorded_logz = temperature == self.temperature  # decoding's log Z is at its own temperature only
         N_prefix = self.U * self.P
         N = N_prefix + self.S * self.B
         g_N = grad_logp_BT.t().reshape(-1).float()
@@ -433,7 +448,7 @@ class Recording:
             z = z / temperature if temperature != 1.0 else z
             # bf16 logits recomputed by another kernel than decoding's can differ from them in a last bit, which at
             # bf16's spacing moves p: their own log Z keeps p a distribution
-            logz = logz_N[r] if self.logits_NV is not None or self.dtype == torch.float32 else z.logsumexp(-1)
+            logz = logz_N[r] if recorded_logz and (self.logits_NV is not None or self.dtype == torch.float32) else z.logsumexp(-1)
             grad_logits = z.sub_(logz[:, None]).exp_().mul_(-g[:, None])
             grad_logits.scatter_add_(-1, target_N[r, None], g[:, None])
             if temperature != 1.0:

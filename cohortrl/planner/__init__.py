@@ -51,8 +51,8 @@ MIB = 1024**2
 
 
 # ---------------------------------------------------------------------------------------------- the run
-# rft: trainers/rft.py, the supervised loss on the passing samples; no reference (the trainer requires β = 0), and
-# an update that runs its own forward over every sampled row (its loss is at temperature 1, not decoding's)
+# rft: trainers/rft.py, the supervised loss on the passing samples; no reference (the trainer requires β = 0); on
+# decoding's recording its log-probs at temperature 1 need the head again over every response position
 ALGORITHMS = ("ppo", "grpo", "rloo", "rft")
 SHARDING = ("none", "zero1", "zero2", "zero3")
 SHARDING_ALIASES = {"fsdp": "zero3", "full_shard": "zero3", "fsdp-full-shard": "zero3"}
@@ -143,10 +143,9 @@ class RunSpec:
 
 def replay_possible(run: RunSpec) -> bool:
     """Whether the trainer's update differentiates decoding's own forward (``RLTrainer._reuse_rollout_forward``
-    with ``train.reuse_rollout_forward`` on): the lean decoder (a CPU in fp32), GRPO or RLOO (not PPO's critic, nor
-    RFT's loss at temperature 1, which decoding did not compute), one epoch, one process, one micro-batch holding the
-    whole batch."""
-    return (run.device == "cpu" and run.dtype == "fp32" and run.algorithm in ("grpo", "rloo") and run.epochs == 1
+    with ``train.reuse_rollout_forward`` on): the lean decoder (a CPU in fp32), a critic-free algorithm, one
+    epoch, one process, one micro-batch holding the whole batch."""
+    return (run.device == "cpu" and run.dtype == "fp32" and run.algorithm in ("grpo", "rloo", "rft") and run.epochs == 1
             and run.gpus == 1 and run.micro_batch >= run.sequences)
 
 
@@ -199,7 +198,7 @@ def validate(run: RunSpec) -> RunSpec:
                         "benchmarks/planner_validation.py without --from-json)")
     replay = replay_possible(run)
     if run.reuse_rollout_forward and not replay:
-        raise PlanError("the update reuses decoding's forward only on a CPU in fp32, for grpo or rloo, with one epoch, "
+        raise PlanError("the update reuses decoding's forward only on a CPU in fp32, for grpo, rloo or rft, with one epoch, "
                         "one device and one micro-batch holding the whole batch: drop --reuse-rollout-forward or "
                         "change those settings")
     # RFT never has a reference (config: algorithm.beta must be 0 for rft); RunSpec's default, β > 0, is PPO's and GRPO's
@@ -581,6 +580,8 @@ def plan_flops(m: ModelShape, run: RunSpec) -> Flops:
         update_rows = recording_rows(run)
         reached = Pass(score.layers * update_rows / (U * sp + B * T), score.attention, score.head)
         policy = backward_flops(reached, lora, not lora) + score.attention + (0 if kept else score.head)
+        if run.algorithm == "rft" and not kept:  # Recording.logprobs at temperature 1: the head over every position
+            policy += score.head
     else:
         policy = run.epochs * (score.total + backward_flops(score, lora, not lora) + recompute)
     critic = 0.0

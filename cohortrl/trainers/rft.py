@@ -32,6 +32,10 @@ __all__ = ["RFT", "RFTTrainer"]
 
 class RFT(Algorithm):
     loss_temperature = 1.0  # the SFT loss's distribution, whatever the sampling temperature
+    # The loss reaches the policy only through the sampled tokens' log-probs: on the CPU fast path the update
+    # differentiates decoding's recording (cpu/replay.py), at temperature 1 from the recorded final states, and
+    # its backward runs on the passing responses' rows only (a failed one's gradient is 0).
+    reuses_rollout_forward = True
     progress_metric = "loss"
     corrects_sampler = False  # zero advantages: no ratio term to weight, whoever sampled
 

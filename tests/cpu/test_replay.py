@@ -58,13 +58,15 @@ def grads(model) -> dict[str, torch.Tensor]:
 @needs_onednn
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-4l", "qwen2", "tied", "tiny-llama-4l+lora", "qwen2+lora",
                                   "tied/recomputed", "qwen2+lora/recomputed", "qwen2/blocks", "tiny-llama-4l+lora/dropped",
-                                  "tied/dropped"])
+                                  "tied/dropped", "tiny-llama-4l+lora/at1", "qwen2+lora/at1-recomputed", "tied/at1-blocks"])
 def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
+    """At the sampling temperature, and at 1 (``at1``: RFT's supervised loss on responses sampled at 0.8, with
+    only some rows in the loss, as RFT keeps the passing ones)."""
     name, _, variant = name.partition("/")
-    recomputed = variant == "recomputed"
+    recomputed = variant.endswith("recomputed")
     if recomputed:  # logits too big to keep: the update recomputes them from the final hidden states
         monkeypatch.setattr(decoder_module, "RECORD_LOGITS_BYTES", 0)
-    if variant == "blocks":  # the attention one prompt or one row at a time, the head one position at a time
+    if variant.endswith("blocks"):  # the attention one prompt or one row at a time, the head one position at a time
         monkeypatch.setattr(replay_module, "CHUNK_BYTES", 1)
     if variant == "dropped":  # every row leaves decoding's products at its end: never recorded after it
         monkeypatch.setattr(decoder_module, "DROP_SHARE", 0.0)
@@ -83,17 +85,21 @@ def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
         ids, mask, response_ids = rollout.input_ids(), rollout.attention_mask(), rollout.response_ids
         torch.manual_seed(1)
         weights = torch.randn(response_ids.shape) * rollout.response_mask  # dL/dlogp: any loss through logp
+        loss_temperature = temperature
+        if variant.startswith("at1"):
+            loss_temperature = 1.0
+            weights[1::2] = 0  # rows out of the loss: the backward does not reach them
 
         model.zero_grad(set_to_none=True)
-        logp, entropy = response_logprobs(model, ids, mask, response_ids, temperature=temperature, with_entropy=True)
+        logp, entropy = response_logprobs(model, ids, mask, response_ids, temperature=loss_temperature, with_entropy=True)
         (weights * logp).sum().backward()
         expected = grads(model)
 
         model.zero_grad(set_to_none=True)
-        logp_r, entropy_r = recording.logprobs(response_ids, rollout.response_mask, temperature)
+        logp_r, entropy_r = recording.logprobs(response_ids, rollout.response_mask, loss_temperature)
         leaf = logp_r.clone().requires_grad_()
         (weights * leaf).sum().backward()
-        recording.backward(leaf.grad, response_ids, temperature)
+        recording.backward(leaf.grad, response_ids, loss_temperature)
         got = grads(model)
 
     torch.testing.assert_close(logp_r, logp.detach(), rtol=0, atol=2e-5)

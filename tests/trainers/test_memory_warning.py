@@ -19,10 +19,12 @@ SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9
 GIB = 1024**3
 
 
-def rft_g16():
-    """python_function's GRPO config as RFT at G 16: what the kernel killed at step 1 on a 24 GB machine."""
+def rft_g16(*overrides):
+    """python_function's GRPO config as RFT at G 16 with the update's own forward: what the kernel killed at step 1
+    on a 24 GB machine (before RFT's update ran on decoding's recording)."""
     return Config.from_yaml(REPO / "configs" / "pyfunc_grpo.yaml", [
-        "model.init=null", "algorithm.name=rft", "algorithm.aggregation=token-mean", "algorithm.group_size=16"])
+        "model.init=null", "algorithm.name=rft", "algorithm.aggregation=token-mean", "algorithm.group_size=16",
+        "train.reuse_rollout_forward=false", *overrides])
 
 
 def peak(cfg, **changes) -> float:
@@ -51,10 +53,13 @@ def test_when_nothing_fits_the_line_names_the_batch_and_length_settings():
                          "sampling.max_new_tokens (cohortrl plan --config shows the breakdown)")
 
 
-def test_grpo_on_decodings_recording_fits_where_rft_at_the_same_g_does_not():
-    """GRPO at G 16 ran on the same 24 GB machine: its update differentiates decoding's recording (no forward)."""
+def test_grpo_and_rft_on_decodings_recording_fit_where_rft_with_its_own_forward_does_not():
+    """GRPO at G 16 ran on the same 24 GB machine: its update differentiates decoding's recording (no forward);
+    so does RFT's now, by default."""
     grpo = Config.from_yaml(REPO / "configs" / "pyfunc_grpo.yaml", ["model.init=null", "algorithm.group_size=16"])
     assert guards.memory_warning(grpo, SMOLLM2, 23 * GIB) is None
+    assert guards.memory_warning(rft_g16("train.reuse_rollout_forward=true"), SMOLLM2, 23 * GIB) is None
+    assert guards.memory_warning(rft_g16(), SMOLLM2, 23 * GIB) is not None
 
 
 def test_a_cpu_run_logs_the_line_before_step_1_and_nothing_when_it_fits(tmp_path, addition_jsonl, monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""``train.reuse_rollout_forward``: on-policy GRPO differentiates decoding's own forward (cpu/replay.py)
+"""``train.reuse_rollout_forward``: on-policy GRPO (and RFT) differentiates decoding's own forward (cpu/replay.py)
 instead of running another. The step's numbers are those of the update's own forward to float rounding, and
 every setting under which decoding's forward is not the update's forward turns it off."""
 
@@ -9,8 +9,10 @@ from cohortrl.cpu import kernels
 from cohortrl.cpu.replay import Recording
 from cohortrl.trainers.grpo import GRPOTrainer
 from cohortrl.trainers.ppo import PPOTrainer
+from cohortrl.trainers.rft import RFTTrainer
 from tests.trainers.test_grpo import tiny_config
 from tests.trainers.test_ppo import ppo_config
+from tests.trainers.test_rft import rft_config
 
 needs_onednn = pytest.mark.skipif(not kernels.onednn_available(), reason="the lean decoder needs oneDNN's linear op")
 
@@ -73,6 +75,26 @@ def test_one_micro_batch_holding_the_whole_rollout_keeps_it_on(tmp_path, additio
     trainer = GRPOTrainer(cfg, tmp_path)
     assert cfg.algorithm.prompts_per_step * cfg.algorithm.group_size == 8
     assert trainer.rollout_forward_reusable and trainer.step()["rollout_forward_reused"] == 1
+
+
+@pytest.mark.fast_path
+@needs_onednn
+def test_an_rft_step_on_decodings_forward_at_temperature_1_matches_a_step_on_its_own(tmp_path, addition_jsonl, monkeypatch):
+    """RFT samples at 0.7 and trains at 1 on the passing responses only: the replay recomputes the logits at 1."""
+    calls = replays(monkeypatch)
+    rows = {}
+    for reuse in (True, False):
+        cfg = rft_config(addition_jsonl).with_overrides(f"train.reuse_rollout_forward={str(reuse).lower()}",
+                                                        "train.progress=false", "model.lora.enabled=true", "model.lora.r=4")
+        trainer = RFTTrainer(cfg, tmp_path / str(reuse))
+        assert trainer.rollout_forward_reusable == reuse
+        rows[reuse] = trainer.step()
+    on, off = rows[True], rows[False]
+    assert calls == [1] and (on["rollout_forward_reused"], off["rollout_forward_reused"]) == (1, 0)
+    assert on["response_length_mean"] == off["response_length_mean"] and 0 < on["rft_kept_fraction"] < 1
+    for key in ("loss", "nll", "grad_norm", "entropy"):
+        assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-7), key
+    assert on["grad_norm"] > 0
 
 
 @pytest.mark.fast_path
