@@ -551,8 +551,9 @@ def uniform_cpu_rates(m: ModelShape, flops_per_s: float, dtype: str = "fp32") ->
 def computes_old_logprobs(run: RunSpec) -> bool:
     """Whether the step runs a forward for log π_old (``RLTrainer.needs_old_logp``): several epochs, or decoding's
     bf16 products without the update on their recording (the sampler's numerics are not the trainer's: the update
-    corrects for them with importance weights, π_old from the trainer's own forward)."""
-    return run.epochs > 1 or (run.decode_dtype == "bf16" and not run.reuse_rollout_forward)
+    corrects for them with importance weights, π_old from the trainer's own forward; not RFT's supervised loss,
+    which has no ratio to correct)."""
+    return run.epochs > 1 or (run.decode_dtype == "bf16" and not run.reuse_rollout_forward and run.algorithm != "rft")
 
 
 def plan_flops(m: ModelShape, run: RunSpec) -> Flops:

@@ -75,61 +75,86 @@ def check_prompts_fit(cfg, tokenizer, tools, splits: dict[str, list[dict]]) -> N
 PROCESS_BASELINE_BYTES = 350 * 2**20
 
 
-def warn_if_memory_short(cfg, model) -> None:
+def warn_if_memory_short(cfg, model, reuse_rollout_forward: bool, processes: int) -> None:
     """On a CPU, ``memory_warning``'s line in the log before step 1 (a log that ends in a SIGKILL then says why)."""
     available = memory_available_bytes()
     if available is None:
         return
-    warning = memory_warning(cfg, model.config.to_dict(), available, bf16_units=cpu_bf16_products())
+    warning = memory_warning(cfg, model.config.to_dict(), available, bf16_units=cpu_bf16_products(),
+                             reuse_rollout_forward=reuse_rollout_forward, processes=processes)
     if warning:
         log.warning(warning)
 
 
-def memory_available_bytes() -> int | None:
-    """What this process could grow to on Linux: its resident memory now plus the kernel's MemAvailable (the
-    memory other processes leave, page cache it can drop included); None where /proc does not tell."""
+def _read(path: str) -> str | None:
     try:
-        meminfo = Path("/proc/meminfo").read_text()
-        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
+        return Path(path).read_text()
+    except OSError:
         return None
-    for line in meminfo.splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024 + resident_pages * os.sysconf("SC_PAGE_SIZE")
-    return None
 
 
-def memory_warning(cfg, model_config: dict, available_bytes: int, bf16_units: bool = False) -> str | None:
+def memory_available_bytes() -> int | None:
+    """What this process could grow to on Linux (``available_bytes`` of /proc and the cgroup's files); None where
+    /proc does not tell."""
+    meminfo, statm = _read("/proc/meminfo"), _read("/proc/self/statm")
+    if meminfo is None or statm is None:
+        return None
+    return available_bytes(meminfo, statm, os.sysconf("SC_PAGE_SIZE"), _read("/sys/fs/cgroup/memory.max"),
+                           _read("/sys/fs/cgroup/memory.current"))
+
+
+def available_bytes(meminfo: str, statm: str, page_size: int, cgroup_max: str | None = None,
+                    cgroup_current: str | None = None) -> int | None:
+    """This process's resident memory (``statm``'s second field, in pages) plus the least of what the kernel
+    could give it (``MemAvailable`` in /proc/meminfo: free memory and page cache it can drop) and what its cgroup
+    v2 limit leaves (``memory.max`` − ``memory.current``; a container's /proc/meminfo shows the host's memory)."""
+    try:
+        resident = int(statm.split()[1]) * page_size
+        room = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:"))
+    except (ValueError, IndexError, StopIteration):
+        return None
+    if cgroup_max and cgroup_current and cgroup_max.strip() != "max":
+        room = min(room, max(0, int(cgroup_max) - int(cgroup_current)))
+    return resident + room
+
+
+def memory_warning(cfg, model_config: dict, available: int, bf16_units: bool = False,
+                   reuse_rollout_forward: bool | None = None, processes: int = 1) -> str | None:
     """One line when the planner (``cohortrl.planner``) puts a CPU step of this run at its longest (every prompt
-    ``data.max_prompt_tokens``, every response ``sampling.max_new_tokens``) above ``available_bytes``, naming
-    the settings that fit; else None. On a CPU the kernel's OOM killer ends such a run with SIGKILL and no word of
-    why, possibly hours in; a GPU raises its own out-of-memory error. The plan is a model, within about 20% of
-    measured peaks (docs/planner.md), and real steps are mostly shorter than the longest: hence a warning, not a
-    refusal."""
+    ``data.max_prompt_tokens``, every response ``sampling.max_new_tokens``), times the ``processes`` on this
+    machine (CPU torchrun: one per rank, each its share of the batch), above ``available`` bytes, naming the
+    settings that fit; else None. ``reuse_rollout_forward``: what the trainer decided (None: where the config
+    allows it). On a CPU the kernel's OOM killer ends such a run with SIGKILL and no word of why, possibly hours in;
+    a GPU raises its own out-of-memory error. The plan is a model, within about 20% of measured peaks
+    (docs/planner.md), and real steps are mostly shorter than the longest: hence a warning, not a refusal."""
     try:
         shape = shape_from_config(model_config, cfg.model.name)
-        run = run_spec_from_config(cfg, bf16_units=bf16_units, device="cpu", cpu_baseline_bytes=PROCESS_BASELINE_BYTES)
-        peak = plan(shape, run).memory.peak
-    except PlanError:  # a model the planner cannot describe: nothing to say
+        run = run_spec_from_config(cfg, bf16_units=bf16_units, device="cpu", cpu_baseline_bytes=PROCESS_BASELINE_BYTES,
+                                   gpus=processes)
+        if reuse_rollout_forward is not None:
+            run = replace(run, reuse_rollout_forward=reuse_rollout_forward)
+        need = plan(shape, run).memory.peak * processes
+    except PlanError:  # a model or split the planner cannot describe: nothing to say
         return None
-    if peak <= available_bytes:
+    if need <= available:
         return None
     gib = 1024**3
     fits = []
-    b = run.sequences // 2
+    b = run.sequences // processes // 2
     while b >= 1 and not fits:  # the largest power-of-two micro-batch whose step fits
-        smaller = plan(shape, replace(run, micro_batch_size=b, reuse_rollout_forward=False)).memory.peak
-        if smaller <= available_bytes:
+        smaller = plan(shape, replace(run, micro_batch_size=b, reuse_rollout_forward=False)).memory.peak * processes
+        if smaller <= available:
             fits.append(f"algorithm.micro_batch_size={b} (about {smaller / gib:.1f} GiB)")
         b //= 2
     if not run.reuse_rollout_forward and not run.checkpointing:
-        ckpt = plan(shape, replace(run, checkpointing=True)).memory.peak
-        if ckpt <= available_bytes:
+        ckpt = plan(shape, replace(run, checkpointing=True)).memory.peak * processes
+        if ckpt <= available:
             fits.append(f"train.activation_checkpointing=true (about {ckpt / gib:.1f} GiB)")
     fix = " or ".join(fits) if fits else "fewer sequences per step (algorithm.prompts_per_step, algorithm.group_size) or a shorter sampling.max_new_tokens"
+    ranks = f" in {processes} processes" if processes > 1 else ""
     return (f"memory: a step at its longest ({run.sequences} sequences of {run.prompt_len} prompt + {run.response_len} response "
-            f"tokens) needs about {peak / gib:.1f} GiB by the planner, more than the {available_bytes / gib:.1f} GiB this "
-            f"process can have here; the kernel may kill the run without a message. Set {fix} "
+            f"tokens{ranks}) needs about {need / gib:.1f} GiB by the planner, more than the {available / gib:.1f} GiB "
+            f"this process can have here; the kernel may kill the run without a message. Set {fix} "
             f"(cohortrl plan --config shows the breakdown)")
 
 

@@ -105,9 +105,9 @@ class RLTrainer(Trainer):
         # before the reward workers and the vLLM engine start: a refused prompt leaves no process behind
         guards.check_prompts_fit(self.cfg, self.tokenizer, self.tools,
                                  {"training prompt": self.stream.rows, "held-out prompt": self.eval_rows})
-        if self.device.type == "cpu" and self.dist.is_main:
-            guards.warn_if_memory_short(self.cfg, self.model)
         self._build_rollout(inputs)
+        if self.device.type == "cpu" and self.dist.is_main:  # the plan of the step as _build_rollout decided it
+            guards.warn_if_memory_short(self.cfg, self.model, self.rollout_forward_reusable, self.dist.world)
         self.step_count = 0
         self.grader_log = MetricsLog(self.run_dir, grader_errors.FILE)  # built-in graders' failures (a bug report)
         grader_errors.drain()  # failures from before this run (each logged when it happened) are not this run's

@@ -103,10 +103,11 @@ def test_the_update_gets_the_log_probs_the_bf16_sampler_drew_from(record, monkey
 
 
 @needs_bf16
-@pytest.mark.parametrize("logits", ["kept", "recomputed"])
-def test_the_replayed_backward_of_bf16_products_is_autograds_to_bf16_rounding(logits, monkeypatch):
+@pytest.mark.parametrize("logits, loss_temperature", [("kept", 0.8), ("recomputed", 0.8), ("kept", 1.0), ("recomputed", 1.0)])
+def test_the_replayed_backward_of_bf16_products_is_autograds_to_bf16_rounding(logits, loss_temperature, monkeypatch):
     """The bf16 recording's gradients against autograd through the fp32 model on the same responses; with the
-    logits too big to keep, the update recomputes them with bf16 products."""
+    logits too big to keep, the update recomputes them with bf16 products; at the sampling temperature and at 1
+    (RFT's loss), where the log-probs come from the logits again."""
     if logits == "recomputed":
         monkeypatch.setattr(decoder_module, "RECORD_LOGITS_BYTES", 0)
     model, tok = build_model("tiny-llama-4l+lora")
@@ -120,13 +121,16 @@ def test_the_replayed_backward_of_bf16_products_is_autograds_to_bf16_rounding(lo
         torch.manual_seed(1)
         weights = torch.randn(response_ids.shape) * rollout.response_mask
         model.zero_grad(set_to_none=True)
-        logp, _ = response_logprobs(model, rollout.input_ids(), rollout.attention_mask(), response_ids, temperature=temperature)
+        logp, _ = response_logprobs(model, rollout.input_ids(), rollout.attention_mask(), response_ids,
+                                    temperature=loss_temperature)
         (weights * logp).sum().backward()
         expected = grads(model)
         model.zero_grad(set_to_none=True)
-        logp_r, _ = recording.logprobs(response_ids, rollout.response_mask, temperature)
-        recording.backward(weights, response_ids, temperature)
+        logp_r, _ = recording.logprobs(response_ids, rollout.response_mask, loss_temperature)
+        recording.backward(weights, response_ids, loss_temperature)
         got = grads(model)
+    mask = rollout.response_mask.bool()
+    assert (logp_r - logp.detach())[mask].abs().max() < 5e-2  # bf16 products' log-probs, at the asked temperature
     assert set(got) == set(expected) and expected
     for n, g in expected.items():
         assert torch.isfinite(got[n]).all(), n
