@@ -422,6 +422,12 @@ class Recording:
         N_prefix = self.U * self.P
         N = N_prefix + self.S * self.B
         g_N = grad_logp_BT.t().reshape(-1).float()
+        if not g_N.any():  # nothing to learn from (identical rewards at β = 0, no RFT sample passed): every
+            # gradient is exactly 0, which is what autograd would leave in .grad (and AdamW then still steps)
+            grads = Gradients({p: torch.zeros_like(p) for p in base.parameters() if p.requires_grad})
+            self.records, self.finals_NH, self.logits_NV = [None] * len(self.records), None, None
+            grads.deliver()
+            return
         # The layers' products run on the rows the gradient reaches only (n of the N recorded); the attention,
         # whose blocks are laid out over all N, gets and gives its gradients as (N, ·), 0 on the others.
         reached = self._reached_rows(g_N.view(self.S, self.B))

@@ -112,6 +112,32 @@ def test_the_replayed_backward_gives_autograds_gradients(name, monkeypatch):
 
 
 @needs_onednn
+@pytest.mark.parametrize("name", ["tiny-llama-4l+lora", "tied"])
+def test_a_backward_with_no_gradient_hands_autograds_zeros_without_running_the_layers(name, monkeypatch):
+    """Every dL/dlogp 0 (all groups' rewards identical at β = 0; no RFT sample passed): each trainable parameter
+    gets the exact zeros autograd gives it, so the optimiser steps as it would, and no layer's backward runs."""
+    model, tok = build(name)
+    rows = [{"prompt": p} for p in PROMPTS]
+    with linear_kernels("onednn"):
+        torch.manual_seed(0)
+        rollout, _ = generate(model, tok, rows, 3, Sampling(temperature=0.8, max_new_tokens=8), record=True,
+                              fast_path=FastPath("onednn", "system"))
+        response_ids = rollout.response_ids
+        model.zero_grad(set_to_none=True)
+        logp = response_logprobs(model, rollout.input_ids(), rollout.attention_mask(), response_ids, temperature=0.8)[0]
+        (0 * logp).sum().backward()
+        expected = grads(model)
+        model.zero_grad(set_to_none=True)
+        monkeypatch.setattr(replay_module, "linear_backward", lambda *a: pytest.fail("a layer's backward ran"))
+        rollout.replay.backward(torch.zeros(response_ids.shape), response_ids, 0.8)
+        got = grads(model)
+    assert set(got) == set(expected) and expected
+    for n, g in expected.items():
+        assert not g.any() and torch.equal(got[n], g), n
+    assert rollout.replay.records[0] is None  # used up, as after any backward
+
+
+@needs_onednn
 @pytest.mark.parametrize("name", ["tiny-llama-4l", "qwen2", "tied", "tiny-llama-4l+lora", "qwen2/blocks"])
 def test_another_models_logprobs_on_the_recording_equal_its_own_forward(name, monkeypatch):
     """The reference's log-probs, computed on the policy's recording in one pass, are ``response_logprobs``'
