@@ -8,7 +8,8 @@ trainer's resume is exact, so the results are those of an uninterrupted sweep), 
 first checkpoint starts again from step 0. ``DIR/sweep.json`` holds the sweep's definition (a second start with
 another definition is refused rather than mixed in); ``DIR/sweep.jsonl`` one line per attempt at a run, with its
 wall and CPU time (the child's and its waited-for descendants', from ``wait4``), which the report sums per run,
-and the machine it ran on (``machine.describe``: the same seed rounds differently on another machine).
+the machine it ran on (``machine.describe``: the same seed rounds differently on another machine) and the code
+the child started with (``code_version``: the checkout's commit, and whether it had uncommitted changes).
 
 Runs go one at a time unless ``--jobs N`` asks for N at once (each child then gets ``OMP_NUM_THREADS`` =
 cores / N unless the environment sets it). ``{seed}`` in an override's value is the run's seed, so each seed of
@@ -33,6 +34,24 @@ from cohortrl import machine
 from cohortrl.config import ConfigError
 from cohortrl.trainers import checkpoint
 from cohortrl.trainers.run_dir import run_files
+
+def code_version() -> dict:
+    """The code a child run imports: the commit of the checkout cohortrl is imported from and whether tracked files
+    differ from it, or, installed from a package, its version."""
+    import cohortrl
+
+    source = Path(cohortrl.__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=30)
+        changed = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        commit = None
+    if commit is None or commit.returncode or changed.returncode:
+        return {"version": cohortrl.__version__}
+    return {"commit": commit.stdout.strip(), "uncommitted_changes": bool(changed.stdout.strip())}
+
 
 SPEC = "sweep.json"
 ATTEMPTS = "sweep.jsonl"
@@ -163,6 +182,7 @@ class Sweep:
         cmd, kind = self.command_line(run)
         run.path.parent.mkdir(parents=True, exist_ok=True)
         print(f"sweep: {kind} {run.path}", flush=True)
+        code = code_version()  # when the child starts: the code a long sweep runs may change between its runs
         started, wall0 = time.strftime("%Y-%m-%dT%H:%M:%S"), time.perf_counter()
         with open(run.path.parent / f"seed{run.seed}.log", "a") as log_file:
             with self._lock:
@@ -176,7 +196,7 @@ class Sweep:
                 children.discard(child)
         record = {"run": str(run.path), "arm": run.arm, "seed": run.seed, "attempt": kind, "rc": child.returncode,
                   "wall_s": round(time.perf_counter() - wall0, 3), "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
-                  "started": started, "machine": self.machine}
+                  "started": started, "machine": self.machine, "code": code}
         with self._lock, open(self.out / ATTEMPTS, "a") as f:
             f.write(json.dumps(record) + "\n")
         print(f"sweep: {run.path} rc {child.returncode} ({record['wall_s']:.0f} s wall, {record['cpu_s']:.0f} s CPU)", flush=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cohortrl.config import ConfigError
-from cohortrl.sweep import Sweep, arms, parse_grid, parse_seeds, split_values
+from cohortrl.sweep import Sweep, arms, code_version, parse_grid, parse_seeds, split_values
 from cohortrl.trainers.evaluate import ANSWERS, read_answers
 from tests.trainers.test_grpo import VOLATILE
 
@@ -78,11 +78,28 @@ def test_a_sweep_stopped_twice_and_started_again_equals_one_never_stopped(tmp_pa
     assert {a["attempt"] for a in log[4:]} == {"resume"}  # each interrupted run continued from its checkpoint
     assert sum(a["rc"] == 0 for a in log) == 4 and all(a["wall_s"] > 0 and a["cpu_s"] > 0 for a in log)
     assert all(a["machine"]["cores"] > 0 and a["machine"]["torch"] for a in log)  # where each attempt ran
+    assert all(a["code"] == code_version() for a in log)  # and on which code
     for run in expected:  # the answers are kept compressed with each finished run
         assert (stopped / run / ANSWERS).is_file()
 
     rerun = sweep(stopped).communicate(timeout=120)[0]
     assert "4 finished, 0 to run" in rerun
+
+
+def test_the_code_a_run_starts_with_is_the_checkouts_commit_or_else_the_packages_version(monkeypatch):
+    import cohortrl
+
+    repo = Path(cohortrl.__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a checkout (CI's clone, a developer's)
+        code = code_version()
+        assert code["commit"] == head.stdout.strip() and isinstance(code["uncommitted_changes"], bool)
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert code_version() == {"version": cohortrl.__version__}
 
 
 def test_a_run_that_died_before_its_first_checkpoint_starts_again_and_a_finished_one_resumes(tmp_path):
