@@ -105,6 +105,10 @@ def cell_cpu(arm: Arm) -> str:
     return f"{sum(r.cpu_s for r in arm.runs):,.0f}"
 
 
+def cell_wall(arm: Arm) -> str:
+    return ", ".join(f"{r.wall_s:,.0f}" for r in arm.runs)
+
+
 def paired_cell(base: Arm, other: Arm, with_bootstrap: bool) -> str:
     """Seed k of ``other`` against seed k of ``base`` on the problems both answered (``study.paired``): only base
     right / only other right (exact McNemar p) per seed; then the paired bootstrap's mean difference and 95% interval."""
@@ -144,13 +148,14 @@ def verdicts(arm: Arm) -> str:
 
 
 def cell(column: str, row: Row, table: Table) -> str:
-    """One cell. Columns: acc, sd, mean_sd, cpu, vs=LABEL (McNemar per seed), vsb=LABEL (and the bootstrap),
+    """One cell. Columns: acc, sd, mean_sd, cpu (CPU s of the arm's runs), wall (each run's wall s), vs=LABEL (McNemar per seed), vsb=LABEL (and the bootstrap),
     kind=NAME (problems of that kind right per seed), category=NAME (answers in that error category per seed),
     verdicts (FAIL / SAFE written per seed), '-' (an empty cell, for the row the others are paired against)."""
     arm = arm_of(row)
     if column == "-":
         return "–"
-    simple = {"acc": cell_acc, "sd": cell_sd, "mean_sd": cell_mean_sd, "cpu": cell_cpu, "verdicts": verdicts}
+    simple = {"acc": cell_acc, "sd": cell_sd, "mean_sd": cell_mean_sd, "cpu": cell_cpu, "wall": cell_wall,
+              "verdicts": verdicts}
     if column in simple:
         return simple[column](arm)
     kind, _, value = column.partition("=")
@@ -242,6 +247,17 @@ TABLES: dict[str, Table] = {
          Row("GRPO from it, G 8, 20 steps", f"{E}/pyfunc_cos_runs/pf_grpo_cos"),
          Row("GRPO from it, G 16, 20 steps", f"{E}/pyfunc_cos_runs/pf_grpo_cos_g16"),
          Row("the warm start continued by 100 SFT steps", f"{E}/pyfunc_cos_runs/pf_control_cos"))),
+    "pyfunc_cos_xeon": Table(
+        ("arm (Intel Xeon)", ACC_L1, "paired with the same seed's warm start: only warm start / only this arm right "
+         "(exact McNemar p); mean difference (bootstrap 95% CI)", "paired with GRPO at G 16: only GRPO / only this arm "
+         "right (p); mean difference (bootstrap 95% CI)", "circle_area right (of 48)", "axial_stress right (of 57)",
+         "hydrostatic_pressure right (of 49)", "wall s per run", "CPU s, 3 runs"),
+        ("acc", "vsb=warm start, 8 steps, 2 warm-up, cosine to 0", "vsb=GRPO from it, G 16, 20 steps",
+         "kind=circle_area", "kind=axial_stress", "kind=hydrostatic_pressure", "wall", "cpu"),
+        (Row("warm start, 8 steps, 2 warm-up, cosine to 0", f"{E}/pyfunc_cos_xeon_runs/pf_ws_cos"),
+         Row("GRPO from it, G 16, 20 steps", f"{E}/pyfunc_cos_xeon_runs/pf_grpo_cos_g16"),
+         Row("RFT from it, G 16, 20 steps (the supervised loss on the passing samples)",
+             f"{E}/pyfunc_cos_xeon_runs/pf_rft_cos_g16"))),
 }
 
 
