@@ -41,16 +41,18 @@ def code_version() -> dict:
     import cohortrl
 
     source = Path(cohortrl.__file__).resolve().parent.parent
+    git = ["git", "--no-optional-locks", "-C", str(source)]  # reading the version never writes the index
     try:
-        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=30)
-        changed = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True, timeout=30)
+        head = subprocess.run([*git, "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, timeout=30)
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        commit = None
-    if commit is None or commit.returncode or changed.returncode:
+        head = None
+    # an installed package inside some other checkout (a .venv in a repository) is not that checkout's code
+    lines = head.stdout.split() if head is not None and head.returncode == 0 and changed.returncode == 0 else []
+    if len(lines) != 2 or Path(lines[0]).resolve() != source:
         return {"version": cohortrl.__version__}
-    return {"commit": commit.stdout.strip(), "uncommitted_changes": bool(changed.stdout.strip())}
+    return {"commit": lines[1], "uncommitted_changes": bool(changed.stdout.strip())}
 
 
 SPEC = "sweep.json"
