@@ -38,9 +38,7 @@ from cohortrl.trainers.run_dir import run_files
 def code_version() -> dict:
     """The code a child run imports: the commit of the checkout cohortrl is imported from and whether tracked files
     differ from it, or, installed from a package, its version."""
-    import cohortrl
-
-    source = Path(cohortrl.__file__).resolve().parent.parent
+    source = Path(__file__).resolve().parent.parent  # the directory that holds the cohortrl package
     git = ["git", "--no-optional-locks", "-C", str(source)]  # reading the version never writes the index
     try:
         head = subprocess.run([*git, "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, timeout=30)
@@ -51,8 +49,17 @@ def code_version() -> dict:
     # an installed package inside some other checkout (a .venv in a repository) is not that checkout's code
     lines = head.stdout.split() if head is not None and head.returncode == 0 and changed.returncode == 0 else []
     if len(lines) != 2 or Path(lines[0]).resolve() != source:
-        return {"version": cohortrl.__version__}
+        return {"version": _package_version()}
     return {"commit": lines[1], "uncommitted_changes": bool(changed.stdout.strip())}
+
+
+def _package_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("cohortrl")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 SPEC = "sweep.json"

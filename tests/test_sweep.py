@@ -87,6 +87,8 @@ def test_a_sweep_stopped_twice_and_started_again_equals_one_never_stopped(tmp_pa
 
 
 def test_the_code_a_run_starts_with_is_the_checkouts_commit_or_else_the_packages_version(monkeypatch):
+    from importlib import metadata
+
     import cohortrl
 
     repo = Path(cohortrl.__file__).resolve().parent.parent
@@ -99,7 +101,7 @@ def test_the_code_a_run_starts_with_is_the_checkouts_commit_or_else_the_packages
         raise FileNotFoundError("git")
 
     monkeypatch.setattr(subprocess, "run", no_git)
-    assert code_version() == {"version": cohortrl.__version__}
+    assert code_version() == {"version": metadata.version("cohortrl")}  # installed (here: editable) as cohortrl
 
 
 def test_a_run_that_died_before_its_first_checkpoint_starts_again_and_a_finished_one_resumes(tmp_path):
