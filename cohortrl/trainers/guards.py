@@ -80,7 +80,10 @@ def warn_if_memory_short(cfg, model, reuse_rollout_forward: bool, processes: int
     available = memory_available_bytes()
     if available is None:
         return
-    warning = memory_warning(cfg, model.config.to_dict(), available, bf16_units=cpu_bf16_products(),
+    # with train.cpu_fast_path=off nothing of cohortrl.cpu is imported (tests/trainers/test_plain_path_imports.py)
+    # and the plain path never decodes in bf16
+    bf16_units = cfg.train.cpu_fast_path != "off" and cpu_bf16_products()
+    warning = memory_warning(cfg, model.config.to_dict(), available, bf16_units=bf16_units,
                              reuse_rollout_forward=reuse_rollout_forward, processes=processes)
     if warning:
         log.warning(warning)

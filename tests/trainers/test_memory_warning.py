@@ -53,6 +53,7 @@ def test_when_nothing_fits_the_line_names_the_batch_and_length_settings():
                          "sampling.max_new_tokens (cohortrl plan --config shows the breakdown)")
 
 
+@pytest.mark.fast_path  # plans the update on decoding's recording, which only the fast path makes
 def test_grpo_and_rft_on_decodings_recording_fit_where_rft_with_its_own_forward_does_not():
     """GRPO at G 16 ran on the same 24 GB machine: its update differentiates decoding's recording (no forward);
     so does RFT's now, by default. What the trainer decided is what is planned."""
