@@ -86,11 +86,14 @@ def wandb_records(path: Path):
 
 
 def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "wb_config",
                         "WANDB_CACHE_DIR": tmp_path / "wb_cache", "WANDB_DATA_DIR": tmp_path / "wb_data"}.items():
         monkeypatch.setenv(name, str(value))
     GRPOTrainer(tiny(wandb=True), tmp_path / "run", train_dataset=ROWS).train()
+    # run.finish() can return before wandb-core's writer has flushed the run file (on a loaded machine the file
+    # was read with no history yet; read again later it held both steps); shutting the service down waits for it.
+    wandb.teardown()
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     history = {}
     for record in wandb_records(run_file):
