@@ -41,12 +41,17 @@ def test_train_stop_resume_continues_exactly_and_plots(tmp_path, config, keys):
     """A run stopped after step 2 (process ended) and resumed gives steps 3-4 equal to an uninterrupted run."""
     config = str(REPO / "configs" / config)
     full, split = tmp_path / "full", tmp_path / "split"
-    assert run("train", config, "--run-dir", str(full), "train.progress=false").returncode == 0
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    reference = subprocess.Popen([sys.executable, "-m", "cohortrl", "train", config, "--run-dir", str(full),
+                                  "train.progress=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 cwd=REPO, env=env)  # alongside the stopped run and its resume: 2 cores
     first = run("train", config, "--run-dir", str(split), "--steps", "2", "train.progress=false")
     assert first.returncode == 0, first.stderr
     resumed = run("train", "--run-dir", str(split), "--resume", "train.progress=false")
     assert resumed.returncode == 0, resumed.stderr
     assert "held-out greedy accuracy" in resumed.stdout
+    _, err = reference.communicate(timeout=600)  # (reading the pipes as it ends: a full pipe would block it)
+    assert reference.returncode == 0, err
 
     def train_rows(run_dir):
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -25,10 +25,25 @@ RUN_TIMEOUT_S = 600  # a run hung in a collective fails its test after this
 
 def torchrun(nproc: int, config: Path, run_dir: Path, *extra: str, module: str = "cohortrl") -> str:
     """Run ``cohortrl train`` (through ``module``'s ``__main__``) under torchrun; returns its log (stderr, at INFO level)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return finish(start(nproc, config, run_dir, *extra, module=module), run_dir)
+
+
+def one_and_two(config: Path, root: Path, *extra: str, module: str = "cohortrl", env: dict | None = None) -> tuple[str, str]:
+    """The same run under one process (``root/one``) and under two (``root/two``), side by side (each worker has
+    one thread, the machine 2 cores): their logs. ``env`` maps the process count to variables of its own."""
+    procs = {n: start(n, config, root / name, *extra, module=module, env=(env or {}).get(n, {}))
+             for n, name in ((1, "one"), (2, "two"))}
+    return finish(procs[1], root / "one"), finish(procs[2], root / "two")
+
+
+def start(nproc: int, config: Path, run_dir: Path, *extra: str, module: str = "cohortrl", env: dict | None = None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, "-v", "train", str(config), "--run-dir", str(run_dir), *extra]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, run_dir: Path) -> str:
     try:
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -98,8 +113,9 @@ def config_path(tmp_path_factory, addition_jsonl) -> Path:
 def runs(tmp_path_factory, config_path):
     """The config run under one process, two, and two with FSDP2."""
     root, path = tmp_path_factory.mktemp("ddp"), config_path
-    torchrun(1, path, root / "one")
+    one = start(1, path, root / "one")  # beside the two-process run: one thread each, 2 cores
     (root / "two.log").write_text(torchrun(2, path, root / "two", "--steps", "2"))
+    finish(one, root / "one")
     (root / "fsdp.log").write_text(torchrun(2, path, root / "fsdp", "--steps", "2", "train.strategy=fsdp", module="tests.deepcopy_spy"))
     return root, path
 
@@ -181,8 +197,9 @@ def test_a_two_process_checkpoint_resumes_under_two_or_one(runs, nproc, tmp_path
 def test_fsdp2_with_a_lora_adapter_matches_one_process(runs, tmp_path):
     _, path = runs
     lora = ("model.lora.enabled=true", "model.lora.r=4", "--steps", "1")
-    torchrun(1, path, tmp_path / "one", *lora)
+    one = start(1, path, tmp_path / "one", *lora)  # beside the two-process run
     torchrun(2, path, tmp_path / "fsdp", *lora, "train.strategy=fsdp")
+    finish(one, tmp_path / "one")
     assert_same_weights(tmp_path / "one" / "final", tmp_path / "fsdp" / "final")
 
 
@@ -192,8 +209,7 @@ def test_resampling_chooses_the_same_groups_under_two_processes(runs, tmp_path):
     vowel = "tests.trainers.reward_fns:starts_with_vowel"
     resample = ("algorithm.zero_variance=resample", "algorithm.max_resample_draws=12", "algorithm.group_size=2", "--steps", "1",
                 f"reward.functions=[{{name: '{vowel}'}}]", f"reward.correctness={vowel}")
-    torchrun(1, path, tmp_path / "one", *resample)
-    torchrun(2, path, tmp_path / "two", *resample)
+    one_and_two(path, tmp_path, *resample)
     assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
     one, two = (read_metrics(tmp_path / run)[0] for run in ("one", "two"))
     assert one["resample_draws"] == two["resample_draws"] >= 1
@@ -206,19 +222,16 @@ def test_each_rank_generates_its_groups_in_one_call(config_path, tmp_path):
     its 2 groups, and the update equals a 1-process run's, which samples all 4 in one call (each group under
     its own seed in either). ``tests/call_spy.py`` reports every call of the engine."""
     four = ("algorithm.prompts_per_step=4", "--steps", "1")
-    calls = {}
-    for nproc in (1, 2):
-        log = torchrun(nproc, config_path, tmp_path / f"run_{nproc}", *four, module="tests.call_spy")
-        calls[nproc] = sorted(re.findall(r"generate: rank (\d) rows (\d+)", log))
-    assert calls == {1: [("0", "4")], 2: [("0", "2"), ("1", "2")]}
-    assert_same_weights(tmp_path / "run_1" / "final", tmp_path / "run_2" / "final")
+    logs = one_and_two(config_path, tmp_path, *four, module="tests.call_spy")
+    calls = [sorted(re.findall(r"generate: rank (\d) rows (\d+)", log)) for log in logs]
+    assert calls == [[("0", "4")], [("0", "2"), ("1", "2")]]
+    assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
 
 
 def test_ppo_with_its_critic_matches_one_process(runs, tmp_path):
     _, path = runs
     ppo = ("algorithm.name=ppo", "algorithm.group_size=1", "algorithm.estimator=grpo", "--steps", "2")  # PPO keeps the default estimator (its advantages are GAE)
-    torchrun(1, path, tmp_path / "one", *ppo)
-    torchrun(2, path, tmp_path / "two", *ppo)
+    one_and_two(path, tmp_path, *ppo)
     step = ("checkpoints", "step_000002")
     assert_same_weights(tmp_path / "one" / Path(*step), tmp_path / "two" / Path(*step))  # policy and critic
     one, two = (read_metrics(tmp_path / run) for run in ("one", "two"))
@@ -228,7 +241,7 @@ def test_ppo_with_its_critic_matches_one_process(runs, tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
-def test_ranks_with_responses_of_different_lengths_match_one_process(config_path, tmp_path, monkeypatch):
+def test_ranks_with_responses_of_different_lengths_match_one_process(config_path, tmp_path):
     """A stop string ends the tiny model's responses early and at random, so each rank pads its rollout to its own
     longest response: the gathered advantages (padded to the longest over ranks) must be cut back to each rank's
     width. Checked that the ranks' widths really differed at some step, from the lengths the reward saw."""
@@ -236,10 +249,8 @@ def test_ranks_with_responses_of_different_lengths_match_one_process(config_path
     logging_fn = "tests.trainers.reward_fns:starts_with_letter_logging_lengths"
     uneven = ("sampling.stop=[e]", "sampling.max_new_tokens=24", f"reward.functions=[{{name: '{logging_fn}'}}]", f"reward.correctness={logging_fn}",
               "--steps", "2")
-    for nproc in (1, 2):
-        monkeypatch.setenv("COHORTRL_TEST_LENGTHS", str(tmp_path / f"lengths_{nproc}.jsonl"))
-        torchrun(nproc, path, tmp_path / f"run_{nproc}", *uneven)
-    assert_same_weights(tmp_path / "run_1" / "final", tmp_path / "run_2" / "final")
+    one_and_two(path, tmp_path, *uneven, env={n: {"COHORTRL_TEST_LENGTHS": str(tmp_path / f"lengths_{n}.jsonl")} for n in (1, 2)})
+    assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
     calls = [json.loads(line) for line in (tmp_path / "lengths_2.jsonl").read_text().splitlines()]
     widths = {(c["step"], c["rank"]): max(c["lengths"]) for c in calls}
     assert any(widths[(step, 0)] != widths[(step, 1)] for step in (0, 1)), widths

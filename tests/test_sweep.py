@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "tiny_grpo.yaml")
 # Three steps, a checkpoint after each, 4 held-out problems evaluated before and after: seconds per run.
 RUN = ["train.steps=3", "train.checkpoint_every=1", "eval.n_prompts=4", "train.progress=false"]
-SWEEP = ["--seeds", "0,1", "--grid", "algorithm.beta=0.0,0.04"]
+SWEEP = ["--seeds", "1", "--grid", "algorithm.beta=0.0,0.04"]  # two runs: the second is the one the sweep is killed in
 
 
 def sweep(out: Path, *extra, fault=None, new_session=False):
@@ -50,13 +50,14 @@ def attempts(out: Path) -> list[dict]:
 def test_a_sweep_stopped_twice_and_started_again_equals_one_never_stopped(tmp_path):
     """Every run killed at its second update (SIGKILL), then the sweep itself killed while its second run trains,
     then the same command once more: each of the four runs' metrics and answers equal the uninterrupted sweep's
-    exactly; finished runs were skipped and interrupted ones resumed, each attempt's times logged."""
+    exactly; finished runs were skipped and interrupted ones resumed, each attempt's times logged. (Two runs, one
+    seed of two arms: each is killed, the sweep dies in the second; seeds × arms are expanded in the test below.)"""
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     reference = sweep(full)  # alongside the chain below: 2 cores
 
     out, err = sweep(stopped, fault="update:2").communicate(timeout=600)
     assert "FAILED" in err
-    assert [a["rc"] for a in attempts(stopped)] == [-signal.SIGKILL] * 4
+    assert [a["rc"] for a in attempts(stopped)] == [-signal.SIGKILL] * 2
 
     proc = sweep(stopped, new_session=True)
     deadline = time.monotonic() + 300
@@ -66,24 +67,24 @@ def test_a_sweep_stopped_twice_and_started_again_equals_one_never_stopped(tmp_pa
     proc.communicate(timeout=60)
 
     out, err = sweep(stopped).communicate(timeout=600)
-    assert "4 runs" in out and "FAILED" not in err, err
+    assert "2 runs" in out and "FAILED" not in err, err
     assert reference.wait(timeout=600) == 0
 
     expected, got = results(full), results(stopped)
-    assert sorted(got) == sorted(expected) and len(got) == 4
+    assert sorted(got) == sorted(expected) and len(got) == 2
     for run in expected:
         assert got[run] == expected[run], run
         assert [r["step"] for r in got[run][0]] == [0, 1, 2, 3, 3]  # eval, three steps, eval: nothing twice
     log = attempts(stopped)
-    assert {a["attempt"] for a in log[4:]} == {"resume"}  # each interrupted run continued from its checkpoint
-    assert sum(a["rc"] == 0 for a in log) == 4 and all(a["wall_s"] > 0 and a["cpu_s"] > 0 for a in log)
+    assert {a["attempt"] for a in log[2:]} == {"resume"}  # each interrupted run continued from its checkpoint
+    assert sum(a["rc"] == 0 for a in log) == 2 and all(a["wall_s"] > 0 and a["cpu_s"] > 0 for a in log)
     assert all(a["machine"]["cores"] > 0 and a["machine"]["torch"] for a in log)  # where each attempt ran
     assert all(a["code"].get("commit") == code_version().get("commit") for a in log)  # and on which code
     for run in expected:  # the answers are kept compressed with each finished run
         assert (stopped / run / ANSWERS).is_file()
 
     rerun = sweep(stopped).communicate(timeout=120)[0]
-    assert "4 finished, 0 to run" in rerun
+    assert "2 finished, 0 to run" in rerun
 
 
 def test_the_code_a_run_starts_with_is_the_checkouts_commit_or_else_the_packages_version(monkeypatch):
@@ -127,6 +128,9 @@ def test_seed_placeholders_grid_parsing_and_a_changed_definition(tmp_path):
     assert split_values("[1,2],[3, 4],5") == ["[1,2]", "[3, 4]", "5"]
     assert [name for name, _ in arms(parse_grid(["a.b=1,2", "c=x"]))] == ["a.b=1+c=x", "a.b=2+c=x"]
     assert parse_seeds("0, 1,2") == [0, 1, 2]
+    grid = Sweep(tmp_path / "grid", CONFIG, "train", parse_grid(["algorithm.beta=0.0,0.04"]), [0, 1], [])
+    assert [(r.arm, r.seed) for r in grid.runs] == [(a, seed) for a in ("algorithm.beta=0.0", "algorithm.beta=0.04")
+                                                    for seed in (0, 1)]  # every arm at every seed
     for bad in (["a.b"], ["a.b="], ["a.b=1,1"], ["a.b=1", "a.b=2"]):
         with pytest.raises(ConfigError, match="--grid"):
             parse_grid(bad)
@@ -352,6 +356,32 @@ def test_mcnemar_and_the_paired_bootstrap_by_hand():
     _, lo1, hi1 = paired_bootstrap([diffs, diffs])
     _, lo2, hi2 = paired_bootstrap([[1] * 160 + [0] * 240, [-1] * 80 + [0] * 320])
     assert hi2 - lo2 > 2 * (hi1 - lo1)
+
+
+def test_the_paired_bootstrap_equals_the_draw_by_draw_loop_when_pairs_hold_the_same_problems():
+    """Pairs of one length take one draw of S × N problem indices per resample: the same numbers, bit for bit,
+    as the two-level loop written out here (S draws of N), so the committed intervals did not move."""
+    import numpy as np
+
+    from cohortrl.stats import paired_bootstrap
+
+    def loop(diffs_SN, resamples, seed):
+        rng, groups = np.random.default_rng(seed), [np.asarray(d, dtype=float) for d in diffs_SN]
+        stats = []
+        for _ in range(resamples):
+            sums = counts = 0
+            for s in rng.integers(len(groups), size=len(groups)):
+                sums += groups[s][rng.integers(len(groups[s]), size=len(groups[s]))].sum()
+                counts += len(groups[s])
+            stats.append(sums / counts)
+        return np.quantile(stats, [0.025, 0.975]).tolist()
+
+    rng = np.random.default_rng(7)
+    for seeds, problems in ((3, 200), (1, 57), (2, 1), (5, 33)):
+        diffs = rng.integers(-1, 2, size=(seeds, problems)).tolist()
+        assert list(paired_bootstrap(diffs, resamples=2000, seed=3)[1:]) == loop(diffs, 2000, 3)
+    uneven = [[1, 0, -1, 1], [0, 1]]  # different lengths go through the loop itself
+    assert list(paired_bootstrap(uneven, resamples=500, seed=1)[1:]) == loop(uneven, 500, 1)
 
 
 def committed_study_reports() -> list[Path]:

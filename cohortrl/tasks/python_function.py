@@ -24,6 +24,7 @@ our code, not the model's.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import random
@@ -168,7 +169,17 @@ class Problem:
         return self.reference.__name__
 
     def signature(self) -> str:
-        return f"{self.name}{inspect.signature(self.reference)}"
+        return f"{self.name}{_signature(self.reference)}"
+
+
+@functools.cache  # read once per function: parsing the source was a third of drawing a sample
+def _source(reference: Callable) -> str:
+    return inspect.getsource(reference)
+
+
+@functools.cache
+def _signature(reference: Callable) -> str:
+    return str(inspect.signature(reference))
 
 
 def u(rng: random.Random, lo: float, hi: float, digits: int = 1) -> float:
@@ -328,7 +339,7 @@ class PythonFunction(TaskFamily):
                   f"relative, strings exactly); tuples may also be returned as lists. Use only the standard "
                   f"library (import math if needed); no input or output.\n"
                   f"Answer with the function in one ```python code block.")
-        reference = f"```python\n{inspect.getsource(problem.reference)}```"
+        reference = f"```python\n{_source(problem.reference)}```"
         steps = [Step(f"test_{i + 1}", "1") for i in range(len(cases))]
         return Sample(self.name, level, seed, index, prompt, answer=problem.signature(),
                       reference_solution=reference, target=steps[-1], steps=steps,
