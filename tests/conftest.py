@@ -23,9 +23,12 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--cpu-fast-path") == "off":
         skip = pytest.mark.skip(reason="a test of the CPU fast path itself (--cpu-fast-path=off)")
+        once = pytest.mark.skip(reason="what it tests does not run through the step's CPU path (--cpu-fast-path=off)")
         for item in items:
             if item.get_closest_marker("fast_path"):
                 item.add_marker(skip)
+            elif item.get_closest_marker("one_path"):
+                item.add_marker(once)
 
 
 @pytest.fixture(scope="session", autouse=True)

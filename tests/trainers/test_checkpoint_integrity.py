@@ -349,6 +349,7 @@ def test_keep_checkpoints_must_not_be_negative(addition_jsonl):
 
 
 # ---------------------------------------------------------------------------------------------- kills and requeues
+@pytest.mark.one_path
 def test_kills_between_files_and_manifest_and_after_final_resume_to_the_uninterrupted_numbers(tmp_path):
     """A kill after the checkpoint's files but before its manifest leaves no checkpoint of that step; a kill
     after final/ is written leaves a run that `train --resume` completes with exit 0 and one line."""

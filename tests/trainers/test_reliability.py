@@ -67,6 +67,7 @@ def assert_checkpoints_complete(run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
+@pytest.mark.one_path
 def test_killed_anywhere_resumes_to_the_uninterrupted_numbers(tmp_path):
     """SIGKILL mid-update, mid-checkpoint-write (file written, not yet renamed), mid-generation and at a random
     moment; each resume starts from the last complete checkpoint and the final metrics equal a run never

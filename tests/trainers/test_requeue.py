@@ -10,6 +10,8 @@ import shlex
 import signal
 import time
 
+import pytest
+
 from cohortrl import Config, GRPOTrainer
 from cohortrl.trainers import checkpoint
 from cohortrl.trainers.metrics import read_metrics
@@ -32,6 +34,7 @@ def test_resume_starts_a_run_in_a_directory_that_does_not_exist(tmp_path):
     assert [r["step"] for r in read_metrics(run)] == [1]
 
 
+@pytest.mark.one_path
 def test_repeating_train_resume_recovers_from_a_kill_at_every_moment(tmp_path):
     """The same command each time, as a requeue wrapper runs it, on a directory killed during start-up (only the
     lock file left), before its first checkpoint, while writing it, mid-run and finished; the numbers equal a
@@ -78,6 +81,7 @@ def test_resume_without_a_config_on_a_directory_with_no_run_says_to_give_one(tmp
         f"(cohortrl train CONFIG --run-dir {tmp_path / 'none'} --resume starts it when there is none)")
 
 
+@pytest.mark.one_path
 def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes(tmp_path):
     run = tmp_path / "run"
     args = [*KILL_RUN, "train.steps=40"]
@@ -101,6 +105,7 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes(tmp_path)
     assert "resuming the run in" in err
 
 
+@pytest.mark.one_path
 def test_an_error_is_printed_on_its_own_line_after_the_progress_bar(tmp_path):
     """The bar is drawn with carriage returns; the error line must start a line of its own and nothing of the
     bar may be drawn after it."""

@@ -114,6 +114,7 @@ def run_cli(*args, cwd):
                           timeout=600)
 
 
+@pytest.mark.one_path
 def test_cli_train_refuses_names_the_flags_and_overwrites(tmp_path):
     cfg = str(REPO / "configs" / "tiny_grpo.yaml")
     common = ["train.progress=false", "eval.n_prompts=2", "eval.before=false"]
