@@ -79,6 +79,11 @@ def test_eval_a_trained_lora_adapter(tmp_path):
     lora = ["model.lora.enabled=true", "model.lora.r=4", "train.progress=false", "eval.n_prompts=8"]
     assert run("train", config, "--run-dir", str(tmp_path), "--steps", "1", *lora).returncode == 0
     assert (tmp_path / "final" / "adapter_config.json").exists()
+    responses = tmp_path / "responses.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    writer = subprocess.Popen([sys.executable, "-m", "cohortrl", "eval", config, "--adapter", str(tmp_path / "final"),
+                               *lora, "--responses", str(responses)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO, env=env)  # beside the next evaluation: 2 cores
     out = run("eval", config, "--adapter", str(tmp_path / "final"), *lora, "eval.pass_k=2", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -89,8 +94,8 @@ def test_eval_a_trained_lora_adapter(tmp_path):
     # the trainer kept each evaluation's responses; `eval --responses` writes them too, never over a file
     kept = [json.loads(line) for line in (tmp_path / "eval_completions.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in kept}) == [0, 1] and len(kept) == 16
-    responses = tmp_path / "responses.jsonl"
-    assert run("eval", config, "--adapter", str(tmp_path / "final"), *lora, "--responses", str(responses)).returncode == 0
+    _, err = writer.communicate(timeout=600)
+    assert writer.returncode == 0, err
     rows = [json.loads(line) for line in responses.read_text().splitlines()]
     assert len(rows) == 8 and all((r["category"] in ("correct", "unsupported")) == r["correct"] for r in rows)
     assert rows == [{k: r[k] for k in rows[0]} for r in kept if r["step"] == 1]  # the run's final evaluation, again

@@ -103,6 +103,8 @@ class Sandbox:
     fallback a machine without seccomp gets.
     """
 
+    GUARD_BASE_S = 10.0  # the wedged-server guard's fixed part, before the jobs' own limits (run_many)
+
     def __init__(self, max_workers: int = 2, max_children: int = 32, output_limit: int = 65536,
                  fast_s: float = 0.02, seccomp: bool = True) -> None:
         self.config = {"max_workers": max_workers, "max_children": max_children, "output_limit": output_limit,
@@ -208,7 +210,7 @@ class Sandbox:
         self._submit([(job, slot) for job, slot in zip(jobs, slots) if isinstance(slot, dict)])
         # A guard against a wedged server, never reached in normal operation: every job, one start slot
         # at a time, at its full limit, twice over (afresh for a job run again after a crash).
-        guard = 10 + 2 * sum(job.timeout_s for job in jobs) / self.config["max_workers"]
+        guard = self.GUARD_BASE_S + 2 * sum(job.timeout_s for job in jobs) / self.config["max_workers"]
         deadline = time.monotonic() + guard
         results = []
         for job, slot in zip(jobs, slots):

@@ -255,18 +255,21 @@ def test_a_server_that_dies_twice_fails_the_pending_job_and_is_restarted():
         sandbox.close()
 
 
-def test_a_server_that_stops_answering_fails_the_job_at_the_guard_and_is_replaced():
-    """The guard against a wedged server, never reached in normal operation: 10 s plus twice the jobs' limits
-    per start slot. A stopped server is given up then, closed (killed after 5 s), and the next job gets a new one."""
+def test_a_server_that_stops_answering_fails_the_job_at_the_guard_and_is_replaced(monkeypatch):
+    """The guard against a wedged server, never reached in normal operation: 10 s (here 1 s, to keep the test
+    short) plus twice the jobs' limits per start slot. A stopped server is given up then, closed (killed after
+    5 s), and the next job gets a new one."""
+    assert Sandbox.GUARD_BASE_S == 10.0
+    monkeypatch.setattr(Sandbox, "GUARD_BASE_S", 1.0)
     sandbox = Sandbox(max_workers=1).start()
     try:
         stopped = sandbox.server_pid
         os.kill(stopped, signal.SIGSTOP)  # a server this test started
         start = time.monotonic()
-        result = sandbox.run(HONEST, "f", [[1.0]], timeout_s=0.5)  # guard: 10 + 2 × 0.5 / 1 = 11 s
+        result = sandbox.run(HONEST, "f", [[1.0]], timeout_s=0.5)  # guard: 1 + 2 × 0.5 / 1 = 2 s
         elapsed = time.monotonic() - start
-        assert result.ok is False and result.reason == "the sandbox server did not answer within 11 s"
-        assert 11 <= elapsed < 11 + 5 + 2 and sandbox.server_pid is None
+        assert result.ok is False and result.reason == "the sandbox server did not answer within 2 s"
+        assert 2 <= elapsed < 2 + 5 + 2 and sandbox.server_pid is None
         again = sandbox.run(HONEST, "f", [[4.0]], timeout_s=LIMIT)
         assert again.ok and again.calls[0].value == 3.0 and sandbox.server_pid not in (None, stopped)
     finally:
