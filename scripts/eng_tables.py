@@ -257,7 +257,8 @@ TABLES: dict[str, Table] = {
         (Row("warm start, 8 steps, 2 warm-up, cosine to 0", f"{E}/pyfunc_cos_xeon_runs/pf_ws_cos"),
          Row("GRPO from it, G 16, 20 steps", f"{E}/pyfunc_cos_xeon_runs/pf_grpo_cos_g16"),
          Row("RFT from it, G 16, 20 steps (the supervised loss on the passing samples)",
-             f"{E}/pyfunc_cos_xeon_runs/pf_rft_cos_g16"))),
+             f"{E}/pyfunc_cos_xeon_runs/pf_rft_cos_g16"),
+         Row("the warm start continued by 100 SFT steps", f"{E}/pyfunc_cos_xeon_runs/pf_control_cos"))),
 }
 
 
