@@ -16,6 +16,13 @@ def run(*args, cwd=REPO):
     return subprocess.run([sys.executable, "-m", "cohortrl", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
 
+def start(*args) -> subprocess.Popen:
+    """``run`` without waiting: a command that runs beside the next ones (2 cores); ``communicate()`` collects it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "cohortrl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO, env=env)
+
+
 @pytest.mark.parametrize("sub", [[], ["train"], ["eval"], ["models"], ["plot"], ["report"], ["plan"], ["demo"], ["tasks"], ["tasks", "sample"], ["explain"]])
 def test_every_subcommand_has_help(sub):
     out = run(*sub, "--help")
@@ -41,10 +48,7 @@ def test_train_stop_resume_continues_exactly_and_plots(tmp_path, config, keys):
     """A run stopped after step 2 (process ended) and resumed gives steps 3-4 equal to an uninterrupted run."""
     config = str(REPO / "configs" / config)
     full, split = tmp_path / "full", tmp_path / "split"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    reference = subprocess.Popen([sys.executable, "-m", "cohortrl", "train", config, "--run-dir", str(full),
-                                  "train.progress=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 cwd=REPO, env=env)  # alongside the stopped run and its resume: 2 cores
+    reference = start("train", config, "--run-dir", str(full), "train.progress=false")  # beside the stopped run
     first = run("train", config, "--run-dir", str(split), "--steps", "2", "train.progress=false")
     assert first.returncode == 0, first.stderr
     resumed = run("train", "--run-dir", str(split), "--resume", "train.progress=false")
@@ -80,10 +84,7 @@ def test_eval_a_trained_lora_adapter(tmp_path):
     assert run("train", config, "--run-dir", str(tmp_path), "--steps", "1", *lora).returncode == 0
     assert (tmp_path / "final" / "adapter_config.json").exists()
     responses = tmp_path / "responses.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    writer = subprocess.Popen([sys.executable, "-m", "cohortrl", "eval", config, "--adapter", str(tmp_path / "final"),
-                               *lora, "--responses", str(responses)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=REPO, env=env)  # beside the next evaluation: 2 cores
+    writer = start("eval", config, "--adapter", str(tmp_path / "final"), *lora, "--responses", str(responses))
     out = run("eval", config, "--adapter", str(tmp_path / "final"), *lora, "eval.pass_k=2", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)

@@ -58,8 +58,9 @@ class Step:
         return quantity_matches(value, unit, Fraction(self.value), self.unit, rel_tol, self.abs_tol)
 
 
-def _step_dict(step: Step) -> dict[str, Any]:
-    return {"key": step.key, "value": step.value, "unit": step.unit, "abs_tol": step.abs_tol}
+def _fields(obj) -> dict[str, Any]:
+    """A dataclass's fields by name, in order, the values as they are (not copied)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 @dataclass
@@ -85,12 +86,12 @@ class Sample:
             self.id = f"{self.family}/L{self.level}/s{self.seed}/{self.index}"
 
     def to_dict(self) -> dict[str, Any]:
-        # What dataclasses.asdict gives, field by field: asdict recurses into every value and was half the time of
-        # drawing a task pool's rows. ``extra`` is copied deeply, as asdict copies it.
-        return {"family": self.family, "level": self.level, "seed": self.seed, "index": self.index,
-                "prompt": self.prompt, "answer": self.answer, "reference_solution": self.reference_solution,
-                "target": _step_dict(self.target), "steps": [_step_dict(s) for s in self.steps],
-                "verdict": self.verdict, "givens": list(self.givens), "extra": copy.deepcopy(self.extra), "id": self.id}
+        # What dataclasses.asdict gives: asdict recurses into every value and was half the time of drawing a task
+        # pool's rows, so only the fields that hold containers are copied (``extra`` deeply, as asdict copies it).
+        row = _fields(self)
+        row.update(target=_fields(self.target), steps=[_fields(s) for s in self.steps], givens=list(self.givens),
+                   extra=copy.deepcopy(self.extra))
+        return row
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
