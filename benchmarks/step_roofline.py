@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -204,15 +205,17 @@ def worker(args) -> dict:
         shape = model_shape(trainer.model)
         steps = []
         for _ in range(args.steps):
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            t0, cpu0, use0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
             metrics = trainer.step()
             step_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+            use = resource.getrusage(resource.RUSAGE_SELF)
             trainer.step_count += 1
             counts = token_counts(batches[-1].rollout)
             batches.clear()  # a batch kept would keep its recording's maps in use, and the next step's in new ones
             print(f"step {len(steps) + 1}: {step_s:.1f} s", file=sys.stderr, flush=True)
             taken = probe.take()
-            steps.append({"step_s": step_s, "cpu_s": cpu_s, "time": {k[5:]: v for k, v in metrics.items() if k.startswith("time/")},
+            steps.append({"step_s": step_s, "cpu_s": cpu_s, "sys_s": use.ru_stime - use0.ru_stime,
+                          "faults": use.ru_minflt - use0.ru_minflt, "time": {k[5:]: v for k, v in metrics.items() if k.startswith("time/")},
                           "probe": taken, "counts": {k: v for k, v in counts.items() if k != "tool_positions"},
                           "flops": phase_flops(shape, counts, taken["extra"]["decode_steps"],
                                                taken["extra"]["update_backward"][0]), "reused": metrics.get("rollout_forward_reused"),
@@ -370,6 +373,11 @@ def main() -> None:
         cur = [s["cpu_s"] for o in results["current"] for s in o["steps"]]
         print(f"step CPU s (the worker process's user + system time), baseline: {', '.join(f'{x:.2f}' for x in base)}; "
               f"current: {', '.join(f'{x:.2f}' for x in cur)}; median ratio {statistics.median(base) / statistics.median(cur):.2f}x")
+        # page faults and system time: what the kernel spent mapping pages in, not moved by other load on the host
+        for key, what in (("faults", "minor page faults"), ("sys_s", "system CPU s")):
+            base = [s.get(key) for o in results["baseline"] for s in o["steps"]]
+            cur = [s.get(key) for o in results["current"] for s in o["steps"]]
+            print(f"{what} per step, median: baseline {statistics.median(base):.6g}, current {statistics.median(cur):.6g}")
     if args.out:
         args.out.write_text(json.dumps({"peaks": peaks, "results": results}, indent=1))
 

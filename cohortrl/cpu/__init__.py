@@ -12,7 +12,8 @@ autograd throughout; where ``auto`` falls back, the run says so once, at INFO, w
 - ``replay.py``: an on-policy GRPO update's backward through what decoding recorded, instead of a second
   forward (``train.reuse_rollout_forward``);
 - ``memory.py``: freed memory kept in the process between steps (``train.cpu_allocator``; glibc's
-  ``mallopt``, which is process-wide by nature: set when a run starts, glibc's defaults back when it closes).
+  ``mallopt``, which is process-wide by nature: set when a run starts, glibc's defaults back when it closes),
+  and the recording's buffers in maps kept from one generate call to the next (``RecordingMaps``).
 
 A run builds its fast path once, from its settings and its model (:func:`build`: a :class:`FastPath`, or None
 where nothing of it applies), and hands that object to what uses it: the step's and the evaluation's kernel
@@ -22,7 +23,8 @@ context (:meth:`FastPath.kernels`), generation (the lean decoder and its recordi
 (``trainers/setup.py``'s ``build_fast_path``, ``reward_models/train.py``), and those import it only when the
 setting is not ``off``: with ``train.cpu_fast_path: off`` no line of this package runs
 (``tests/trainers/test_plain_path_imports.py`` checks it in a fresh process). The state it keeps is the run's:
-the layers it switches, each layer's decoding layout, the allocator hold the object releases on ``close``.
+the layers it switches, each layer's decoding layout, the recording's kept maps and the allocator hold (both
+released on ``close``).
 
 Each computes the same function as the plain path, to float rounding (the lean decoder's opt-in bf16 products,
 ``train.cpu_decode_dtype``, to bf16 rounding: ``tests/cpu/test_bf16_decoding.py``); ``tests/cpu/`` checks each against
@@ -43,7 +45,8 @@ import torch
 from cohortrl.cpu import decoder, kernels
 from cohortrl.cpu.decoder import check_architecture, computes
 from cohortrl.cpu.kernels import resolve_cpu_linear, resolve_decode_dtype
-from cohortrl.cpu.memory import apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator, trim_heap
+from cohortrl.cpu.memory import (RecordingMaps, apply_cpu_allocator, release_freed_memory, resolve_cpu_allocator,
+                                 trim_heap)
 from cohortrl.cpu.replay import Recording
 
 
@@ -59,10 +62,13 @@ class FastPath:
         self.decode_dtype = decode_dtype
         self.trim_every = trim_every
         self.holds_allocator = apply_cpu_allocator(allocator)  # process-wide while held: glibc's mallopt
+        self.recording_maps = RecordingMaps()  # the recording's buffers, kept from one generate call to the next
 
     def end_of_step(self, step: int) -> None:
-        """Step ``step`` (counted from 1) is done: every ``trim_every`` steps, the heap's free pages go back to the
-        OS (``memory.trim_heap``), so what freed blocks of varying sizes leave behind does not pile up."""
+        """Step ``step`` (counted from 1) is done: the recording's kept maps give back what is past their marks
+        (``memory.RecordingMaps``), and every ``trim_every`` steps the heap's free pages go back to the OS
+        (``memory.trim_heap``), so what freed blocks of varying sizes leave behind does not pile up."""
+        self.recording_maps.end_of_step()
         if self.trim_every and step % self.trim_every == 0:
             trim_heap()
 
@@ -78,7 +84,7 @@ class FastPath:
         factory = decoder.decoder_for(model) if self.linear == "onednn" else None
         if factory is None:
             return None
-        return functools.partial(factory, dtype=dtype)
+        return functools.partial(factory, dtype=dtype, recording_maps=self.recording_maps)
 
     def decoding_weights(self, model, rows: int):
         """While transformers' forward decodes ``rows`` rows: the weights in oneDNN's layout for them
@@ -87,11 +93,15 @@ class FastPath:
 
     @staticmethod
     def recording(lean_decoder, prefix, mask) -> Recording:
-        """What a recording decoder computed, for the update to differentiate (``replay.Recording``)."""
+        """What a recording decoder computed, for the update to differentiate (``replay.Recording``); what every
+        row wrote is marked reusable for the next call (``memory.RecordingMaps``)."""
+        lean_decoder.mark_reusable()
         return Recording(lean_decoder, prefix, mask)
 
     def close(self) -> None:
-        """The run is over: the allocator hold goes back (glibc's defaults after the last holder)."""
+        """The run is over: the recording's maps and the allocator hold go back (glibc's defaults after the last
+        holder)."""
+        self.recording_maps.close()
         if self.holds_allocator:
             release_freed_memory()
             self.holds_allocator = False

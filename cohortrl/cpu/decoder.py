@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cohortrl.cpu import kernels
-from cohortrl.cpu.memory import mapped_zeros
+from cohortrl.cpu.memory import RecordingMaps, mapped_zeros
 
 log = logging.getLogger("cohortrl")
 
@@ -288,11 +288,13 @@ class LlamaDecoder:
     step, the final hidden state, the tokens fed, log Z and the entropy of the logits at ``temperature`` and (told
     by :meth:`sampled`) the sampled token's logit, and the logits themselves while they fit. It takes ``prefix``,
     not a transformers cache (every position must be recorded). ``dtype``: the products' (see the module
-    docstring); a recording keeps what they computed, in fp32."""
+    docstring); a recording keeps what they computed, in fp32. ``recording_maps``: the run's kept maps for the
+    recording (``memory.RecordingMaps``; :meth:`mark_reusable` tells them what every row wrote), else each
+    buffer in a fresh map of its own."""
 
     def __init__(self, model, hf_cache, prompt_mask_BT: torch.Tensor, positions_BS: torch.Tensor, *,
                  prefix: tuple | None = None, record: bool = False, temperature: float = 1.0,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, recording_maps: RecordingMaps | None = None):
         if record and hf_cache is not None:
             raise ValueError("a recording decoder runs the prompt itself: pass prefix=, not a transformers cache")
         base = self.base = _base_model(model)
@@ -353,9 +355,14 @@ class LlamaDecoder:
         self.n_prefix = prefix[0].numel() if record and prefix is not None else 0
         rows, d = self.n_prefix + S * B, cfg.hidden_size
         widths = (d, (self.H + 2 * self.Hkv) * D, d, 2 * cfg.intermediate_size)  # x_in, qkv, x_mid, gate_up
-        self.records = [[mapped_zeros((rows, w), dtype) for w in widths] for _ in self.layers] if record else []
-        self.finals = mapped_zeros((S * B, d), dtype) if record else None  # the last layer's output, before the final norm
-        self.logits = mapped_zeros((S * B, V), torch.float32) if self.keep_logits else None  # as returned, while they fit
+        # in the run's kept maps when it has them (no page faults for what the last call's rows all wrote)
+        self.maps = recording_maps
+        def zeros(key, shape, dtype):
+            return recording_maps.zeros(key, shape, dtype) if recording_maps is not None else mapped_zeros(shape, dtype)
+        self.records = [[zeros(("record", i, j), (rows, w), dtype) for j, w in enumerate(widths)]
+                        for i in range(len(self.layers))] if record else []
+        self.finals = zeros("finals", (S * B, d), dtype) if record else None  # the last layer's output, before the final norm
+        self.logits = zeros("logits", (S * B, V), torch.float32) if self.keep_logits else None  # as returned, while they fit
         self.fed: list[torch.Tensor] = []  # per step: the tokens fed (B,)
         self.temperature = float(temperature or 1.0)  # greedy decoding is scored at temperature 1, as response_logprobs does
         self.logz: list[torch.Tensor] = []  # per step (B,): log Σ exp(logits / temperature)
@@ -363,6 +370,19 @@ class LlamaDecoder:
         self.target: list[torch.Tensor] = []  # per step (B,): the sampled token's logit / temperature
         if prefix is not None and seen:
             self._prefill(*prefix)
+
+    def mark_reusable(self) -> None:
+        """Decoding is over: tell the run's kept maps how much of each recording buffer every row wrote (the
+        prefix's rows and the steps before the first row left the products), which the next call may reuse."""
+        if self.maps is None or not self.record:
+            return
+        steps = min(self.dropped.values(), default=self.s)
+        for layer in self.records:
+            for buffer in layer:
+                self.maps.mark_reusable(buffer, buffer[: self.n_prefix + steps * self.B].nbytes)
+        for buffer in (self.finals, self.logits):
+            if buffer is not None:
+                self.maps.mark_reusable(buffer, buffer[: steps * self.B].nbytes)
 
     def rotation_for(self, positions: torch.Tensor) -> torch.Tensor:
         """The rotary factors (..., 1, D/2) for positions (...), as complex numbers (see :func:`rotate`), from the

@@ -37,6 +37,7 @@ import logging
 import math
 import mmap
 import platform
+import sys
 
 log = logging.getLogger("cohortrl")
 
@@ -155,3 +156,103 @@ def mapped_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
     # MAP_PRIVATE: a page never written is read as the kernel's shared zero page, not allocated (mmap's default,
     # MAP_SHARED, allocates a page at its first read), and a forked child copies rather than shares
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel).view(shape)
+
+
+class RecordingMaps:
+    """The maps one run's recording decoders take their buffers from, kept from one generate call to the next.
+
+    A fresh map (:func:`mapped_zeros`) is faulted in page by page as decoding writes it, at every call. Kept
+    maps keep their pages, but only where every row of the last call wrote them: a map that kept every page any
+    call wrote would grow towards the whole rows × budget recording (the layout is step-major and a row that has
+    ended is not written), which is what made us drop an earlier pool (docs/performance.md). So the decoder
+    marks, per buffer, the bytes every row wrote (:meth:`mark_reusable`); when the map is lent again, or at the
+    end of a step, everything past that mark goes back to the OS (``MADV_DONTNEED``) and the mark is zeroed.
+    A lent tensor is therefore all zeros, as from :func:`mapped_zeros`, and what stays resident between calls
+    is one call's fully written part, which the next call's recording overwrites without faulting it in.
+
+    Buffers are kept per ``key`` (the decoder's buffer slot: a layer and what it records), so a small buffer
+    never sits in a large one's map. A map is lent again only once no tensor views it (two recordings alive at
+    once get maps of their own); a slot keeps one unused map. Blocks under ``MAPPED_MIN_BYTES`` come from
+    ``torch.zeros``."""
+
+    SLACK = 1.125  # a new map's room over its request: the next step's slightly longer prompts fit
+
+    def __init__(self):
+        self._maps: dict[object, list[_KeptMap]] = {}
+        self._by_address: dict[int, _KeptMap] = {}  # a lent tensor's data pointer -> its map
+
+    def zeros(self, key, shape: tuple[int, ...], dtype) -> "torch.Tensor":
+        """A zero tensor of ``shape`` in a kept map of slot ``key`` (a new one where none is free or big enough)."""
+        import torch
+
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if nbytes < MAPPED_MIN_BYTES:
+            return torch.zeros(shape, dtype=dtype)
+        maps = self._maps.setdefault(key, [])
+        kept = next((k for k in maps if k.unused() and len(k.map) >= nbytes), None)
+        if kept is None:
+            for small in [k for k in maps if k.unused()]:  # too small: let them go (unmapped once dropped)
+                self._drop(key, small)
+            kept = _KeptMap(-(-int(nbytes * self.SLACK) // mmap.PAGESIZE) * mmap.PAGESIZE)
+            maps.append(kept)
+            self._by_address[kept.address] = kept
+        kept.clean()
+        kept.reusable, kept.dirty = 0, True  # until marked, nothing of this call's is reused
+        return torch.frombuffer(kept.map, dtype=dtype, count=numel).view(shape)
+
+    def mark_reusable(self, tensor, nbytes: int) -> None:
+        """``tensor``, lent by :meth:`zeros`, has its first ``nbytes`` written by every row of the call: they stay
+        resident for the next one. A tensor not lent from here is ignored."""
+        kept = self._by_address.get(tensor.data_ptr())
+        if kept is not None:
+            kept.reusable = min(nbytes, len(kept.map))
+
+    def end_of_step(self) -> None:
+        """For the maps no tensor views any more (their recordings have been used): what the last call wrote past
+        its mark goes back to the OS, and a slot keeps one such map, the one with most to reuse."""
+        for key, maps in self._maps.items():
+            unused = sorted((k for k in maps if k.unused()), key=lambda k: (k.reusable, len(k.map)))
+            for extra in unused[:-1]:
+                self._drop(key, extra)
+            if unused:
+                unused[-1].clean()
+
+    def _drop(self, key, kept: "_KeptMap") -> None:
+        self._maps[key].remove(kept)
+        del self._by_address[kept.address]
+
+    def close(self) -> None:
+        """Let every map go (each unmapped once no tensor views it)."""
+        self._maps.clear()
+        self._by_address.clear()
+
+
+class _KeptMap:
+    """One kept map of ``nbytes``; ``reusable``: how much of it every row of the last call wrote; ``dirty``: it
+    holds values of a call since it was last cleaned."""
+
+    def __init__(self, nbytes: int):
+        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # MAP_PRIVATE: as mapped_zeros
+        self.reusable, self.dirty = 0, False
+        view = (ctypes.c_char * 1).from_buffer(self.map)  # the map's address, as a lent tensor's data pointer
+        self.address = ctypes.addressof(view)
+        del view  # (a live ctypes view would keep the map exported)
+        self._own_refs = sys.getrefcount(self.map)  # this attribute's and getrefcount's: no tensor views it
+
+    def unused(self) -> bool:
+        # a tensor viewing the map holds a reference to it through its storage's buffer
+        return sys.getrefcount(self.map) <= self._own_refs
+
+    def clean(self) -> None:
+        """Zero the reusable part (resident: no faults) and give the rest back (read as zeros from then on)."""
+        if not self.dirty:
+            return
+        import torch
+
+        start = min(-(-self.reusable // mmap.PAGESIZE) * mmap.PAGESIZE, len(self.map))  # the page the mark ends in
+        if start < len(self.map):
+            self.map.madvise(mmap.MADV_DONTNEED, start, len(self.map) - start)
+        if start:
+            torch.frombuffer(self.map, dtype=torch.uint8, count=start).zero_()
+        self.dirty = False

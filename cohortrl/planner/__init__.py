@@ -302,9 +302,10 @@ def recording_bytes(m: ModelShape, run: RunSpec) -> float:
     decoding row the last layer's output (h); and the logits of every decoding row when B·(budget)·V fp32
     fits in RECORD_LOGITS_BYTES (``cpu/decoder.py``).
 
-    The decoder allocates these buffers for the whole sampling budget, each in a memory map of its own
-    (``cpu/memory.mapped_zeros``), whose pages become resident only when written: what is resident is the
-    rows it wrote (:func:`recording_rows`), counted here."""
+    The decoder allocates these buffers for the whole sampling budget, each in a memory map (the run's kept
+    maps, ``cpu/memory.RecordingMaps``), whose pages become resident only when written: what is resident is the
+    rows it wrote (:func:`recording_rows`), counted here. (The kept maps also hold, from the last call, the rows
+    every row wrote, which this call's rows mostly overwrite; not counted.)"""
     h, f, d = m.hidden_size, m.intermediate_size, m.d
     per_row = m.num_layers * (2 * h + (m.num_heads + 2 * m.num_kv_heads) * d + 2 * f)
     decoded = decoded_rows(run)

@@ -295,3 +295,47 @@ def test_a_newer_transformers_or_peft_layout_falls_back_to_transformers(change, 
     assert torch.equal(out["onednn"].response_ids, out["aten"].response_ids)
     said = [r.getMessage() for r in caplog.records if r.name == "cohortrl"]
     assert len(said) == 1 and reason in said[0], said
+
+
+@needs_onednn
+def test_a_recording_in_kept_maps_that_hold_nan_decodes_records_and_replays_the_same(monkeypatch):
+    """A run's recording decoders take their buffers from its kept maps (``memory.RecordingMaps``), which keep
+    what every row of the last call wrote. Every kept map is filled with NaN, the marked parts and past them,
+    before the second call: the tokens, recorded log-probs and replayed gradients equal those from fresh zeroed
+    buffers, with rows dropped at every end (the rows never written after an end would be taken stale)."""
+    model, tok = load_model("tiny-llama-4l", seed=7)
+    model.generation_config.eos_token_id = list(range(10, len(tok), 5))
+    rows = [{"prompt": p} for p in PROMPTS]
+    monkeypatch.setattr(decoder_module, "DROP_SHARE", 0.0)
+
+    def run(fast_path):
+        torch.manual_seed(0)
+        with linear_kernels("onednn"):
+            r, _ = generate(model, tok, rows, 4, Sampling(temperature=1.0, max_new_tokens=12), record=True,
+                            fast_path=fast_path)
+            logps = r.replay.logprobs(r.response_ids, r.response_mask, 1.0)
+            model.zero_grad()
+            weights = torch.linspace(-1, 1, r.response_ids.numel()).view(r.response_ids.shape) * r.response_mask
+            r.replay.backward(weights, r.response_ids, 1.0)
+        assert r.replay.dropped  # rows left the products at their end
+        return r.response_ids, logps, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    expected = run(FastPath("onednn", "system"))  # the tiny model's buffers from the heap, zeroed
+    monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", 0)  # now every buffer in a kept map
+    kept = FastPath("onednn", "system")
+    run(kept)
+    maps = [m for slot in kept.recording_maps._maps.values() for m in slot]
+    assert len(maps) == 4 * 4 + 2  # a slot per layer and record, the final states, the logits
+    marked = [m.reusable for m in maps]
+    assert any(marked) and all(r < len(m.map) for r, m in zip(marked, maps))  # rows ended: not all written
+    for m in maps:
+        torch.frombuffer(m.map, dtype=torch.float32).fill_(float("nan"))
+    addresses = [m.address for m in maps]
+    del maps
+    got = run(kept)
+    # the second call took the same maps, none new
+    assert [m.address for slot in kept.recording_maps._maps.values() for m in slot] == addresses
+    assert torch.equal(got[0], expected[0])
+    for a, b in zip(got[1], expected[1]):
+        assert torch.equal(a, b)
+    assert got[2].abs().sum() > 0 and torch.equal(got[2], expected[2])

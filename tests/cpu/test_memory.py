@@ -191,3 +191,33 @@ def test_a_mapped_buffer_is_resident_only_where_written_and_returned_when_freed(
         assert small.shape == (4, 4) and not small.any()
     finally:
         cpu_memory.release_freed_memory()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
+def test_kept_recording_maps_keep_only_what_every_row_wrote():
+    """``RecordingMaps``: a lent buffer is all zeros, even in a map an earlier call filled; the part marked as
+    written by every row stays resident for the next call (the same map, no new pages), and what was written past
+    the mark goes back to the OS at the end of the step; a map a tensor still views is never lent again; a slot
+    keeps one unused map."""
+    import torch
+
+    maps = cpu_memory.RecordingMaps()
+    buffer = maps.zeros("slot", (64, 1024, 1024), torch.float32)  # 256 MiB
+    address = buffer.data_ptr()
+    buffer.fill_(float("nan"))  # all written
+    maps.mark_reusable(buffer[:16], buffer[:16].nbytes)  # the first 64 MiB written by every row
+    other = maps.zeros("slot", (64, 1024, 1024), torch.float32)
+    assert other.data_ptr() != address  # viewed: a map of its own
+    del buffer, other
+    before = _rss_mib()
+    maps.end_of_step()
+    assert len(maps._maps["slot"]) == 1  # the map with the marked part kept, the other (never written) let go
+    assert 150 < before - _rss_mib() < 200  # the 192 MiB past the mark given back
+    again = maps.zeros("slot", (32, 1024, 1024), torch.float32)
+    assert again.data_ptr() == address and not again.any()  # the same map, zeros where NaN was
+    before = _rss_mib()
+    again[:16].fill_(1.0)  # the kept 64 MiB: resident already
+    assert _rss_mib() - before < 8
+    small = maps.zeros("small", (4, 4), torch.float32)
+    assert small.shape == (4, 4) and not small.any() and "small" not in maps._maps
+    maps.close()
