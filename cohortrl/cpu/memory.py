@@ -28,6 +28,9 @@ run starts and :func:`release_freed_memory` puts glibc's defaults back (128 KiB 
 returns the retained heap to the OS when the last such run closes (``Trainer.close``). glibc's dynamic
 threshold stays off after that, as any explicit ``mallopt`` leaves it. Only glibc has these parameters; on
 macOS, Windows or musl ``auto`` leaves the allocator alone.
+
+The lean decoder's per-call buffers stay out of that heap: :func:`mapped_zeros` gives each a memory map of its
+own (the KV cache), and :class:`RecordingMaps` keeps the recording's maps from one call to the next.
 """
 
 from __future__ import annotations
