@@ -258,6 +258,8 @@ TABLES: dict[str, Table] = {
          Row("GRPO from it, G 16, 20 steps", f"{E}/pyfunc_cos_xeon_runs/pf_grpo_cos_g16"),
          Row("RFT from it, G 16, 20 steps (the supervised loss on the passing samples)",
              f"{E}/pyfunc_cos_xeon_runs/pf_rft_cos_g16"),
+         Row("RFT from it, G 16, 33 steps (GRPO's step time: 20 × 52.0 / 32.0 s)",
+             f"{E}/pyfunc_cos_xeon_runs/pf_rft_cos_g16_t33"),
          Row("the warm start continued by 100 SFT steps", f"{E}/pyfunc_cos_xeon_runs/pf_control_cos"))),
 }
 
