@@ -2,6 +2,7 @@
 logits, step by step, for left-padded rows, grouped-query attention, q/k/v biases and LoRA adapters; models it
 cannot compute go to transformers' forward, and the reason is logged once per model."""
 
+import functools
 import logging
 
 import pytest
@@ -202,6 +203,21 @@ def test_ended_rows_leave_the_products_and_the_others_sample_the_same_tokens(rec
             assert torch.equal(got, expected)
 
 
+def _record_and_replay(model, tok, rows, fast_path):
+    """A recording generate call (seed 0, 12 tokens) on ``fast_path``, its replayed log-probs and the gradients of a
+    fixed weighting through the replay; asserts rows left the products at their end (``DROP_SHARE`` 0)."""
+    torch.manual_seed(0)
+    with linear_kernels("onednn"):
+        r, _ = generate(model, tok, rows, 4, Sampling(temperature=1.0, max_new_tokens=12), record=True,
+                        fast_path=fast_path)
+        logps = r.replay.logprobs(r.response_ids, r.response_mask, 1.0)
+        model.zero_grad()
+        weights = torch.linspace(-1, 1, r.response_ids.numel()).view(r.response_ids.shape) * r.response_mask
+        r.replay.backward(weights, r.response_ids, 1.0)
+    assert r.replay.dropped  # rows left the products at their end
+    return r.response_ids, logps, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
 @needs_onednn
 def test_buffers_in_maps_of_their_own_decode_and_record_the_same(monkeypatch):
     """The KV cache and the recording in anonymous maps (``memory.mapped_zeros``; the tiny model's buffers are
@@ -217,15 +233,7 @@ def test_buffers_in_maps_of_their_own_decode_and_record_the_same(monkeypatch):
     ids, logps, grads = {}, {}, {}
     for floor in (2**62, 0):  # from the heap, then every buffer mapped
         monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", floor)
-        torch.manual_seed(0)
-        with linear_kernels("onednn"):
-            r, _ = generate(model, tok, rows, 4, Sampling(temperature=1.0, max_new_tokens=12), record=True,
-                            fast_path=ONEDNN)
-            ids[floor], logps[floor] = r.response_ids, r.replay.logprobs(r.response_ids, r.response_mask, 1.0)
-            model.zero_grad()
-            weights = torch.linspace(-1, 1, r.response_ids.numel()).view(r.response_ids.shape) * r.response_mask
-            r.replay.backward(weights, r.response_ids, 1.0)
-        grads[floor] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        ids[floor], logps[floor], grads[floor] = _record_and_replay(model, tok, rows, ONEDNN)
     assert mapped  # the decoder asked for its buffers through mapped_zeros
     assert torch.equal(ids[0], ids[2**62])
     for got, expected in zip(logps[0], logps[2**62]):
@@ -308,17 +316,7 @@ def test_a_recording_in_kept_maps_that_hold_nan_decodes_records_and_replays_the_
     rows = [{"prompt": p} for p in PROMPTS]
     monkeypatch.setattr(decoder_module, "DROP_SHARE", 0.0)
 
-    def run(fast_path):
-        torch.manual_seed(0)
-        with linear_kernels("onednn"):
-            r, _ = generate(model, tok, rows, 4, Sampling(temperature=1.0, max_new_tokens=12), record=True,
-                            fast_path=fast_path)
-            logps = r.replay.logprobs(r.response_ids, r.response_mask, 1.0)
-            model.zero_grad()
-            weights = torch.linspace(-1, 1, r.response_ids.numel()).view(r.response_ids.shape) * r.response_mask
-            r.replay.backward(weights, r.response_ids, 1.0)
-        assert r.replay.dropped  # rows left the products at their end
-        return r.response_ids, logps, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    run = functools.partial(_record_and_replay, model, tok, rows)
 
     expected = run(FastPath("onednn", "system"))  # the tiny model's buffers from the heap, zeroed
     monkeypatch.setattr(cpu_memory, "MAPPED_MIN_BYTES", 0)  # now every buffer in a kept map
