@@ -24,6 +24,8 @@ from ``torch.profiler`` (top operators by self CPU time) on one extra step.
     .venv/bin/python benchmarks/step_roofline.py --init RUN/final --profile
     # A/B: the current tree against another checkout (e.g. `git worktree add /tmp/base dbb9b36`), alternating
     .venv/bin/python benchmarks/step_roofline.py --init RUN/final --baseline /tmp/base --rounds 2
+    # ... both workers alive, their steps alternating one by one (a host whose speed drifts over minutes)
+    .venv/bin/python benchmarks/step_roofline.py --init RUN/final --baseline /tmp/base --interleaved --steps 12
     # decoding's products in bf16 (train.cpu_decode_dtype; the shares stay those of the fp32 peak)
     .venv/bin/python benchmarks/step_roofline.py --init RUN/final --override train.cpu_decode_dtype=bfloat16
     # ... against fp32 on an earlier checkout, alternating (the setting for the current tree only)
@@ -204,7 +206,8 @@ def worker(args) -> dict:
         setup_s = time.perf_counter() - t0
         shape = model_shape(trainer.model)
         steps = []
-        for _ in range(args.steps):
+
+        def one_step() -> dict:
             t0, cpu0, use0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
             metrics = trainer.step()
             step_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
@@ -214,12 +217,21 @@ def worker(args) -> dict:
             batches.clear()  # a batch kept would keep its recording's maps in use, and the next step's in new ones
             print(f"step {len(steps) + 1}: {step_s:.1f} s", file=sys.stderr, flush=True)
             taken = probe.take()
-            steps.append({"step_s": step_s, "cpu_s": cpu_s, "sys_s": use.ru_stime - use0.ru_stime,
-                          "faults": use.ru_minflt - use0.ru_minflt, "time": {k[5:]: v for k, v in metrics.items() if k.startswith("time/")},
-                          "probe": taken, "counts": {k: v for k, v in counts.items() if k != "tool_positions"},
-                          "flops": phase_flops(shape, counts, taken["extra"]["decode_steps"],
-                                               taken["extra"]["update_backward"][0]), "reused": metrics.get("rollout_forward_reused"),
-                          "accuracy": metrics.get("accuracy")})
+            return {"step_s": step_s, "cpu_s": cpu_s, "sys_s": use.ru_stime - use0.ru_stime,
+                    "faults": use.ru_minflt - use0.ru_minflt, "time": {k[5:]: v for k, v in metrics.items() if k.startswith("time/")},
+                    "probe": taken, "counts": {k: v for k, v in counts.items() if k != "tool_positions"},
+                    "flops": phase_flops(shape, counts, taken["extra"]["decode_steps"],
+                                         taken["extra"]["update_backward"][0]), "reused": metrics.get("rollout_forward_reused"),
+                    "accuracy": metrics.get("accuracy")}
+
+        if args.interleaved:  # the driver says when: one step per line it writes, each step's record as a line back
+            print(json.dumps({"ready": setup_s}), flush=True)
+            for _ in sys.stdin:
+                steps.append(one_step())
+                print(json.dumps({"step": steps[-1]}), flush=True)
+        else:
+            for _ in range(args.steps):
+                steps.append(one_step())
         profile = profile_step(trainer) if args.profile else None
         trainer.close()
     scored = cfg.algorithm.beta > 0 or trainer.needs_old_logp  # the reference phase runs a forward
@@ -242,9 +254,9 @@ def profile_step(trainer, top: int = 15) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def run_worker(tree: Path, args, profile: bool, extra_overrides: list[str] = ()) -> dict:
-    """``worker`` in a subprocess with ``tree`` first on PYTHONPATH (the current checkout or a baseline), with
-    ``extra_overrides`` after the run's own."""
+def worker_command(tree: Path, args, profile: bool, extra_overrides: list[str] = ()) -> tuple[list[str], dict]:
+    """The command and environment of ``worker`` in a subprocess with ``tree`` first on PYTHONPATH (the current
+    checkout or a baseline), with ``extra_overrides`` after the run's own."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", str(args.config),
            "--prompts", str(args.prompts), "--group", str(args.group), "--steps", str(args.steps),
            "--threads", str(args.threads), "--seed", str(args.seed)]
@@ -253,7 +265,14 @@ def run_worker(tree: Path, args, profile: bool, extra_overrides: list[str] = ())
     if profile:
         cmd.append("--profile")
     cmd += [f"--override={o}" for o in (*args.overrides, *extra_overrides)]
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
+    if args.interleaved:
+        cmd.append("--interleaved")
+    return cmd, {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
+
+
+def run_worker(tree: Path, args, profile: bool, extra_overrides: list[str] = ()) -> dict:
+    """``worker`` in a subprocess (``worker_command``), its ``--steps`` steps one after the other."""
+    cmd, env = worker_command(tree, args, profile, extra_overrides)
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=tree)  # its log and progress: stderr
     if out.returncode != 0:
         raise SystemExit(f"worker in {tree} failed (rc {out.returncode}); its log is above")
@@ -315,6 +334,47 @@ def cpu_name() -> str:
     return cpuinfo().get("model name", "unknown")
 
 
+def pair_ratio_interval(ratios: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap 95% interval of the median of the pairs' ratios (pairs resampled with replacement)."""
+    import numpy as np
+
+    r = np.asarray(ratios)
+    medians = np.median(r[np.random.default_rng(seed).integers(0, len(r), (draws, len(r)))], axis=1)
+    return float(np.quantile(medians, 0.025)), float(np.quantile(medians, 0.975))
+
+
+def run_interleaved(arms: list[tuple[str, Path]], args) -> dict[str, list[dict]]:
+    """Both workers built and waiting, then step k of each in turn (which goes first alternates from pair to
+    pair), so that the two arms' k-th steps run seconds apart: this host's speed drifts by more over the minutes
+    between whole rounds than the differences measured."""
+    procs = {}
+    for name, tree in arms:
+        cmd, env = worker_command(tree, args, profile=False,
+                                  extra_overrides=args.current_overrides if name == "current" else ())
+        procs[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree)
+        ready = procs[name].stdout.readline()  # built one at a time: two models loading at once would share the cores
+        if not ready:
+            raise SystemExit(f"worker in {tree} failed before its first step (rc {procs[name].wait()}); its log is above")
+    for k in range(args.steps):
+        order, took = arms if k % 2 == 0 else arms[::-1], {}
+        for name, _ in order:
+            time.sleep(1.0)  # the other worker's OpenMP threads stop spinning before this one starts
+            procs[name].stdin.write("step\n")
+            procs[name].stdin.flush()
+            line = procs[name].stdout.readline()
+            if not line:
+                raise SystemExit(f"worker {name} failed at step {k + 1} (rc {procs[name].wait()}); its log is above")
+            took[name] = json.loads(line)["step"]["step_s"]
+        print(f"pair {k + 1}: " + ", ".join(f"{name} {s:.2f} s" for name, s in took.items()), flush=True)
+    results = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate("")  # stdin closed: the worker leaves its loop and prints its whole record
+        if proc.returncode != 0:
+            raise SystemExit(f"worker {name} failed at its end (rc {proc.returncode}); its log is above")
+        results[name] = [json.loads(out.strip().splitlines()[-1])]
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs" / "eng_grpo.yaml"))
@@ -329,6 +389,9 @@ def main() -> None:
                         help="a.b=value for the current tree's worker only (e.g. a setting the baseline does not have)")
     parser.add_argument("--baseline", type=Path, help="another checkout to alternate with (A/B), e.g. a git worktree")
     parser.add_argument("--rounds", type=int, default=2, help="baseline, current alternations (with --baseline)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="with --baseline: both workers alive, their steps alternating one by one (--steps pairs) "
+                             "instead of whole rounds")
     parser.add_argument("--profile", action="store_true", help="one extra profiled step (the current tree only)")
     parser.add_argument("--out", type=Path, help="also write the JSON results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -341,7 +404,11 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; fp32 matmul peak {peaks[0]:.0f} GFLOP/s", flush=True)
     arms = ([("baseline", args.baseline)] if args.baseline else []) + [("current", REPO)]
     results: dict[str, list[dict]] = {name: [] for name, _ in arms}
-    for r in range(args.rounds if args.baseline else 1):
+    if args.interleaved and not args.baseline:
+        raise SystemExit("--interleaved alternates with a baseline: give --baseline too")
+    if args.interleaved:
+        results = run_interleaved(arms, args)
+    for r in range(0 if args.interleaved else args.rounds if args.baseline else 1):
         for name, tree in arms:
             out = run_worker(tree, args, profile=args.profile and name == "current" and r == 0,
                              extra_overrides=args.current_overrides if name == "current" else ())
@@ -369,6 +436,11 @@ def main() -> None:
         cur = [s["step_s"] for o in results["current"] for s in o["steps"]]
         print(f"step s, baseline: {', '.join(f'{x:.2f}' for x in base)}; current: {', '.join(f'{x:.2f}' for x in cur)}")
         print(f"median ratio baseline / current: {statistics.median(base) / statistics.median(cur):.2f}x")
+        if args.interleaved:  # step k of each arm ran seconds apart: the pairs' ratios, and how far they move
+            ratios = sorted(b / c for b, c in zip(base, cur))
+            low, high = pair_ratio_interval(ratios)
+            print(f"per pair baseline / current: median {statistics.median(ratios):.3f}x (bootstrap 95% CI of the "
+                  f"median over pairs {low:.3f}-{high:.3f}); current faster in {sum(r > 1 for r in ratios)} of {len(ratios)} pairs")
         base = [s["cpu_s"] for o in results["baseline"] for s in o["steps"]]
         cur = [s["cpu_s"] for o in results["current"] for s in o["steps"]]
         print(f"step CPU s (the worker process's user + system time), baseline: {', '.join(f'{x:.2f}' for x in base)}; "
