@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cohortrl.cpu import kernels
-from cohortrl.cpu.memory import RecordingMaps, mapped_zeros
+from cohortrl.cpu.memory import RecordingMaps, mapped_zeros, release_tail
 
 log = logging.getLogger("cohortrl")
 
@@ -450,8 +450,8 @@ class LlamaDecoder:
         for row in rows[~keep].tolist():
             self.dropped[row] = self.s
         self.rows = rows[keep]
-        self.k = [_kept_rows(k, keep, self.col) for k in self.k]
-        self.v = [_kept_rows(v, keep, self.col) for v in self.v]
+        self.k = [_compact_rows(k, keep, self.col) for k in self.k]
+        self.v = [_compact_rows(v, keep, self.col) for v in self.v]
         Hkv = self.Hkv
         self.key_bias_groups = self.key_bias_groups.view(len(rows), Hkv, 1, -1)[keep].flatten(0, 1)
 
@@ -518,12 +518,25 @@ class LlamaDecoder:
         self._z = None
 
 
-def _kept_rows(cache: torch.Tensor, keep: torch.Tensor, written: int) -> torch.Tensor:
-    """``cache[keep]`` (rows of a KV cache, (B, Hkv, T, D)) in a map of its own like the cache it replaces,
-    copying only the ``written`` columns: reading or writing the columns still to come would make their pages
-    resident for the whole budget."""
-    kept = mapped_zeros((int(keep.sum()), *cache.shape[1:]), cache.dtype)
-    kept[:, :, :written] = cache[keep, :, :written]
+def _compact_rows(cache: torch.Tensor, keep: torch.Tensor, written: int) -> torch.Tensor:
+    """``cache[keep]`` (rows of a KV cache, (B, Hkv, T, D)) moved to the front of the cache's own memory, as a
+    view of its first rows; the pages past them go back to the OS (``memory.release_tail``). Only the ``written``
+    columns are copied: reading or writing the columns still to come would make their pages resident for the
+    whole budget. In place, not into a new map: a new one is faulted in page by page again (about 0.5 million
+    pages a step on the demo's rollouts)."""
+    rows = keep.nonzero().flatten().tolist()
+    start = 0  # a run of consecutive kept rows moves by one shift: copied in blocks of at most that many rows,
+    while start < len(rows):  # so that no block overlaps its destination (each lands where the last was read)
+        end = start + 1
+        while end < len(rows) and rows[end] == rows[end - 1] + 1:
+            end += 1
+        shift = rows[start] - start  # kept rows start..end-1 are rows[start] + 0, 1, ...
+        for a in range(start, end, shift) if shift else ():
+            b = min(a + shift, end)
+            cache[a:b, :, :written] = cache[a + shift : b + shift, :, :written]
+        start = end
+    kept = cache[: len(rows)]
+    release_tail(cache, (cache.storage_offset() + len(rows) * cache.stride(0)) * cache.element_size())
     return kept
 
 

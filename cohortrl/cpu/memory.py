@@ -41,6 +41,7 @@ import math
 import mmap
 import platform
 import sys
+import weakref
 
 log = logging.getLogger("cohortrl")
 
@@ -55,6 +56,8 @@ MAPPED_MIN_BYTES = 2**20
 GLIBC_DEFAULTS = ((M_MMAP_THRESHOLD, 128 * 1024), (M_TRIM_THRESHOLD, 128 * 1024), (M_MMAP_MAX, 65536))
 
 _holders = 0  # runs of this process that retain freed memory now
+# mapped_zeros's maps by their address (a tensor's storage's data pointer), while a tensor keeps them alive
+_maps: "weakref.WeakValueDictionary[int, mmap.mmap]" = weakref.WeakValueDictionary()
 
 
 def _glibc():
@@ -158,7 +161,24 @@ def mapped_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
     # unmapped when the storage is freed
     # MAP_PRIVATE: a page never written is read as the kernel's shared zero page, not allocated (mmap's default,
     # MAP_SHARED, allocates a page at its first read), and a forked child copies rather than shares
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel).view(shape)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    tensor = torch.frombuffer(buffer, dtype=dtype, count=numel)
+    _maps[tensor.data_ptr()] = buffer
+    return tensor.view(shape)
+
+
+def release_tail(tensor, offset: int) -> None:
+    """Give the pages of ``tensor``'s map (one of :func:`mapped_zeros`) from byte ``offset`` of its storage on,
+    rounded up to a page, back to the OS: for a buffer whose tail will not be read again (the KV cache's rows
+    that left the products). Nothing for a tensor not in such a map (a small one from the heap), or where
+    ``madvise`` is missing."""
+    storage = tensor.untyped_storage()
+    buffer = _maps.get(storage.data_ptr())
+    if buffer is None or not hasattr(buffer, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    if start < len(buffer):
+        buffer.madvise(mmap.MADV_DONTNEED, start, len(buffer) - start)
 
 
 class RecordingMaps:

@@ -241,19 +241,21 @@ def test_buffers_in_maps_of_their_own_decode_and_record_the_same(monkeypatch):
     assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[2**62])
 
 
-def test_a_dropped_rows_cache_copies_only_the_columns_written():
-    """``_kept_rows``: the kept rows' written columns, and nothing read or written beyond them (columns still
-    to come would otherwise become resident for the whole budget): here unwritten columns hold NaN in the
-    source and stay zero in the copy."""
-    from cohortrl.cpu.decoder import _kept_rows
+@pytest.mark.parametrize("keep", [[1, 0, 1, 1], [0, 1, 1, 1, 1, 1, 0, 1], [0, 0, 0, 0, 1, 1, 1, 1], [1, 1, 0, 1]])
+def test_a_dropped_rows_cache_is_compacted_in_place_over_the_columns_written(keep):
+    """``_compact_rows``: the kept rows' written columns at the front of the same memory (runs of kept rows whose
+    shift is smaller than the run, larger, or zero), and nothing read or written beyond them (columns still to
+    come would otherwise become resident for the whole budget): unwritten columns hold NaN and stay NaN."""
+    from cohortrl.cpu.decoder import _compact_rows
 
-    cache = torch.full((4, 2, 10, 3), float("nan"))
-    cache[:, :, :6] = torch.arange(4 * 2 * 6 * 3, dtype=torch.float32).view(4, 2, 6, 3)
-    keep = torch.tensor([True, False, True, True])
-    kept = _kept_rows(cache, keep, written=6)
-    assert kept.shape == (3, 2, 10, 3)
-    assert torch.equal(kept[:, :, :6], cache[keep, :, :6])
-    assert not kept[:, :, 6:].any()
+    keep = torch.tensor(keep, dtype=torch.bool)
+    cache = torch.full((len(keep), 2, 10, 3), float("nan"))
+    cache[:, :, :6] = torch.arange(len(keep) * 2 * 6 * 3, dtype=torch.float32).view(len(keep), 2, 6, 3)
+    expected = cache[keep].clone()
+    kept = _compact_rows(cache, keep, written=6)
+    assert kept.shape == (int(keep.sum()), 2, 10, 3) and kept.data_ptr() == cache.data_ptr()
+    assert torch.equal(kept[:, :, :6], expected[:, :, :6])
+    assert kept[:, :, 6:].isnan().all()
 
 
 class _NewerLoraLinear(torch.nn.Module):

@@ -194,6 +194,26 @@ def test_a_mapped_buffer_is_resident_only_where_written_and_returned_when_freed(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
+def test_a_mapped_buffers_tail_goes_back_to_the_os():
+    """``release_tail`` (the KV cache once rows left the products): the pages from the page the offset falls in
+    onwards leave resident memory and read as zeros; what comes before keeps its values. A tensor from the heap
+    (under ``MAPPED_MIN_BYTES``) is left alone."""
+    import torch
+
+    buffer = cpu_memory.mapped_zeros((32, 1024, 1024), torch.float32)  # 128 MiB
+    buffer.fill_(1.0)
+    before = _rss_mib()
+    cpu_memory.release_tail(buffer[:8], 8 * 1024 * 1024 * 4 + 1)  # a view's storage is the map; 32 MiB + 1 byte on
+    assert 90 < before - _rss_mib() < 100  # 96 MiB less one page
+    flat = buffer.view(-1)
+    boundary = 8 * 1024 * 1024 + 4096 // 4  # the first float of the first page released
+    assert flat[:boundary].eq(1).all() and not flat[boundary:].any()
+    small = cpu_memory.mapped_zeros((4, 4), torch.float32).fill_(2.0)
+    cpu_memory.release_tail(small, 0)
+    assert small.eq(2).all()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
 def test_kept_recording_maps_keep_only_what_every_row_wrote():
     """``RecordingMaps``: a lent buffer is all zeros, even in a map an earlier call filled; the part marked as
     written by every row stays resident for the next call (the same map, no new pages), and what was written past
