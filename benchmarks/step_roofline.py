@@ -234,7 +234,9 @@ def worker(args) -> dict:
                 steps.append(one_step())
         profile = profile_step(trainer) if args.profile else None
         trainer.close()
-    scored = cfg.algorithm.beta > 0 or trainer.needs_old_logp  # the reference phase runs a forward
+    # the reference phase runs a forward (an older tree, e.g. dbb9b36, asks a method with an underscore)
+    old_logp = getattr(trainer, "needs_old_logp", None)
+    scored = cfg.algorithm.beta > 0 or (old_logp if old_logp is not None else trainer._needs_old_logp())
     return {"tree": os.environ.get("PYTHONPATH", str(REPO)), "setup_s": setup_s, "shape": shape, "steps": steps,
             "scored": scored,
             "profile": profile}
