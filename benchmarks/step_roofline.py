@@ -401,13 +401,13 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
+    if args.interleaved and not args.baseline:
+        raise SystemExit("--interleaved alternates with a baseline: give --baseline too")
 
     peaks = [matmul_peak(args.threads)]
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; fp32 matmul peak {peaks[0]:.0f} GFLOP/s", flush=True)
     arms = ([("baseline", args.baseline)] if args.baseline else []) + [("current", REPO)]
     results: dict[str, list[dict]] = {name: [] for name, _ in arms}
-    if args.interleaved and not args.baseline:
-        raise SystemExit("--interleaved alternates with a baseline: give --baseline too")
     if args.interleaved:
         results = run_interleaved(arms, args)
     for r in range(0 if args.interleaved else args.rounds if args.baseline else 1):
@@ -439,7 +439,7 @@ def main() -> None:
         print(f"step s, baseline: {', '.join(f'{x:.2f}' for x in base)}; current: {', '.join(f'{x:.2f}' for x in cur)}")
         print(f"median ratio baseline / current: {statistics.median(base) / statistics.median(cur):.2f}x")
         if args.interleaved:  # step k of each arm ran seconds apart: the pairs' ratios, and how far they move
-            ratios = sorted(b / c for b, c in zip(base, cur))
+            ratios = [b / c for b, c in zip(base, cur)]
             low, high = pair_ratio_interval(ratios)
             print(f"per pair baseline / current: median {statistics.median(ratios):.3f}x (bootstrap 95% CI of the "
                   f"median over pairs {low:.3f}-{high:.3f}); current faster in {sum(r > 1 for r in ratios)} of {len(ratios)} pairs")

@@ -176,9 +176,16 @@ def release_tail(tensor, offset: int) -> None:
     buffer = _maps.get(storage.data_ptr())
     if buffer is None or not hasattr(buffer, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    _give_back(buffer, offset)
+
+
+def _give_back(buffer: mmap.mmap, offset: int) -> int:
+    """``MADV_DONTNEED`` on ``buffer`` from ``offset`` rounded up to a page to its end (the page ``offset`` falls
+    in is kept), read as zeros from then on; returns that page-aligned start (at most the map's length)."""
+    start = min(-(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, len(buffer))
     if start < len(buffer):
         buffer.madvise(mmap.MADV_DONTNEED, start, len(buffer) - start)
+    return start
 
 
 class RecordingMaps:
@@ -273,9 +280,7 @@ class _KeptMap:
             return
         import torch
 
-        start = min(-(-self.reusable // mmap.PAGESIZE) * mmap.PAGESIZE, len(self.map))  # the page the mark ends in
-        if start < len(self.map):
-            self.map.madvise(mmap.MADV_DONTNEED, start, len(self.map) - start)
+        start = _give_back(self.map, self.reusable)  # kept: up to the end of the page the mark ends in
         if start:
             torch.frombuffer(self.map, dtype=torch.uint8, count=start).zero_()
         self.dirty = False
